@@ -1,0 +1,188 @@
+"""The supervision contract: tensor names, kinds, layer-id rules and target info.
+
+Every engine (hf, vllm, sglang) emits exactly these tensors, so the client and
+the trainer never need to know which engine answered. See DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+class Kind(str, enum.Enum):
+    """What a request asks for; the value is the wire spelling."""
+
+    EAGLE3 = "eagle3"
+    # Compact EAGLE-3: aux + final hidden state + full-vocab argmax; the client
+    # rebuilds target_probs/position_mask from a cached draft-vocab lm_head slice.
+    EAGLE3_COMPACT = "eagle3_compact"
+    DSPARK = "dspark"
+
+    @classmethod
+    def parse(cls, value: "str | Kind") -> "Kind":
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(k.value for k in cls)
+            raise ValueError(f"unknown kind {value!r}; expected one of: {names}") from None
+
+
+# Request tensors, each [B, S], right-padded.
+REQUEST_TENSORS = ("input_ids", "attention_mask", "loss_mask")
+
+# Response tensor names per kind, in the order engines emit them.
+RESPONSE_TENSORS: dict[Kind, tuple[str, ...]] = {
+    Kind.EAGLE3: ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"),
+    Kind.EAGLE3_COMPACT: ("aux_hidden_states", "last_hidden_states", "argmax_ids", "input_ids", "loss_mask"),
+    Kind.DSPARK: ("target_hidden_states", "target_last_hidden_states", "input_ids", "loss_mask"),
+}
+
+# Vocab-mapping tensors as they travel.
+VOCAB_TENSORS = ("selected_token_ids", "selected_token_mask")
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 default capture layers: ``[1, N//2 - 1, N - 4]``."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def default_dspark_layer_ids(num_layers: int, k: int | None = None) -> list[int]:
+    """DSpark default: ``k`` ids spread evenly, ``round(1 + i*(N-2)/(k-1))``.
+
+    ``k`` defaults to 5, or ``N - 1`` for targets too shallow for 5 distinct ids.
+    """
+    if k is None:
+        k = min(5, num_layers - 1)
+    if k < 2 or num_layers < 3:
+        raise ValueError(f"DSpark needs k >= 2 layers of a target with >= 3 layers, got k={k}, N={num_layers}")
+    return validate_dspark_layer_ids([int(round(1 + i * (num_layers - 2) / (k - 1))) for i in range(k)], num_layers)
+
+
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Check EAGLE-3 aux layer ids: exactly 3, distinct, each in ``[0, N)``."""
+    ids = [int(i) for i in ids]
+    if len(ids) != 3:
+        raise ValueError(f"EAGLE-3 needs exactly 3 aux layer ids, got {len(ids)}: {ids}")
+    if len(set(ids)) != 3:
+        raise ValueError(f"EAGLE-3 aux layer ids must be distinct, got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} out of range [0, {num_layers}) for a {num_layers}-layer target")
+    return ids
+
+
+def validate_dspark_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Check DSpark layer ids: strictly increasing, each in ``[-1, N)`` (-1 = embeddings)."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("DSpark needs at least one target layer id")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"DSpark layer ids must be strictly increasing, got {ids}")
+    bad = [i for i in ids if not -1 <= i < num_layers]
+    if bad:
+        raise ValueError(f"DSpark layer ids {bad} out of range [-1, {num_layers}) for a {num_layers}-layer target")
+    return ids
+
+
+def validate_request(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    vocab_size: int,
+) -> None:
+    """Raise ``ValueError`` unless the three request tensors form a valid batch."""
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be [batch, seq], got shape {tuple(t.shape)}")
+        if t.dtype not in INTEGER_DTYPES:
+            raise ValueError(f"{name} must be an integer or bool tensor, got {t.dtype}")
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"request tensors must share one [batch, seq] shape, got {shapes}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"empty request: shape {tuple(input_ids.shape)}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo} max {hi}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetInfo:
+    """What a worker serves; checked by the client at setup."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    dspark_layer_ids: tuple[int, ...]
+    model_name: str
+    dtype: str
+    engine: str
+    fingerprint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        d["dspark_layer_ids"] = list(self.dspark_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TargetInfo":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = fields - set(d)
+        if missing:
+            raise ValueError(f"target info lacks fields {sorted(missing)}")
+        kw = {k: d[k] for k in fields}
+        kw["aux_layer_ids"] = tuple(int(i) for i in kw["aux_layer_ids"])
+        kw["dspark_layer_ids"] = tuple(int(i) for i in kw["dspark_layer_ids"])
+        return cls(**kw)
+
+    def mismatches(self, other: "TargetInfo | Mapping[str, Any]", *, ignore: Sequence[str] = ()) -> dict[str, tuple]:
+        """Fields whose values differ, as ``{field: (ours, theirs)}``.
+
+        ``other`` may be a partial mapping: only the fields it names are compared.
+        """
+        theirs = other.to_dict() if isinstance(other, TargetInfo) else dict(other)
+        ours = self.to_dict()
+        out = {}
+        for k, v in theirs.items():
+            if k in ignore:
+                continue
+            if k not in ours:
+                raise ValueError(f"unknown target info field {k!r}")
+            a = list(v) if isinstance(v, (tuple, list)) else v
+            if ours[k] != a:
+                out[k] = (ours[k], a)
+        return out
+
+
+def validate_vocab_mapping(
+    selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor, vocab_size: int | None = None
+) -> None:
+    """Raise ``ValueError`` unless (ids, mask) is a consistent draft-vocab mapping.
+
+    ``selected_token_ids``: int64 ``[Vd]``, distinct target ids in ``[0, V)``;
+    ``selected_token_mask``: bool ``[V]``, True exactly at those ids.
+    """
+    ids, mask = selected_token_ids, selected_token_mask
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError("selected_token_ids must be a non-empty 1-D int64 tensor")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise ValueError("selected_token_mask must be a 1-D bool tensor")
+    if vocab_size is not None and mask.numel() != vocab_size:
+        raise ValueError(f"selected_token_mask has {mask.numel()} entries, the target vocab has {vocab_size}")
+    if int(ids.min()) < 0 or int(ids.max()) >= mask.numel():
+        raise ValueError(f"selected_token_ids must lie in [0, {mask.numel()})")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("selected_token_ids must be distinct")
+    if int(mask.sum()) != ids.numel() or not bool(mask[ids].all()):
+        raise ValueError("selected_token_mask must be True exactly at selected_token_ids")
