@@ -1,0 +1,561 @@
+"""The broker: a Majordomo-style ROUTER/ROUTER load balancer for supervision.
+
+Clients talk to the frontend, workers to the backend. The broker queues
+requests per service and per client, dispatches them fairly (round-robin over
+clients) to the least-loaded worker, keeps an in-flight table and re-dispatches
+a dead worker's requests. Bulk reply bytes go from worker to client directly;
+the broker only sees a small DONE. Method names follow the Majordomo spec:
+``process_client``, ``process_worker``, ``dispatch``, ``purge``, ``heartbeat``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from spec_serve import wire
+from spec_serve.contract import validate_vocab_mapping
+from spec_serve.logs import event
+from spec_serve.metrics import BrokerMetrics
+from spec_serve.protocol import (
+    CLIENT_TAG,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_LIVENESS,
+    UNKNOWN_SERVICE_GRACE,
+    WORKER_TAG,
+    ClientCommand,
+    ErrorCode,
+    Message,
+    ProtocolError,
+    WorkerCommand,
+    control,
+    parse_control,
+)
+from spec_serve.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, bound_endpoint, make_socket
+
+log = logging.getLogger("spec_serve.broker")
+
+# Requests one client may have queued or in flight at the broker; beyond this
+# it is told to back off. Bounds broker memory whatever clients do.
+MAX_REQUESTS_PER_CLIENT = 256
+# Draft-vocab mappings kept per service; the oldest unreferenced go first.
+MAX_MAPPINGS_PER_SERVICE = 16
+# Messages drained from one socket before looking at the other (fairness).
+DRAIN_BATCH = 64
+
+
+@dataclasses.dataclass
+class WorkerState:
+    identity: bytes
+    service: str
+    info: dict[str, Any]
+    capacity: int
+    expiry: float
+    registered_at: float
+    inflight: set = dataclasses.field(default_factory=set)
+    mappings: set = dataclasses.field(default_factory=set)
+    bound_to: bytes | None = None
+    bind_address: str | None = None
+    idle_since: float = 0.0
+    completed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.identity.hex()[:12]
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.inflight)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: bytes
+    client: bytes
+    service: str
+    header: dict[str, Any]
+    payload: list
+    deadline: float
+    enqueued_at: float
+    worker: bytes | None = None
+    dispatches: int = 0
+
+
+@dataclasses.dataclass
+class ClientState:
+    identity: bytes
+    expiry: float
+    requests: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class ServiceState:
+    name: str
+    created_at: float
+    workers: list = dataclasses.field(default_factory=list)
+    # client identity -> queued request ids; rotated for fairness.
+    queues: "collections.OrderedDict[bytes, collections.deque]" = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    # digest -> (payload frames as bytes, client identities using it)
+    mappings: "collections.OrderedDict[str, tuple[list, set]]" = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    vocab_size: int | None = None
+    ever_had_workers: bool = False
+
+    def queue_depth(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+
+class Broker:
+    """Owns the two ROUTER sockets and all routing state; single-threaded loop."""
+
+    def __init__(
+        self,
+        frontend: str = "tcp://*:5555",
+        backend: str = "tcp://*:5556",
+        *,
+        security: Security | None = None,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        liveness: int = HEARTBEAT_LIVENESS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        context: zmq.Context | None = None,
+    ):
+        self.ctx = context or zmq.Context.instance()
+        self.instance_id = uuid.uuid4().hex
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness = liveness
+        self.max_message_bytes = max_message_bytes
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=frontend, security=security, curve_server=True)
+        self.backend = make_socket(self.ctx, zmq.ROUTER, bind=backend, security=security, curve_server=True)
+        # A reconnecting peer keeps its identity and takes over its old route.
+        for sock in (self.frontend, self.backend):
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.frontend_endpoint = bound_endpoint(self.frontend)
+        self.backend_endpoint = bound_endpoint(self.backend)
+        self.workers: dict[bytes, WorkerState] = {}
+        self.services: dict[str, ServiceState] = {}
+        self.clients: dict[bytes, ClientState] = {}
+        self.requests: dict[bytes, Request] = {}
+        self.metrics = BrokerMetrics()
+        self.started_at = time.time()
+        self._snapshot: dict[str, Any] = {}
+        self._snapshot_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        """Serve until ``stop()``; never raises on a peer's bad message."""
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        next_tick = time.monotonic()
+        tick = min(self.heartbeat_interval, 0.25)
+        event(log, logging.INFO, "broker.start", frontend=self.frontend_endpoint, backend=self.backend_endpoint)
+        self.update_snapshot()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(tick * 1000))
+                if self.backend in events:
+                    self._drain(self.backend, self.process_worker)
+                if self.frontend in events:
+                    self._drain(self.frontend, self.process_client)
+                now = time.monotonic()
+                if now >= next_tick:
+                    self.purge(now)
+                    self.heartbeat(now)
+                    self.update_snapshot()
+                    next_tick = now + self.heartbeat_interval
+        finally:
+            self.frontend.close(0)
+            self.backend.close(0)
+            event(log, logging.INFO, "broker.stop")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity, body = frames[0].bytes, frames[1:]
+            try:
+                handler(identity, body)
+            except ProtocolError as e:
+                self.metrics.bad_messages.inc()
+                event(log, logging.WARNING, "broker.bad_message", peer=identity.hex()[:12], error=e)
+                if sock is self.frontend:
+                    self.send_error(identity, b"", ErrorCode.BAD_REQUEST, str(e))
+            except Exception as e:  # a bug must not take the broker down
+                self.metrics.bad_messages.inc()
+                log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
+
+    # --------------------------------------------------------------- clients
+
+    def process_client(self, identity: bytes, frames: list) -> None:
+        msg = parse_control(frames, CLIENT_TAG, ClientCommand)
+        now = time.monotonic()
+        client = self.clients.get(identity)
+        if client is None:
+            client = self.clients[identity] = ClientState(identity, now)
+            self.metrics.clients.set(len(self.clients))
+        client.expiry = now + self.heartbeat_interval * self.liveness
+        command = ClientCommand(msg.command)
+        if command is ClientCommand.REQUEST:
+            self.enqueue(client, msg, now)
+        elif command is ClientCommand.SET_VOCAB:
+            self.register_mapping(client, msg)
+        elif command is ClientCommand.STATUS:
+            self._send(self.frontend, identity, control(
+                CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id, self.status()))
+        elif command is ClientCommand.DISCONNECT:
+            self.delete_client(identity)
+        elif command is ClientCommand.HEARTBEAT:
+            pass
+        else:
+            raise ProtocolError(f"clients may not send {command.name}")
+
+    def enqueue(self, client: ClientState, msg: Message, now: float) -> None:
+        if not msg.request_id:
+            raise ProtocolError("REQUEST without a request id")
+        existing = self.requests.get(msg.request_id)
+        if existing is not None:
+            # A retry of a request we still hold: keep one copy, route errors
+            # to the sender's current connection, and extend its deadline.
+            existing.client = client.identity
+            existing.deadline = max(existing.deadline, now + float(msg.header.get("timeout", 120)))
+            self.metrics.duplicate_requests.inc()
+            return
+        if len(client.requests) >= MAX_REQUESTS_PER_CLIENT:
+            self.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
+                            f"more than {MAX_REQUESTS_PER_CLIENT} requests outstanding for this client")
+            return
+        if not isinstance(msg.header.get("reply_to"), str):
+            raise ProtocolError("REQUEST header lacks reply_to")
+        size = sum(len(memoryview(f)) for f in msg.payload)
+        if size > self.max_message_bytes:
+            self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
+                            f"request of {size} bytes exceeds the limit of {self.max_message_bytes}")
+            return
+        vocab = msg.header.get("vocab")
+        service = self.services.get(msg.service)
+        if vocab is not None and (service is None or vocab not in service.mappings):
+            self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
+                            f"unknown vocab mapping {vocab!r}: call set_vocab_mapping first", unknown_vocab=True)
+            return
+        timeout = float(msg.header.get("timeout", 120))
+        request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now)
+        self.requests[msg.request_id] = request
+        client.requests.add(msg.request_id)
+        service = self.service(msg.service, now)
+        service.queues.setdefault(client.identity, collections.deque()).append(msg.request_id)
+        self.metrics.requests.labels(service=msg.service).inc()
+        self.dispatch(service)
+
+    def register_mapping(self, client: ClientState, msg: Message) -> None:
+        try:
+            tensors = wire.decode(msg.payload, max_bytes=self.max_message_bytes)
+            ids, mask = tensors["selected_token_ids"], tensors["selected_token_mask"]
+            service = self.services.get(msg.service)
+            validate_vocab_mapping(ids, mask, service.vocab_size if service else None)
+        except (wire.WireError, KeyError, ValueError) as e:
+            self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST, f"bad vocab mapping: {e}")
+            return
+        digest = mapping_digest(ids, mask)
+        service = self.service(msg.service, time.monotonic())
+        if digest not in service.mappings:
+            service.mappings[digest] = ([bytes(memoryview(f)) for f in msg.payload], set())
+            self._trim_mappings(service)
+        service.mappings[digest][1].add(client.identity)
+        service.mappings.move_to_end(digest)
+        self._send(self.frontend, client.identity, control(
+            CLIENT_TAG, ClientCommand.VOCAB_OK.value, msg.service, msg.request_id, {"digest": digest}))
+
+    def _trim_mappings(self, service: ServiceState) -> None:
+        for digest in list(service.mappings):
+            if len(service.mappings) <= MAX_MAPPINGS_PER_SERVICE:
+                return
+            if not service.mappings[digest][1]:
+                del service.mappings[digest]
+
+    def delete_client(self, identity: bytes) -> None:
+        """Forget a client: drop what it queued; what runs finishes and is discarded."""
+        client = self.clients.pop(identity, None)
+        if client is None:
+            return
+        for request_id in client.requests:
+            request = self.requests.get(request_id)
+            if request is not None and request.worker is None:
+                del self.requests[request_id]
+        for service in self.services.values():
+            service.queues.pop(identity, None)
+            for _, users in service.mappings.values():
+                users.discard(identity)
+        self.metrics.clients.set(len(self.clients))
+        event(log, logging.INFO, "broker.client_gone", client=identity.hex()[:12])
+
+    def send_error(self, client: bytes, request_id: bytes, code: ErrorCode, message: str, **extra) -> None:
+        self.metrics.errors.labels(code=code.value).inc()
+        self._send(self.frontend, client, control(
+            CLIENT_TAG, ClientCommand.ERROR.value, "", request_id, {"code": code.value, "error": message, **extra}))
+
+    # --------------------------------------------------------------- workers
+
+    def process_worker(self, identity: bytes, frames: list) -> None:
+        msg = parse_control(frames, WORKER_TAG, WorkerCommand)
+        now = time.monotonic()
+        command = WorkerCommand(msg.command)
+        worker = self.workers.get(identity)
+        if command is WorkerCommand.READY:
+            if worker is not None:
+                self.delete_worker(worker, now)
+            self.register_worker(identity, msg, now)
+            return
+        if worker is None:
+            # Not registered (e.g. we restarted): ask it to register again.
+            self._send(self.backend, identity, control(WORKER_TAG, WorkerCommand.DISCONNECT.value))
+            return
+        worker.expiry = now + self.heartbeat_interval * self.liveness
+        if command is WorkerCommand.DONE:
+            self.complete(worker, msg, now)
+        elif command is WorkerCommand.HEARTBEAT:
+            pass
+        else:
+            raise ProtocolError(f"workers may not send {command.name}")
+
+    def register_worker(self, identity: bytes, msg: Message, now: float) -> None:
+        info = msg.header.get("target_info")
+        capacity = msg.header.get("capacity", 1)
+        if not isinstance(info, dict) or not isinstance(capacity, int) or capacity < 1:
+            raise ProtocolError("READY needs target_info and a positive capacity")
+        worker = WorkerState(identity, msg.service, info, capacity, now + self.heartbeat_interval * self.liveness,
+                             time.time(), idle_since=now)
+        self.workers[identity] = worker
+        service = self.service(msg.service, now)
+        service.workers.append(identity)
+        service.ever_had_workers = True
+        if service.vocab_size is None and isinstance(info.get("vocab_size"), int):
+            service.vocab_size = info["vocab_size"]
+        self.metrics.workers.labels(service=msg.service).set(len(service.workers))
+        event(log, logging.INFO, "broker.worker_ready", worker=worker.name, service=msg.service,
+              engine=info.get("engine"), capacity=capacity)
+        self.update_snapshot()
+        self.dispatch(service)
+
+    def delete_worker(self, worker: WorkerState, now: float, reason: str = "re-registered") -> None:
+        """Remove a worker; its in-flight requests go back to the front of their queues."""
+        self.workers.pop(worker.identity, None)
+        service = self.services[worker.service]
+        if worker.identity in service.workers:
+            service.workers.remove(worker.identity)
+        for request_id in worker.inflight:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.worker = None
+            if request.client in self.clients:
+                service.queues.setdefault(request.client, collections.deque()).appendleft(request_id)
+                self.metrics.redispatched.inc()
+            else:
+                del self.requests[request_id]
+        worker.inflight.clear()
+        self.metrics.workers.labels(service=worker.service).set(len(service.workers))
+        event(log, logging.WARNING, "broker.worker_gone", worker=worker.name, service=worker.service, reason=reason)
+        self.update_snapshot()
+        self.dispatch(service)
+
+    def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
+        worker.inflight.discard(msg.request_id)
+        worker.idle_since = now
+        request = self.requests.get(msg.request_id)
+        if request is not None and request.worker == worker.identity:
+            del self.requests[msg.request_id]
+            client = self.clients.get(request.client)
+            if client is not None:
+                client.requests.discard(msg.request_id)
+            status = str(msg.header.get("status", "ok"))
+            self.metrics.completed.labels(service=worker.service, status=status).inc()
+            if status == "ok":
+                worker.completed += 1
+                self.metrics.tokens.labels(service=worker.service).inc(int(msg.header.get("tokens", 0)))
+                self.metrics.reply_bytes.labels(service=worker.service).inc(int(msg.header.get("bytes", 0)))
+                self.metrics.latency.labels(service=worker.service).observe(now - request.enqueued_at)
+        self.dispatch(self.services[worker.service])
+
+    # -------------------------------------------------------------- dispatch
+
+    def service(self, name: str, now: float) -> ServiceState:
+        service = self.services.get(name)
+        if service is None:
+            service = self.services[name] = ServiceState(name, now)
+        return service
+
+    def dispatch(self, service: ServiceState) -> None:
+        """Hand queued requests to free workers: round-robin over clients,
+        least-loaded worker first (ties go to the longest idle)."""
+        while service.queues:
+            candidates = [self.workers[w] for w in service.workers
+                          if self.workers[w].free > 0 and self.workers[w].bound_to is None]
+            if not candidates:
+                return
+            worker = min(candidates, key=lambda w: (len(w.inflight) / w.capacity, w.idle_since))
+            client_id, queue = next(iter(service.queues.items()))
+            request_id = queue.popleft()
+            if queue:
+                service.queues.move_to_end(client_id)
+            else:
+                del service.queues[client_id]
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self.send_request(service, worker, request)
+
+    def send_request(self, service: ServiceState, worker: WorkerState, request: Request) -> None:
+        vocab = request.header.get("vocab")
+        if vocab is not None and vocab not in worker.mappings:
+            mapping = service.mappings.get(vocab)
+            if mapping is None:
+                self._forget_request(request)
+                self.send_error(request.client, request.request_id, ErrorCode.BAD_REQUEST,
+                                f"vocab mapping {vocab!r} is no longer registered", unknown_vocab=True)
+                return
+            # Sent on the same pipe just before the request, so it arrives first.
+            self._send(self.backend, worker.identity, control(
+                WORKER_TAG, WorkerCommand.SET_VOCAB.value, service.name, b"", {"digest": vocab}, mapping[0]))
+            worker.mappings.add(vocab)
+        header = dict(request.header, client=request.client.hex())
+        frames = control(WORKER_TAG, WorkerCommand.REQUEST.value, service.name, request.request_id, header,
+                         request.payload)
+        if not self._send(self.backend, worker.identity, frames):
+            service.queues.setdefault(request.client, collections.deque()).appendleft(request.request_id)
+            self.delete_worker(worker, time.monotonic(), reason="unreachable")
+            return
+        request.worker = worker.identity
+        request.dispatches += 1
+        worker.inflight.add(request.request_id)
+
+    def _forget_request(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        client = self.clients.get(request.client)
+        if client is not None:
+            client.requests.discard(request.request_id)
+
+    # ------------------------------------------------- heartbeat and purge
+
+    def heartbeat(self, now: float) -> None:
+        beat = control(WORKER_TAG, WorkerCommand.HEARTBEAT.value)
+        for worker in list(self.workers.values()):
+            self._send(self.backend, worker.identity, beat)
+        beat = control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, header={"broker": self.instance_id})
+        for identity in list(self.clients):
+            if not self._send(self.frontend, identity, beat):
+                self.delete_client(identity)
+
+    def purge(self, now: float) -> None:
+        """Expire silent workers and clients, and requests past their deadline."""
+        for worker in [w for w in self.workers.values() if w.expiry < now]:
+            self.metrics.worker_deaths.inc()
+            self.delete_worker(worker, now, reason="heartbeat expired")
+        for identity in [c.identity for c in self.clients.values() if c.expiry < now]:
+            self.delete_client(identity)
+        for service in self.services.values():
+            for client_id, queue in list(service.queues.items()):
+                for request_id in list(queue):
+                    request = self.requests.get(request_id)
+                    if request is None:
+                        queue.remove(request_id)
+                        continue
+                    unknown = not service.ever_had_workers and now - service.created_at > UNKNOWN_SERVICE_GRACE
+                    if request.deadline < now or unknown:
+                        queue.remove(request_id)
+                        self._forget_request(request)
+                        if unknown:
+                            known = sorted(s for s, st in self.services.items() if st.workers)
+                            self.send_error(client_id, request_id, ErrorCode.UNKNOWN_SERVICE,
+                                            f"no worker serves {service.name!r}; services with workers: {known}")
+                        else:
+                            self.send_error(client_id, request_id, ErrorCode.TIMEOUT,
+                                            f"no worker of {service.name!r} took the request before its deadline")
+                if not queue:
+                    service.queues.pop(client_id, None)
+        for service in self.services.values():
+            self.metrics.queue_depth.labels(service=service.name).set(service.queue_depth())
+        self.metrics.inflight.set(sum(1 for r in self.requests.values() if r.worker is not None))
+
+    # ----------------------------------------------------------------- util
+
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
+        """Send without blocking; False if the peer is gone or saturated."""
+        try:
+            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+
+    def status(self) -> dict[str, Any]:
+        """Workers, services and queues, as served by STATUS and the HTTP shim."""
+        now = time.monotonic()
+        services = {}
+        for name, service in self.services.items():
+            services[name] = {
+                "workers": len(service.workers),
+                "ready_workers": sum(1 for w in service.workers if self.workers[w].bound_to is None),
+                "queue_depth": service.queue_depth(),
+                "vocab_mappings": len(service.mappings),
+            }
+        workers = [
+            {
+                "id": w.name,
+                "service": w.service,
+                "state": "bound" if w.bound_to else ("busy" if w.inflight else "idle"),
+                "inflight": len(w.inflight),
+                "capacity": w.capacity,
+                "completed": w.completed,
+                "last_seen_s": round(max(0.0, self.heartbeat_interval * self.liveness - (w.expiry - now)), 3),
+                "registered_at": w.registered_at,
+                "target_info": w.info,
+            }
+            for w in self.workers.values()
+        ]
+        return {
+            "broker": self.instance_id,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "clients": len(self.clients),
+            "inflight": sum(1 for r in self.requests.values() if r.worker is not None),
+            "queued": sum(s.queue_depth() for s in self.services.values()),
+            "services": services,
+            "workers": workers,
+        }
+
+    def update_snapshot(self) -> None:
+        snap = self.status()
+        self.metrics.set_worker_states(snap["workers"])
+        with self._snapshot_lock:
+            self._snapshot = snap
+
+    def snapshot(self) -> dict[str, Any]:
+        """The latest status, safe to read from another thread (the HTTP shim)."""
+        with self._snapshot_lock:
+            return self._snapshot
+
+
+def mapping_digest(ids, mask) -> str:
+    """Content address of a draft-vocab mapping: equal mappings, equal digests."""
+    h = hashlib.sha256()
+    h.update(ids.contiguous().view(-1).numpy().tobytes())
+    h.update(mask.contiguous().view(-1).to(dtype=mask.dtype).numpy().tobytes())
+    return h.hexdigest()[:32]

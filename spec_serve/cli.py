@@ -1,0 +1,275 @@
+"""The ``spec-serve`` command line: broker, worker, status, demo, bench, and tools.
+
+Every flag can also be set through the ``SPEC_SERVE_*`` environment variable
+named in its help.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from spec_serve import logs
+
+
+def _ids(value: str | None) -> list[int] | None:
+    if value is None or value == "":
+        return None
+    try:
+        return [int(v) for v in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _security(secret_key: str | None, server_key: str | None, authorized_dir: str | None):
+    if not secret_key:
+        if server_key or authorized_dir:
+            raise click.UsageError("CURVE needs --curve-secret-key as well")
+        return None
+    from spec_serve.sockets import Security
+
+    return Security(Path(secret_key), Path(server_key) if server_key else None,
+                    Path(authorized_dir) if authorized_dir else None)
+
+
+def _serve_until_signal(stop) -> None:
+    """Stop cleanly on SIGTERM and Ctrl-C."""
+    def handler(signum, frame):
+        stop()
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+log_level_option = click.option("--log-level", default="WARNING", envvar="SPEC_SERVE_LOG_LEVEL", show_default=True,
+                                 type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+                                 help="Log verbosity [env SPEC_SERVE_LOG_LEVEL].")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="spec-serve")
+def main() -> None:
+    """spec-serve: frozen-target supervision for speculative-decoding draft training.
+
+    \b
+    Quick start on one machine (the built-in tiny target, CPU):
+      spec-serve demo
+    A real deployment:
+      spec-serve broker --frontend tcp://*:5555 --backend tcp://*:5556
+      spec-serve worker --target /models/llama --broker tcp://BROKER:5556 --device cuda:0
+      # in training: RemoteTargetModel("tcp://BROKER:5555")
+    """
+
+
+@main.command()
+@click.option("--frontend", default="tcp://*:5555", envvar="SPEC_SERVE_FRONTEND", show_default=True,
+              help="Endpoint clients connect to [env SPEC_SERVE_FRONTEND].")
+@click.option("--backend", default="tcp://*:5556", envvar="SPEC_SERVE_BACKEND", show_default=True,
+              help="Endpoint workers connect to [env SPEC_SERVE_BACKEND].")
+@click.option("--http-host", default="127.0.0.1", envvar="SPEC_SERVE_HTTP_HOST", show_default=True,
+              help="HTTP shim bind address; loopback unless told otherwise [env SPEC_SERVE_HTTP_HOST].")
+@click.option("--http-port", default=8080, type=int, envvar="SPEC_SERVE_HTTP_PORT", show_default=True,
+              help="HTTP shim port; 0 disables the shim [env SPEC_SERVE_HTTP_PORT].")
+@click.option("--max-message-bytes", default=8 << 30, type=int, envvar="SPEC_SERVE_MAX_MESSAGE_BYTES",
+              show_default=True, help="Largest message accepted [env SPEC_SERVE_MAX_MESSAGE_BYTES].")
+@click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
+              help="Broker's CURVE secret key file (from keygen): turns authentication on "
+                   "[env SPEC_SERVE_CURVE_SECRET_KEY].")
+@click.option("--curve-authorized-dir", envvar="SPEC_SERVE_CURVE_AUTHORIZED_DIR",
+              help="Directory of client and worker public keys admitted [env SPEC_SERVE_CURVE_AUTHORIZED_DIR].")
+@log_level_option
+def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_secret_key, curve_authorized_dir,
+           log_level):
+    """Run the broker: clients on --frontend, workers on --backend.
+
+    \b
+    Examples:
+      spec-serve broker
+      spec-serve broker --frontend tcp://*:6000 --backend tcp://*:6001 --http-port 9000
+      SPEC_SERVE_HTTP_HOST=0.0.0.0 spec-serve broker      # expose /metrics to a scraper
+      spec-serve broker --curve-secret-key keys/broker.key_secret --curve-authorized-dir keys/authorized
+    """
+    logs.setup(log_level)
+    from spec_serve.broker import Broker
+    from spec_serve.http_shim import HttpShim
+
+    if curve_secret_key and not curve_authorized_dir:
+        raise click.UsageError("--curve-secret-key needs --curve-authorized-dir (the keys admitted)")
+    b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_authorized_dir),
+               max_message_bytes=max_message_bytes)
+    shim = None
+    if http_port:
+        shim = HttpShim(b.snapshot, b.metrics.registry, http_host, http_port).start()
+    _serve_until_signal(b.stop)
+    click.echo(f"broker: clients {b.frontend_endpoint}, workers {b.backend_endpoint}"
+               + (f", http://{shim.host}:{shim.port}" if shim else ""), err=True)
+    try:
+        b.run()
+    finally:
+        if shim:
+            shim.close()
+
+
+@main.command()
+@click.option("--engine", default="hf", type=click.Choice(["hf", "vllm", "sglang"]), envvar="SPEC_SERVE_ENGINE",
+              show_default=True, help="Inference engine [env SPEC_SERVE_ENGINE].")
+@click.option("--target", required=True, envvar="SPEC_SERVE_TARGET",
+              help="Local model directory (config, weights, tokenizer) [env SPEC_SERVE_TARGET].")
+@click.option("--broker", "broker_url", default="tcp://127.0.0.1:5556", envvar="SPEC_SERVE_BROKER",
+              show_default=True, help="Broker backend endpoint [env SPEC_SERVE_BROKER].")
+@click.option("--service", default="default", envvar="SPEC_SERVE_SERVICE", show_default=True,
+              help="Service (target) name this worker serves [env SPEC_SERVE_SERVICE].")
+@click.option("--device", default="cpu", envvar="SPEC_SERVE_DEVICE", show_default=True,
+              help="Torch device, e.g. cuda:0 [env SPEC_SERVE_DEVICE].")
+@click.option("--dtype", default=None, envvar="SPEC_SERVE_DTYPE",
+              type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Model dtype; default: the checkpoint's [env SPEC_SERVE_DTYPE].")
+@click.option("--aux-layer-ids", default=None, envvar="SPEC_SERVE_AUX_LAYER_IDS",
+              help="EAGLE-3 layers, e.g. 1,15,28; default [1, N/2-1, N-4] [env SPEC_SERVE_AUX_LAYER_IDS].")
+@click.option("--dspark-layer-ids", default=None, envvar="SPEC_SERVE_DSPARK_LAYER_IDS",
+              help="DSpark layers, strictly increasing, -1 = embeddings [env SPEC_SERVE_DSPARK_LAYER_IDS].")
+@click.option("--capacity", default=2, type=int, envvar="SPEC_SERVE_CAPACITY", show_default=True,
+              help="Requests held at once: one computing while the last reply is sent [env SPEC_SERVE_CAPACITY].")
+@click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
+              help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
+@click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
+              help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
+@log_level_option
+def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
+           curve_secret_key, curve_server_key, log_level):
+    """Run one worker (one target replica, one GPU) for the broker.
+
+    \b
+    Examples:
+      spec-serve worker --target /models/llama-3.1-8b --device cuda:0 --dtype bfloat16
+      spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556
+      spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
+    """
+    logs.setup(log_level)
+    if log_level.upper() != "DEBUG":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # quiet by default: no weight-loading bars in worker logs
+    from spec_serve.engines import EngineUnavailable, load_engine
+    from spec_serve.worker import Worker
+
+    kwargs = {"device": device, "dtype": dtype, "aux_layer_ids": _ids(aux_layer_ids),
+              "dspark_layer_ids": _ids(dspark_layer_ids)}
+    try:
+        engine_obj = load_engine(engine, target, **kwargs)
+    except EngineUnavailable as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    w = Worker(engine_obj, broker_url, service=service, capacity=capacity,
+               security=_security(curve_secret_key, curve_server_key, None))
+    _serve_until_signal(w.stop)
+    w.run()
+
+
+@main.command()
+@click.option("--broker", "broker_url", default="tcp://127.0.0.1:5555", envvar="SPEC_SERVE_CLIENT_BROKER",
+              show_default=True, help="Broker frontend endpoint [env SPEC_SERVE_CLIENT_BROKER].")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status JSON.")
+@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the broker.")
+def status(broker_url, as_json, timeout):
+    """Print the broker's workers, services and queues.
+
+    \b
+    Examples:
+      spec-serve status
+      spec-serve status --broker tcp://10.0.0.1:5555 --json
+    """
+    from spec_serve.client import RemoteTargetModel
+
+    client = RemoteTargetModel(broker_url, timeout=timeout, max_retries=0)
+    try:
+        snap = client.status()
+    except TimeoutError:
+        raise click.ClickException(f"no answer from a broker at {broker_url} within {timeout:g}s")
+    finally:
+        client.close()
+    if as_json:
+        click.echo(json.dumps(snap, indent=2))
+        return
+    click.echo(f"broker {snap['broker'][:12]}  up {snap['uptime_s']:.0f}s  clients {snap['clients']}  "
+               f"in flight {snap['inflight']}  queued {snap['queued']}")
+    click.echo(f"{'service':<16}{'workers':>8}{'ready':>8}{'queued':>8}")
+    for name, s in snap["services"].items():
+        click.echo(f"{name:<16}{s['workers']:>8}{s['ready_workers']:>8}{s['queue_depth']:>8}")
+    click.echo(f"{'worker':<14}{'service':<16}{'engine':<8}{'state':<8}{'inflight':>9}{'done':>8}")
+    for w in snap["workers"]:
+        click.echo(f"{w['id']:<14}{w['service']:<16}{w['target_info'].get('engine', '?'):<8}{w['state']:<8}"
+                   f"{w['inflight']:>4}/{w['capacity']:<4}{w['completed']:>8}")
+
+
+@main.command("make-tiny-target")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--layers", default=8, show_default=True, help="Decoder layers.")
+@click.option("--hidden", default=128, show_default=True, help="Hidden size (head_dim = hidden/heads >= 32).")
+@click.option("--vocab", default=512, show_default=True, help="Vocabulary size (the tokenizer is trained to it).")
+@click.option("--seed", default=0, show_default=True, help="Same seed, same files.")
+def make_tiny_target_cmd(out_dir, layers, hidden, vocab, seed):
+    """Write a random tiny Llama with a locally trained tokenizer (no download).
+
+    \b
+    Examples:
+      spec-serve make-tiny-target ./tiny
+      spec-serve make-tiny-target ./tiny16 --layers 16 --hidden 256 --seed 1
+    """
+    from spec_serve.tiny import make_tiny_target
+
+    path = make_tiny_target(out_dir, layers=layers, hidden=hidden, vocab=vocab, seed=seed)
+    click.echo(str(path))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="broker", show_default=True, help="Key name: NAME.key and NAME.key_secret.")
+def keygen(directory, name):
+    """Create a CurveZMQ keypair for a broker, worker or client.
+
+    \b
+    Examples:
+      spec-serve keygen keys --name broker
+      spec-serve keygen keys/authorized --name worker0   # public key admitted by the broker
+    """
+    from spec_serve.sockets import keygen as make_keys
+
+    public, secret = make_keys(Path(directory), name)
+    click.echo(f"public: {public}\nsecret: {secret}")
+
+
+@main.command()
+@click.option("--ranks", default=3, show_default=True, help="Concurrent client ranks.")
+@click.option("--workers", default=2, show_default=True, help="Worker processes.")
+@click.option("--steps", default=6, show_default=True, help="Batches per rank.")
+@click.option("--batch", default=4, show_default=True, help="Rows per batch.")
+@click.option("--seq", default=64, show_default=True, help="Tokens per row.")
+@click.option("--target", default=None, help="Model directory; default: build the tiny target in a temp dir.")
+@log_level_option
+def demo(ranks, workers, steps, batch, seq, target, log_level):
+    """Run the whole system on this machine and verify every tensor.
+
+    Builds the tiny target (no download), starts a broker and workers as
+    subprocesses, runs client ranks that share them (sharded and unsharded,
+    EAGLE-3 and DSpark, prefetch on), checks each result with torch.equal
+    against the colocated HF forward, prints a table, and shuts down.
+
+    \b
+    Examples:
+      spec-serve demo
+      spec-serve demo --ranks 4 --workers 2 --steps 20
+    """
+    logs.setup(log_level)
+    from spec_serve.demo import run_demo
+
+    ok = run_demo(ranks=ranks, workers=workers, steps=steps, batch=batch, seq=seq, target=target)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

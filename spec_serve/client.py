@@ -1,0 +1,523 @@
+"""The training-side client: ``RemoteTargetModel`` has the colocated target's surface.
+
+Requests go to the broker over a DEALER socket; replies come straight from the
+worker to a PULL socket the client binds (its address travels in the request).
+One I/O thread owns both sockets, heartbeats the broker, retries with the same
+request id when the broker or a worker is lost, and drops duplicate replies.
+User threads talk to it through a queue and a wake-up pipe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import ipaddress
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import types
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+from urllib.parse import urlsplit
+
+import torch
+import zmq
+
+from spec_serve import wire
+from spec_serve.contract import Kind, TargetInfo, validate_request, validate_vocab_mapping
+from spec_serve.logs import event
+from spec_serve.protocol import (
+    CLIENT_TAG,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_LIVENESS,
+    ClientCommand,
+    ErrorCode,
+    Op,
+    ProtocolError,
+    Status,
+    control,
+    new_request_id,
+    parse_control,
+    parse_data,
+)
+from spec_serve.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, bound_endpoint, make_socket
+
+log = logging.getLogger("spec_serve.client")
+
+# Delay before retrying a request the broker could not place (e.g. its queue
+# for us was full): short, so a transient condition costs little.
+RETRY_BACKOFF_S = 0.2
+
+
+class RemoteError(RuntimeError):
+    """A worker or the broker failed a request after all retries."""
+
+
+@dataclasses.dataclass
+class _Pending:
+    request_id: bytes
+    command: bytes
+    service: str
+    header: dict[str, Any]
+    payload: list
+    future: concurrent.futures.Future
+    timeout: float
+    sent_at: float = 0.0
+    attempts: int = 0
+    not_before: float = 0.0
+
+
+@dataclasses.dataclass
+class ClientStats:
+    """Counts a run can report: what was sent, retried, dropped as duplicate."""
+
+    sent: int = 0
+    completed: int = 0
+    retried: int = 0
+    duplicates: int = 0
+    broker_reconnects: int = 0
+
+
+def _advertise_host(broker_url: str) -> str:
+    """The local address workers can reach us at: the interface that routes to the broker."""
+    host = urlsplit(broker_url).hostname or "127.0.0.1"
+    if host in ("localhost", "*"):
+        return "127.0.0.1"
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+class _ClientIO(threading.Thread):
+    """Owns the sockets; every other thread goes through ``submit``."""
+
+    def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
+                 max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int):
+        super().__init__(name="spec-serve-client-io", daemon=True)
+        self.ctx = zmq.Context.instance()
+        self.broker_url = broker_url
+        self.security = security
+        self.max_retries = max_retries
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness = liveness
+        self.max_message_bytes = max_message_bytes
+        self.identity = uuid.uuid4().bytes
+        self.stats = ClientStats()
+        self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._pending: dict[bytes, _Pending] = {}
+        self._closing = threading.Event()
+        self._broker_instance: str | None = None
+        # Re-sent first after a broker restart, so requests naming it still resolve.
+        self.vocab_registration: tuple[str, list] | None = None
+        if broker_url.startswith("ipc://"):
+            data_bind = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/spec-serve-{uuid.uuid4().hex}.sock"
+        else:
+            data_bind = f"tcp://{advertise_host or _advertise_host(broker_url)}:*"
+        self.data = make_socket(self.ctx, zmq.PULL, bind=data_bind, security=security, curve_server=True)
+        self.data_endpoint = bound_endpoint(self.data)
+        self.data_key = security.keypair()[0].decode() if security else None
+        self.dealer = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        return make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
+                           security=self.security)
+
+    # ------------------------------------------------------ user-side entry
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread."""
+        if self._closing.is_set():
+            raise RuntimeError("client is closed")
+        self._inbox.put(fn)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def submit(self, command: ClientCommand, service: str, header: dict, payload: Sequence,
+               timeout: float, request_id: bytes | None = None) -> concurrent.futures.Future:
+        pending = _Pending(request_id or new_request_id(), command.value, service, header, list(payload),
+                           concurrent.futures.Future(), timeout)
+        self.call(lambda: self._send_new(pending))
+        return pending.future
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self.call(self._disconnect)
+        self._closing.set()
+        self.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ------------------------------------------------------------ I/O loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = 0.0
+        broker_expiry = time.monotonic() + self.heartbeat_interval * self.liveness
+        try:
+            while not self._closing.is_set():
+                events = dict(poller.poll(min(self.heartbeat_interval, 0.1) * 1000))
+                now = time.monotonic()
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                while True:
+                    try:
+                        self._inbox.get_nowait()()
+                    except queue.Empty:
+                        break
+                if self.dealer in events:
+                    broker_expiry = now + self.heartbeat_interval * self.liveness
+                    self._drain(self.dealer, self._on_control)
+                if self.data in events:
+                    self._drain(self.data, self._on_data)
+                if now >= next_beat:
+                    self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
+                    next_beat = now + self.heartbeat_interval
+                if now > broker_expiry:
+                    event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url)
+                    poller.unregister(self.dealer)
+                    self.dealer.close(0)
+                    self.dealer = self._connect()
+                    poller.register(self.dealer, zmq.POLLIN)
+                    self.stats.broker_reconnects += 1
+                    broker_expiry = now + self.heartbeat_interval * self.liveness
+                    self._resend_all()
+                self._check_timeouts(now)
+        finally:
+            for pending in self._pending.values():
+                if not pending.future.done():
+                    pending.future.set_exception(RuntimeError("client closed"))
+            self._pending.clear()
+            self.dealer.close(0)
+            self.data.close(0)
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                handler(frames)
+            except (ProtocolError, wire.WireError) as e:
+                event(log, logging.WARNING, "client.bad_message", error=e)
+
+    def _send(self, frames: list) -> None:
+        try:
+            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # not connected or saturated: timeouts and heartbeats recover
+
+    def _send_new(self, pending: _Pending) -> None:
+        self._pending[pending.request_id] = pending
+        self.stats.sent += 1
+        self._transmit(pending, time.monotonic())
+
+    def _transmit(self, pending: _Pending, now: float) -> None:
+        pending.sent_at = now
+        pending.attempts += 1
+        self._send(control(CLIENT_TAG, pending.command, pending.service, pending.request_id, pending.header,
+                           pending.payload))
+
+    def _retry(self, pending: _Pending, now: float, reason: str, delay: float = 0.0) -> None:
+        if pending.attempts > self.max_retries:
+            self._fail(pending, TimeoutError(
+                f"request {pending.request_id.hex()[:12]} failed after {pending.attempts} attempts: {reason}"))
+            return
+        self.stats.retried += 1
+        event(log, logging.INFO, "client.retry", request=pending.request_id.hex()[:12], reason=reason)
+        if delay:
+            pending.not_before = now + delay
+            pending.sent_at = float("inf")
+        else:
+            self._transmit(pending, now)
+
+    def _resend_all(self) -> None:
+        now = time.monotonic()
+        if self.vocab_registration is not None:
+            service, payload = self.vocab_registration
+            self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
+        for pending in list(self._pending.values()):
+            if pending.command == ClientCommand.REQUEST.value:
+                self._retry(pending, now, "broker restarted or lost")
+            else:
+                self._transmit(pending, now)
+
+    def _check_timeouts(self, now: float) -> None:
+        for pending in list(self._pending.values()):
+            if pending.not_before and now >= pending.not_before:
+                pending.not_before = 0.0
+                self._transmit(pending, now)
+            elif now - pending.sent_at > pending.timeout:
+                self._retry(pending, now, f"no reply within {pending.timeout:g}s")
+
+    def _fail(self, pending: _Pending, exc: BaseException) -> None:
+        self._pending.pop(pending.request_id, None)
+        if not pending.future.done():
+            pending.future.set_exception(exc)
+
+    def _on_control(self, frames: list) -> None:
+        msg = parse_control(frames, CLIENT_TAG, ClientCommand)
+        command = ClientCommand(msg.command)
+        if command is ClientCommand.HEARTBEAT:
+            instance = msg.header.get("broker")
+            if self._broker_instance is not None and instance != self._broker_instance:
+                event(log, logging.WARNING, "client.broker_restarted", broker=self.broker_url)
+                self._broker_instance = instance
+                self._resend_all()
+            self._broker_instance = instance
+            return
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            return
+        now = time.monotonic()
+        if command is ClientCommand.ERROR:
+            code, error = msg.header.get("code"), str(msg.header.get("error"))
+            if msg.header.get("unknown_vocab") and self.vocab_registration is not None:
+                service, payload = self.vocab_registration
+                self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
+                self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
+            elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
+                self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
+            else:
+                self._fail(pending, ValueError(error))
+            return
+        self._pending.pop(msg.request_id)
+        self.stats.completed += 1
+        pending.future.set_result(msg)
+
+    def _on_data(self, frames: list) -> None:
+        status, request_id, header, payload = parse_data(frames)
+        pending = self._pending.get(request_id)
+        if pending is None:
+            self.stats.duplicates += 1
+            return
+        if status is Status.ERROR:
+            code, error = header.get("code"), f"worker {header.get('worker')}: {header.get('error')}"
+            if code == ErrorCode.BAD_REQUEST.value:
+                self._fail(pending, ValueError(error))
+            else:
+                self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S)
+            return
+        tensors = wire.decode(payload, max_bytes=self.max_message_bytes)
+        self._pending.pop(request_id)
+        self.stats.completed += 1
+        pending.future.set_result(tensors)
+
+    def _disconnect(self) -> None:
+        self._send(control(CLIENT_TAG, ClientCommand.DISCONNECT.value))
+
+
+class RemoteTargetModel:
+    """A frozen target served by spec-serve workers, with the colocated ``HFTarget`` surface.
+
+    >>> target = RemoteTargetModel("tcp://broker:5555", num_shards=2, prefetch_depth=2)
+    >>> target.set_vocab_mapping(selected_token_ids, selected_token_mask)
+    >>> batch = target.generate_batch(input_ids, attention_mask, loss_mask, kind="eagle3")
+    """
+
+    def __init__(
+        self,
+        broker_url: str,
+        *,
+        service: str = "default",
+        device: str | torch.device = "cpu",
+        timeout: float = 120.0,
+        max_retries: int = 3,
+        prefetch_depth: int = 1,
+        num_shards: int = 1,
+        security: Security | None = None,
+        advertise_host: str | None = None,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        liveness: int = HEARTBEAT_LIVENESS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
+            raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
+        self.service = service
+        self.device = torch.device(device)
+        self.timeout = float(timeout)
+        self.num_shards = num_shards
+        self.prefetch_depth = prefetch_depth
+        self._credits = threading.BoundedSemaphore(prefetch_depth)
+        self._io = _ClientIO(broker_url, security=security, advertise_host=advertise_host, max_retries=max_retries,
+                             heartbeat_interval=heartbeat_interval, liveness=liveness,
+                             max_message_bytes=max_message_bytes)
+        self._io.start()
+        self._vocab_digest: str | None = None
+        self._info: TargetInfo | None = None
+        self._closed = False
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._io.stats
+
+    # ---------------------------------------------------------- supervision
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, kind: str = "eagle3") -> dict[str, torch.Tensor]:
+        """Supervision for one ``[B, S]`` batch; the contract's tensors on ``device``."""
+        return self.generate_batch_async(input_ids, attention_mask, loss_mask, kind).result()
+
+    def generate_batch_async(self, input_ids, attention_mask, loss_mask,
+                             kind: str = "eagle3") -> concurrent.futures.Future:
+        """Submit a batch; blocks while ``prefetch_depth`` batches are already in flight."""
+        kind = Kind.parse(kind)
+        validate_request(input_ids, attention_mask, loss_mask, self.target_info().vocab_size)
+        if kind is not Kind.DSPARK and self._vocab_digest is None:
+            raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
+        self._credits.acquire()
+        try:
+            rows = input_ids.shape[0]
+            bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(self.num_shards, rows))]
+            shards = []
+            for lo, hi in bounds:
+                payload = wire.encode({
+                    "input_ids": input_ids[lo:hi].to("cpu"),
+                    "attention_mask": attention_mask[lo:hi].to("cpu"),
+                    "loss_mask": loss_mask[lo:hi].to("cpu"),
+                })
+                header = {"op": Op.GENERATE.value, "kind": kind.value, "timeout": self.timeout,
+                          "tokens": int(attention_mask[lo:hi].sum())}
+                shards.append(self._request(header, payload))
+        except BaseException:
+            self._credits.release()
+            raise
+        result = _gather(shards, self.device)
+        result.add_done_callback(lambda _: self._credits.release())
+        return result
+
+    def _request(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
+        header = dict(header, reply_to=self._io.data_endpoint)
+        if self._vocab_digest is not None:
+            header.setdefault("vocab", self._vocab_digest)
+        if self._io.data_key:
+            header["data_key"] = self._io.data_key
+        return self._io.submit(ClientCommand.REQUEST, self.service, header, payload, self.timeout)
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        """Register the draft vocab; every later EAGLE-3 request is served with exactly it."""
+        ids = selected_token_ids.to("cpu", torch.int64).contiguous()
+        mask = selected_token_mask.to("cpu", torch.bool).contiguous()
+        validate_vocab_mapping(ids, mask, self.target_info().vocab_size)
+        payload = wire.encode({"selected_token_ids": ids, "selected_token_mask": mask})
+        reply = self._io.submit(ClientCommand.SET_VOCAB, self.service, {}, payload, self.timeout).result()
+        digest = reply.header["digest"]
+        payload = [bytes(memoryview(f)) for f in payload]
+        self._io.call(lambda: setattr(self._io, "vocab_registration", (self.service, payload)))
+        self._vocab_digest = digest
+
+    # ----------------------------------------------------------- target info
+
+    def status(self) -> dict[str, Any]:
+        """The broker's view: services, workers, queues."""
+        return self._io.submit(ClientCommand.STATUS, self.service, {}, (), self.timeout).result().header
+
+    def _worker_infos(self, wait: bool = True) -> dict[str, dict]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            infos = {w["id"]: w["target_info"] for w in self.status()["workers"] if w["service"] == self.service}
+            if infos or not wait:
+                return infos
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no worker registered for service {self.service!r} within {self.timeout:g}s")
+            time.sleep(0.2)
+
+    def target_info(self) -> TargetInfo:
+        """What this service's workers serve (they must agree; engines may differ)."""
+        if self._info is None:
+            infos = self._worker_infos()
+            first_id, first = next(iter(infos.items()))
+            reference = TargetInfo.from_dict(first)
+            for worker, info in infos.items():
+                diff = reference.mismatches(info, ignore=("engine",))
+                if diff:
+                    raise ValueError(_mismatch_message(f"workers {first_id} and {worker} of service "
+                                                       f"{self.service!r} disagree", diff, "first", "other"))
+            self._info = reference
+        return self._info
+
+    def check_target_info(self, expected: TargetInfo | Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the worker and fields that differ from ``expected``."""
+        self._info = None
+        self.target_info()  # workers agree with each other
+        for worker, info in self._worker_infos().items():
+            diff = TargetInfo.from_dict(info).mismatches(expected)
+            if diff:
+                raise ValueError(_mismatch_message(f"worker {worker} of service {self.service!r} serves a "
+                                                   f"different target", diff, "worker", "expected"))
+
+    def get_input_embeddings(self) -> types.SimpleNamespace:
+        """The target's input embedding as ``.weight`` ``[V, H]`` on ``device``."""
+        return self._embeddings("input")
+
+    def get_output_embeddings(self) -> types.SimpleNamespace:
+        """The target's lm_head as ``.weight`` ``[V, H]`` (tied models: the embedding)."""
+        return self._embeddings("output")
+
+    def _embeddings(self, which: str) -> types.SimpleNamespace:
+        header = {"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout}
+        tensors = self._request(header, ()).result()
+        return types.SimpleNamespace(weight=tensors["weight"].to(self.device))
+
+    # ------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Leave the broker; workers and other clients carry on."""
+        if not self._closed:
+            self._closed = True
+            self._io.close()
+
+    def __enter__(self) -> "RemoteTargetModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _gather(shards: list[concurrent.futures.Future], device: torch.device) -> concurrent.futures.Future:
+    """One future for the shard futures: tensors concatenated along dim 0, in order."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    remaining = [len(shards)]
+    lock = threading.Lock()
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            parts = [f.result() for f in shards]
+            if len(parts) == 1:
+                merged = {k: v.to(device) for k, v in parts[0].items()}
+            else:
+                merged = {k: torch.cat([p[k] for p in parts], dim=0).to(device) for k in parts[0]}
+            out.set_result(merged)
+        except BaseException as e:
+            out.set_exception(e)
+
+    for f in shards:
+        f.add_done_callback(done)
+    return out
+
+
+def _mismatch_message(title: str, diff: dict, ours: str, theirs: str) -> str:
+    fields = "; ".join(f"{k}: {ours}={a!r} {theirs}={b!r}" for k, (a, b) in diff.items())
+    return f"{title}: {fields}"

@@ -1,0 +1,137 @@
+"""Start and stop broker and worker processes: shared by the demo, benchmarks and tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    """A broker and its workers running as subprocesses on loopback."""
+
+    frontend: str
+    backend: str
+    http_port: int
+    broker: subprocess.Popen | None = None
+    workers: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    log_dir: Path | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def get(self, path: str) -> tuple[int, dict | str]:
+        """GET a shim route; returns (status, JSON body or text)."""
+        try:
+            with urllib.request.urlopen(self.http_url + path, timeout=5) as r:
+                body = r.read().decode()
+                code = r.status
+        except urllib.error.HTTPError as e:
+            body, code = e.read().decode(), e.code
+        try:
+            return code, json.loads(body)
+        except json.JSONDecodeError:
+            return code, body
+
+    def start_broker(self, *extra: str) -> subprocess.Popen:
+        frontend_bind = self.frontend.replace("127.0.0.1", "*") if self.frontend.startswith("tcp") else self.frontend
+        backend_bind = self.backend.replace("127.0.0.1", "*") if self.backend.startswith("tcp") else self.backend
+        self.broker = self._spawn("broker", ["broker", "--frontend", frontend_bind, "--backend", backend_bind,
+                                             "--http-port", str(self.http_port), *extra])
+        self.wait_http()
+        return self.broker
+
+    def start_worker(self, target: str | Path, *extra: str, service: str = "default") -> subprocess.Popen:
+        proc = self._spawn(f"worker{len(self.workers)}", [
+            "worker", "--target", str(target), "--broker", self.backend, "--service", service, *extra])
+        self.workers.append(proc)
+        return proc
+
+    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen:
+        env = {**os.environ, **self.env}
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+        # A new session: Ctrl-C in the parent's terminal reaches only the parent,
+        # which then shuts the children down in order.
+        return subprocess.Popen([sys.executable, "-m", "spec_serve.cli", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_http(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.broker is not None and self.broker.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.broker.returncode}")
+            try:
+                self.get("/workers")
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError("broker HTTP shim did not come up")
+
+    def wait_workers(self, count: int, timeout: float = 120.0, service: str | None = None) -> None:
+        """Wait until ``count`` workers (of ``service``) are registered."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.workers:
+                if proc.poll() is not None and proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
+                    raise RuntimeError(f"a worker exited with {proc.returncode}")
+            try:
+                _, body = self.get("/workers")
+                workers = [w for w in body["workers"] if service is None or w["service"] == service]
+                if len(workers) >= count:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} workers did not register within {timeout:g}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        procs = [p for p in [*self.workers, self.broker] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@contextlib.contextmanager
+def local_cluster(target: str | Path | None = None, workers: int = 2, *, worker_args: Sequence[str] = (),
+                  broker_args: Sequence[str] = (), env: dict | None = None,
+                  log_dir: Path | None = None) -> Iterator[Cluster]:
+    """A broker plus ``workers`` hf workers of ``target`` on free loopback ports."""
+    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
+                      env=env or {}, log_dir=log_dir)
+    try:
+        cluster.start_broker(*broker_args)
+        for _ in range(workers):
+            cluster.start_worker(target, *worker_args)
+        if workers:
+            cluster.wait_workers(workers)
+        yield cluster
+    finally:
+        cluster.stop()

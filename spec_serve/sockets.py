@@ -1,0 +1,137 @@
+"""One factory owns every ZeroMQ socket option, so peers cannot drift apart.
+
+Options and why:
+- LINGER 0: a closing peer never blocks on unsent bulk bytes.
+- ROUTER_MANDATORY: a reply to a vanished peer raises instead of being
+  dropped silently, so the broker can account for it.
+- small high-water marks: they count messages, not bytes, and one message may
+  be hundreds of MiB; flow control is done with credits above this layer.
+- MAXMSGSIZE: libzmq refuses any frame above this before allocating it. The
+  codec splits tensors into frames of at most 16 MiB (a single 64 MiB frame
+  failed in libzmq on the GPU machine), so honest peers never come near it.
+- ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
+- CurveZMQ when a Security is given: the broker (and a client's data socket)
+  is a CURVE server that only admits keys found in an authorized directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from spec_serve.wire import MAX_FRAME_BYTES
+
+# A frame carries at most one codec chunk plus a little framing slack.
+DEFAULT_MAX_FRAME_BYTES = MAX_FRAME_BYTES + (1 << 20)
+# The whole message (all frames together) a peer accepts, checked by the codec.
+DEFAULT_MAX_MESSAGE_BYTES = int(os.environ.get("SPEC_SERVE_MAX_MESSAGE_BYTES", 8 << 30))
+DEFAULT_HWM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """CurveZMQ settings for one peer.
+
+    ``secret_key_file``: this peer's ``*.key_secret`` (from ``spec-serve keygen``).
+    ``server_key_file``: the broker's public ``*.key`` (peers that connect to it).
+    ``authorized_dir``: public keys admitted by a peer that serves CURVE.
+    """
+
+    secret_key_file: Path
+    server_key_file: Path | None = None
+    authorized_dir: Path | None = None
+
+    def keypair(self) -> tuple[bytes, bytes]:
+        public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
+        if secret is None:
+            raise ValueError(f"{self.secret_key_file} holds no secret key")
+        return public, secret
+
+    def server_public_key(self) -> bytes:
+        if self.server_key_file is None:
+            raise ValueError("this peer connects with CURVE but was given no server key file")
+        public, _ = zmq.auth.load_certificate(str(self.server_key_file))
+        return public
+
+
+_authenticators: dict[int, ThreadAuthenticator] = {}
+_auth_lock = threading.Lock()
+
+
+def _ensure_authenticator(ctx: zmq.Context, authorized_dir: Path | None) -> None:
+    """Start one ZAP handler per context that admits only the authorized keys."""
+    with _auth_lock:
+        if id(ctx) in _authenticators:
+            return
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        if authorized_dir is None:
+            auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        else:
+            auth.configure_curve(domain="*", location=str(authorized_dir))
+        _authenticators[id(ctx)] = auth
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    identity: bytes | None = None,
+    security: Security | None = None,
+    curve_server: bool = False,
+    curve_server_key: bytes | None = None,
+    hwm: int = DEFAULT_HWM,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> zmq.Socket:
+    """Create a socket with the project's options; bind or connect it.
+
+    ``curve_server_key`` overrides the server key a CURVE client connects with
+    (a worker connecting to a client's data socket learns it from the request).
+    """
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if security is not None:
+        public, secret = security.keypair()
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        if curve_server:
+            _ensure_authenticator(ctx, security.authorized_dir)
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = curve_server_key or security.server_public_key()
+    if bind is not None:
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The endpoint a socket bound to, with the real port of a ``:*`` bind."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def keygen(directory: Path, name: str) -> tuple[Path, Path]:
+    """Write a CURVE keypair ``name.key`` / ``name.key_secret`` into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)

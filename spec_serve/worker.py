@@ -1,0 +1,348 @@
+"""A worker: one target replica (one GPU) serving supervision for the broker.
+
+Two threads. The I/O thread owns every socket: it registers with the broker,
+heartbeats (so a long forward never looks like death), receives requests, and
+sends each reply straight to the requesting client's data socket before
+telling the broker DONE. The compute thread runs the engine, one batch at a
+time, and hands encoded replies back through a queue plus an inproc wake-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+import zmq
+
+from spec_serve import wire
+from spec_serve.contract import REQUEST_TENSORS, Kind
+from spec_serve.logs import event
+from spec_serve.protocol import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_LIVENESS,
+    WORKER_TAG,
+    ErrorCode,
+    Message,
+    Op,
+    ProtocolError,
+    Status,
+    WorkerCommand,
+    control,
+    data_message,
+    parse_control,
+)
+from spec_serve.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, make_socket
+
+log = logging.getLogger("spec_serve.worker")
+
+# Client data sockets kept open, and how long an unused one lives.
+MAX_DATA_SOCKETS = 64
+DATA_SOCKET_IDLE_S = 120.0
+# Draft-vocab mappings a worker keeps (content-addressed by the broker).
+MAX_MAPPINGS = 16
+
+
+class RequestError(Exception):
+    """A request the engine refused; ``code`` tells the client whether to retry."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass
+class Job:
+    request_id: bytes
+    header: dict[str, Any]
+    payload: list
+    received_at: float
+
+
+@dataclasses.dataclass
+class Result:
+    job: Job
+    status: Status
+    header: dict[str, Any]
+    frames: list
+    tokens: int = 0
+
+
+class Worker:
+    """Serve ``engine`` to the broker at ``broker_url`` under ``service``."""
+
+    def __init__(
+        self,
+        engine,
+        broker_url: str,
+        *,
+        service: str = "default",
+        capacity: int = 2,
+        security: Security | None = None,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        liveness: int = HEARTBEAT_LIVENESS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        reply_timeout: float = 60.0,
+        context: zmq.Context | None = None,
+    ):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.engine = engine
+        self.broker_url = broker_url
+        self.service = service
+        self.capacity = capacity
+        self.security = security
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness = liveness
+        self.max_message_bytes = max_message_bytes
+        self.reply_timeout = reply_timeout
+        self.ctx = context or zmq.Context.instance()
+        self.identity = uuid.uuid4().bytes
+        self.name = self.identity.hex()[:12]
+        self.info = engine.target_info()
+        self.vocab_size = self.info.vocab_size
+        self._jobs: "queue.Queue[Job | None]" = queue.Queue()
+        self._results: "queue.Queue[Result]" = queue.Queue()
+        self._mappings: "collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
+        self._mapping_lock = threading.Lock()
+        self._current_mapping: str | None = None
+        self._stop = threading.Event()
+        self._notify_endpoint = f"inproc://spec-serve-worker-{self.name}"
+        self.served = 0
+
+    # ------------------------------------------------------------------ I/O
+
+    def run(self) -> None:
+        """Serve until ``stop()``."""
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.bind(self._notify_endpoint)
+        compute = threading.Thread(target=self._compute_loop, name="spec-serve-compute", daemon=True)
+        compute.start()
+        broker = self._connect()
+        data_sockets: "collections.OrderedDict[str, list]" = collections.OrderedDict()  # endpoint -> [sock, used]
+        outbox: collections.deque = collections.deque()
+        next_beat = time.monotonic() + self.heartbeat_interval
+        broker_expiry = time.monotonic() + self.heartbeat_interval * self.liveness
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        poller.register(broker, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                timeout = 5 if outbox else self.heartbeat_interval * 250
+                events = dict(poller.poll(timeout))
+                now = time.monotonic()
+                if broker in events:
+                    while True:
+                        try:
+                            frames = broker.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        broker_expiry = now + self.heartbeat_interval * self.liveness
+                        try:
+                            reregister = self._process_broker(broker, parse_control(frames, WORKER_TAG, WorkerCommand))
+                        except ProtocolError as e:
+                            event(log, logging.WARNING, "worker.bad_message", error=e)
+                            continue
+                        if reregister:
+                            self._send_ready(broker)
+                if wake in events:
+                    while True:
+                        try:
+                            wake.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    while True:
+                        try:
+                            result = self._results.get_nowait()
+                        except queue.Empty:
+                            break
+                        endpoint = result.job.header["reply_to"]
+                        sock = self._data_socket(data_sockets, endpoint, result.job.header, now)
+                        outbox.append((sock, result, now + self.reply_timeout))
+                self._flush(outbox, broker, now)
+                if now >= next_beat:
+                    broker.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
+                    next_beat = now + self.heartbeat_interval
+                    self._close_idle(data_sockets, now)
+                if now > broker_expiry:
+                    # Lazy-Pirate style: the broker went silent; reconnect and register again.
+                    event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url)
+                    poller.unregister(broker)
+                    broker.close(0)
+                    broker = self._connect()
+                    poller.register(broker, zmq.POLLIN)
+                    broker_expiry = now + self.heartbeat_interval * self.liveness
+        finally:
+            self._jobs.put(None)
+            broker.close(0)
+            wake.close(0)
+            for sock, _ in data_sockets.values():
+                sock.close(0)
+            event(log, logging.INFO, "worker.stop", served=self.served)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _connect(self) -> zmq.Socket:
+        sock = make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
+                           security=self.security)
+        self._send_ready(sock)
+        return sock
+
+    def _send_ready(self, sock: zmq.Socket) -> None:
+        header = {"target_info": self.info.to_dict(), "capacity": self.capacity, "pid": os.getpid(),
+                  "host": socket.gethostname()}
+        sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
+        event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url)
+
+    def _process_broker(self, broker: zmq.Socket, msg: Message) -> bool:
+        """Handle one broker message; True if we must register again."""
+        command = WorkerCommand(msg.command)
+        if command is WorkerCommand.REQUEST:
+            if not isinstance(msg.header.get("reply_to"), str) or not msg.request_id:
+                raise ProtocolError("REQUEST without reply_to or request id")
+            self._jobs.put(Job(msg.request_id, msg.header, msg.payload, time.monotonic()))
+        elif command is WorkerCommand.SET_VOCAB:
+            self._store_mapping(msg)
+        elif command is WorkerCommand.DISCONNECT:
+            return True
+        return False
+
+    def _store_mapping(self, msg: Message) -> None:
+        digest = msg.header.get("digest")
+        try:
+            tensors = wire.decode(msg.payload, max_bytes=self.max_message_bytes)
+            mapping = (tensors["selected_token_ids"].clone(), tensors["selected_token_mask"].clone())
+        except (wire.WireError, KeyError) as e:
+            event(log, logging.WARNING, "worker.bad_mapping", digest=digest, error=e)
+            return
+        with self._mapping_lock:
+            self._mappings[str(digest)] = mapping
+            self._mappings.move_to_end(str(digest))
+            while len(self._mappings) > MAX_MAPPINGS:
+                self._mappings.popitem(last=False)
+
+    def _data_socket(self, sockets: collections.OrderedDict, endpoint: str, header: dict, now: float):
+        entry = sockets.get(endpoint)
+        if entry is None:
+            server_key = header.get("data_key")
+            sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint, security=self.security, hwm=4,
+                               curve_server_key=server_key.encode() if server_key else None)
+            entry = sockets[endpoint] = [sock, now]
+            while len(sockets) > MAX_DATA_SOCKETS:
+                _, (old, _) = sockets.popitem(last=False)
+                old.close(0)
+        entry[1] = now
+        sockets.move_to_end(endpoint)
+        return entry[0]
+
+    def _close_idle(self, sockets: collections.OrderedDict, now: float) -> None:
+        for endpoint in [e for e, (_, used) in sockets.items() if now - used > DATA_SOCKET_IDLE_S]:
+            sockets.pop(endpoint)[0].close(0)
+
+    def _flush(self, outbox: collections.deque, broker: zmq.Socket, now: float) -> None:
+        """Send queued replies without blocking; a client that cannot take one
+        within ``reply_timeout`` is given up on (it will retry if alive)."""
+        for _ in range(len(outbox)):
+            sock, result, deadline = outbox.popleft()
+            frames = data_message(result.status, result.job.request_id, result.header, result.frames)
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                status = "ok" if result.status is Status.OK else "error"
+            except zmq.Again:
+                if now < deadline:
+                    outbox.append((sock, result, deadline))
+                    continue
+                status = "undeliverable"
+            nbytes = sum(len(memoryview(f)) for f in result.frames)
+            broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, result.job.request_id,
+                                          {"status": status, "tokens": result.tokens, "bytes": nbytes}))
+            self.served += 1
+
+    # -------------------------------------------------------------- compute
+
+    def _compute_loop(self) -> None:
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(self._notify_endpoint)
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                self._results.put(self.serve(job))
+                wake.send(b"")
+        finally:
+            wake.close(0)
+
+    def serve(self, job: Job) -> Result:
+        """Run one job on the engine; every failure becomes an error reply."""
+        start = time.perf_counter()
+        try:
+            tensors, tokens = self._execute(job)
+            frames = wire.encode(tensors)
+            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6)}
+            return Result(job, Status.OK, header, frames, tokens)
+        except RequestError as e:
+            code, message = e.code, str(e)
+        except (ValueError, wire.WireError) as e:
+            code, message = ErrorCode.BAD_REQUEST, str(e)
+        except Exception as e:  # the engine failed: report, keep serving
+            log.exception("worker.engine_failed worker=%s", self.name)
+            code, message = ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
+        event(log, logging.INFO, "worker.request_failed", code=code.value, error=message)
+        return Result(job, Status.ERROR, {"worker": self.name, "code": code.value, "error": message}, [])
+
+    def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
+        op = job.header.get("op", Op.GENERATE.value)
+        if op == Op.GENERATE.value:
+            return self._generate(job)
+        if op == Op.EMBEDDINGS.value:
+            which = job.header.get("which")
+            if which == "input":
+                weight = self.engine.get_input_embeddings().weight
+            elif which == "output":
+                weight = self.engine.get_output_embeddings().weight
+            else:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"embeddings 'which' must be input or output, got {which!r}")
+            return {"weight": weight.detach().to("cpu").contiguous()}, 0
+        if op == Op.LM_HEAD_SLICE.value:
+            ids, _ = self._mapping(job.header.get("vocab"))
+            weight = self.engine.get_output_embeddings().weight.detach()
+            return {"weight": weight.index_select(0, ids.to(weight.device)).to("cpu")}, 0
+        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
+
+    def _generate(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
+        kind = Kind.parse(job.header.get("kind", Kind.EAGLE3.value))
+        tensors = wire.decode(job.payload, max_bytes=self.max_message_bytes)
+        missing = [n for n in REQUEST_TENSORS if n not in tensors]
+        if missing or len(tensors) != len(REQUEST_TENSORS):
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"request must hold exactly {list(REQUEST_TENSORS)}, got {sorted(tensors)}")
+        if kind in (Kind.EAGLE3, Kind.EAGLE3_COMPACT):
+            digest = job.header.get("vocab")
+            if digest != self._current_mapping:
+                self.engine.set_vocab_mapping(*self._mapping(digest))
+                self._current_mapping = digest
+        out = self.engine.generate_batch(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"],
+                                         kind=kind.value)
+        tokens = int(tensors["attention_mask"].sum())
+        return {k: v.to("cpu") for k, v in out.items()}, tokens
+
+    def _mapping(self, digest) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(digest, str):
+            raise RequestError(ErrorCode.BAD_REQUEST, "EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping")
+        with self._mapping_lock:
+            mapping = self._mappings.get(digest)
+        if mapping is None:
+            # The broker sends mappings ahead of requests; missing means a race
+            # with a restart. INTERNAL makes the client retry.
+            raise RequestError(ErrorCode.INTERNAL, f"worker {self.name} lacks vocab mapping {digest}")
+        return mapping
