@@ -1,0 +1,260 @@
+"""The Hugging Face transformers engine: any local causal LM, run in-process.
+
+Hidden states are captured with hooks on the decoder layers that are actually needed (never
+``output_hidden_states=True``, which keeps all N+1 of them alive), and the logits come from the
+model's own ``lm_head`` on the final-norm output, in the model dtype, exactly as the HF forward
+computes them. Only the draft-vocab slice is ever softmaxed in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from spec_serve import contract
+from spec_serve.compact import eagle3_targets, shift_left
+from spec_serve.contract import Kind, TargetInfo
+
+# Fingerprint reads this much from each end of every weight file (see `fingerprint`).
+_FINGERPRINT_EDGE_BYTES = 1 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# Config keys that say how or where a checkpoint was written, not what it computes.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
+def parse_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype | str":
+    """``None``/"auto" -> "auto" (the checkpoint's dtype); "bfloat16"/"bf16"/torch.bfloat16 -> torch.bfloat16."""
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    value = getattr(torch, aliases.get(dtype, dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def fingerprint(path: str | Path) -> str:
+    """A 32-hex-digit sha256 identity of a checkpoint directory's config and weights.
+
+    Hashes the canonical config JSON (sorted keys, minus version/path stamps) and, for each weight
+    file in name order: its name, size, its first and last MiB -- and, for safetensors, the whole
+    JSON header (names, dtypes, shapes, offsets). Reading a few MiB per file keeps this instant at
+    the 8B shape (16 GB of weights); the edges of the data plus the exact sizes and layout tell
+    different checkpoints apart in practice (a retrained or re-seeded model differs everywhere).
+    """
+    root = Path(path)
+    h = hashlib.sha256()
+    config = json.loads((root / "config.json").read_text())
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    weight_files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    if not weight_files:
+        raise ValueError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {root}")
+    for wf in weight_files:
+        size = wf.stat().st_size
+        h.update(f"{wf.name}\0{size}\0".encode())
+        with open(wf, "rb") as f:
+            head_len = _FINGERPRINT_EDGE_BYTES
+            if wf.suffix == ".safetensors" and size >= 8:
+                head_len = max(head_len, 8 + int.from_bytes(f.read(8), "little"))
+                f.seek(0)
+            h.update(f.read(head_len))
+            if size > head_len:
+                f.seek(max(head_len, size - _FINGERPRINT_EDGE_BYTES))
+                h.update(f.read())
+    return h.hexdigest()[:32]
+
+
+class HFTarget:
+    """A frozen local causal LM serving the supervision contract (engine "hf")."""
+
+    engine = "hf"
+
+    def __init__(
+        self,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: "str | torch.dtype | None" = None,
+        aux_layer_ids: Sequence[int] | None = None,
+        dspark_layer_ids: Sequence[int] | None = None,
+        model_name: str | None = None,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.path = Path(path)
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(str(self.path))
+        for key in ("final_logit_softcapping", "logit_scale"):
+            # Such models post-process lm_head's output; our logits would not equal HF's.
+            if getattr(config, key, None) not in (None, 1.0):
+                raise NotImplementedError(f"HFTarget does not support models with {key}={getattr(config, key)}")
+        # Layer ids are checked before the (at 8B, slow) weight load so a typo fails at once.
+        self.num_layers = int(config.num_hidden_layers)
+        self.aux_layer_ids = contract.validate_aux_layer_ids(
+            contract.default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else aux_layer_ids, self.num_layers
+        )
+        self.dspark_layer_ids = contract.validate_dspark_layer_ids(
+            contract.default_dspark_layer_ids(self.num_layers) if dspark_layer_ids is None else dspark_layer_ids,
+            self.num_layers,
+        )
+        # `dtype=` replaced `torch_dtype=` in transformers 4.56; both 4.57 and 5.x accept it.
+        model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype))
+        model.to(self.device).eval().requires_grad_(False)
+        self.model = model
+        self._base = model.base_model
+        self._layers = self._base.layers
+        self._lm_head = model.get_output_embeddings()
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(self._lm_head.weight.shape[0])
+        self.model_name = model_name or os.path.basename(os.path.normpath(str(self.path))) or config._name_or_path
+        self._mapping: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mapping_on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fingerprint: str | None = None
+        self._captured: dict[int, torch.Tensor] = {}
+        self._wanted: frozenset[int] = frozenset()
+        # The hooks share _wanted/_captured, so concurrent forwards would mix their captures.
+        self._forward_lock = threading.Lock()
+        self._install_hooks()
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        # Layer id -1 is the input of the first decoder layer (HF hidden_states[0], which for some
+        # models is the scaled embedding, so the embedding module's own output would be wrong).
+        def capture_input(module, args, kwargs):
+            if -1 in self._wanted:
+                self._captured[-1] = args[0] if args else kwargs["hidden_states"]
+
+        self._layers[0].register_forward_pre_hook(capture_input, with_kwargs=True)
+        # The last layer's output is never needed from a hook: contract id N-1 is the post-norm state.
+        for i, layer in enumerate(self._layers[:-1]):
+            layer.register_forward_hook(self._make_capture_output(i))
+
+    def _make_capture_output(self, layer_id: int):
+        def capture_output(module, args, output):
+            if layer_id in self._wanted:
+                # Decoder layers return a tensor (transformers >= 4.56-ish) or a tuple (older/other models).
+                self._captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return capture_output
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: Sequence[int]):
+        """Final-norm output ``[B,S,H]`` and ``{layer_id: HF hidden_states[layer_id+1]}`` for ``layer_ids``."""
+        with self._forward_lock:
+            self._wanted = frozenset(layer_ids)
+            self._captured = {}
+            try:
+                out = self._base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
+                last = out.last_hidden_state
+                captured = dict(self._captured)
+            finally:
+                self._wanted = frozenset()
+                self._captured = {}
+        # HF's hidden_states[N] is the final-norm output, so layer N-1 means that (see DESIGN.md).
+        captured[self.num_layers - 1] = last
+        return last, {i: captured[i] for i in layer_ids}
+
+    # -- public API ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        kind: "str | Kind" = "eagle3",
+    ) -> dict[str, torch.Tensor]:
+        """Run the target on one right-padded ``[B,S]`` batch; return the contract tensors of ``kind``.
+
+        Inputs may live on any device; outputs are on the engine's device. ``ValueError`` for an
+        invalid request, ``RuntimeError`` for EAGLE-3 before ``set_vocab_mapping``.
+        """
+        kind = Kind.parse(kind)
+        contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
+        if kind is Kind.EAGLE3 and self._mapping_on_device is None:
+            raise RuntimeError("EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping() first")
+        input_ids = input_ids.to(self.device, torch.int64)
+        attention_mask = attention_mask.to(self.device, torch.int64)
+        loss_mask = loss_mask.to(self.device)
+
+        if kind is Kind.DSPARK:
+            last, layers = self._forward(input_ids, attention_mask, self.dspark_layer_ids)
+            return {
+                "target_hidden_states": torch.cat([layers[i] for i in self.dspark_layer_ids], dim=-1),
+                "target_last_hidden_states": last,
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+            }
+
+        last, layers = self._forward(input_ids, attention_mask, self.aux_layer_ids)
+        aux = torch.cat([layers[i] for i in self.aux_layer_ids], dim=-1)
+        # Same op on the same tensor as LlamaForCausalLM.forward, so equal to model(...).logits.
+        # Full-vocab logits stay in the model dtype: at V=152k, fp32 would double the largest buffer.
+        logits = self._lm_head(last)
+        argmax = shift_left(logits.argmax(dim=-1))
+        shifted_ids, shifted_loss = shift_left(input_ids), shift_left(loss_mask)
+        if kind is Kind.EAGLE3_COMPACT:
+            return {
+                "aux_hidden_states": aux,
+                "last_hidden_states": last,
+                "argmax_ids": argmax.to(torch.int32),
+                "input_ids": shifted_ids,
+                "loss_mask": shifted_loss,
+            }
+        selected_ids, selected_mask = self._mapping_on_device
+        next_draft_logits = logits[:, 1:].index_select(-1, selected_ids)
+        del logits  # free the full-vocab buffer before the float32 softmax allocates
+        target_probs, position_mask = eagle3_targets(next_draft_logits, argmax, selected_mask, shifted_loss)
+        return {
+            "aux_hidden_states": aux,
+            "target_probs": target_probs,
+            "position_mask": position_mask,
+            "input_ids": shifted_ids,
+            "loss_mask": shifted_loss,
+        }
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        """Install the draft-vocab mapping EAGLE-3 batches are computed with (``ValueError`` if invalid)."""
+        contract.validate_vocab_mapping(selected_token_ids, selected_token_mask, self.vocab_size)
+        # Private CPU copies: the caller may mutate or free its tensors afterwards.
+        ids = selected_token_ids.detach().to("cpu", copy=True)
+        mask = selected_token_mask.detach().to("cpu", copy=True)
+        self._mapping = (ids, mask)
+        self._mapping_on_device = (ids.to(self.device), mask.to(self.device))
+
+    def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The current ``(selected_token_ids, selected_token_mask)`` on CPU, or ``None`` if unset."""
+        return None if self._mapping is None else (self._mapping[0].clone(), self._mapping[1].clone())
+
+    def target_info(self) -> TargetInfo:
+        """What this engine serves, as checked by clients at setup."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.path)
+        return TargetInfo(
+            num_hidden_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            aux_layer_ids=tuple(self.aux_layer_ids),
+            dspark_layer_ids=tuple(self.dspark_layer_ids),
+            model_name=self.model_name,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            engine=self.engine,
+            fingerprint=self._fingerprint,
+        )
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """The input embedding module (``.weight`` ``[V, H]``)."""
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        """The lm_head (``.weight`` ``[V, H]``); for tied models that weight is the input embedding's."""
+        return self._lm_head

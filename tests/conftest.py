@@ -1,0 +1,41 @@
+"""Shared fixtures: one tiny random Llama target per test session, and colocated engines on it."""
+
+from __future__ import annotations
+
+import pytest
+
+# Keep a small draft vocab so EAGLE-3 batches exercise index_select and the t2d mask.
+TINY_DRAFT_VOCAB = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """Path of a tiny random ``LlamaForCausalLM`` (8 layers, H=128, V=512) built once per session."""
+    from spec_serve.tiny import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_mapping(tiny_target_dir):
+    """A deterministic ``(selected_token_ids, selected_token_mask)`` for the tiny target."""
+    from spec_serve.tiny import sample_batch
+    from spec_serve.vocab import build_vocab_mapping
+
+    input_ids, _, loss_mask = sample_batch(tiny_target_dir, batch=8, seq=64, seed=0)
+    return build_vocab_mapping(input_ids, loss_mask, 512, TINY_DRAFT_VOCAB, special_token_ids=(0, 1, 2, 3))
+
+
+@pytest.fixture(scope="session")
+def colocated_target(tiny_target_dir, tiny_vocab_mapping):
+    """Factory: ``colocated_target(**HFTarget_kwargs)`` -> a fresh in-process ``HFTarget`` on the tiny
+    target with ``tiny_vocab_mapping`` set (pass ``vocab_mapping=None`` to leave it unset)."""
+    from spec_serve.engines.hf import HFTarget
+
+    def make(vocab_mapping=tiny_vocab_mapping, **kwargs):
+        engine = HFTarget(tiny_target_dir, **kwargs)
+        if vocab_mapping is not None:
+            engine.set_vocab_mapping(*vocab_mapping)
+        return engine
+
+    return make

@@ -1,0 +1,69 @@
+"""The tiny random target: deterministic files, loadable by transformers, usable sample batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_serve.tiny import make_tiny_target, sample_batch
+
+
+def _file_bytes(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path, tiny_target_dir):
+    again = make_tiny_target(tmp_path / "again")
+    assert _file_bytes(again) == _file_bytes(tiny_target_dir)
+    other = _file_bytes(make_tiny_target(tmp_path / "other", seed=1))
+    assert other["model.safetensors"] != _file_bytes(again)["model.safetensors"]
+    # The tokenizer does not depend on the weight seed.
+    assert other["tokenizer.json"] == _file_bytes(again)["tokenizer.json"]
+
+
+def test_loads_with_auto_classes(tiny_target_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    cfg = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (8, 128, 512)
+    assert cfg.hidden_size // cfg.num_attention_heads >= 32
+    assert len(tok) == cfg.vocab_size == model.get_input_embeddings().weight.shape[0]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    ids = tok("Hello world, the draft model").input_ids
+    assert ids[0] == tok.bos_token_id and max(ids) < cfg.vocab_size
+    assert tok.decode(ids, skip_special_tokens=True) == "Hello world, the draft model"
+
+
+def test_tied_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_target(tmp_path / "tied", tie_word_embeddings=True, layers=4))
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_rejects_small_head_dim(tmp_path):
+    with pytest.raises(ValueError, match="head_dim"):
+        make_tiny_target(tmp_path / "x", hidden=64, heads=4)
+
+
+@pytest.mark.parametrize("source", ["corpus", "random"])
+def test_sample_batch_is_right_padded_and_deterministic(tiny_target_dir, source):
+    tok = tiny_target_dir if source == "corpus" else None
+    input_ids, attention_mask, loss_mask = sample_batch(tok, batch=5, seq=24, seed=3)
+    again = sample_batch(tok, batch=5, seq=24, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip((input_ids, attention_mask, loss_mask), again))
+    for t in (input_ids, attention_mask, loss_mask):
+        assert t.shape == (5, 24) and t.dtype == torch.int64
+    lengths = attention_mask.sum(1)
+    assert lengths[0] == 24 and len(set(lengths.tolist())) > 1
+    # Right padding: each row is ones then zeros; loss only on real tokens.
+    assert torch.equal(attention_mask, (torch.arange(24) < lengths[:, None]).long())
+    assert bool((loss_mask <= attention_mask).all()) and bool((loss_mask.sum(1) > 0).all())
+    assert int(input_ids.max()) < 512
+    if source == "corpus":
+        assert bool((input_ids[:, 0] == 1).all())  # <s>
+        assert bool((input_ids[attention_mask == 0] == 3).all())  # <pad>
