@@ -148,6 +148,7 @@ class Broker:
         self.requests: dict[bytes, Request] = {}
         self.metrics = BrokerMetrics()
         self.started_at = time.time()
+        self.started_monotonic = time.monotonic()
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
@@ -254,6 +255,9 @@ class Broker:
         if vocab is not None and (service is None or vocab not in service.mappings):
             self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
                             f"unknown vocab mapping {vocab!r}: call set_vocab_mapping first", unknown_vocab=True)
+            return
+        if self._unknown(service, now):
+            self.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE, self._unknown_message(msg.service))
             return
         timeout = float(msg.header.get("timeout", 120))
         request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now)
@@ -477,14 +481,13 @@ class Broker:
                     if request is None:
                         queue.remove(request_id)
                         continue
-                    unknown = not service.ever_had_workers and now - service.created_at > UNKNOWN_SERVICE_GRACE
+                    unknown = self._unknown(service, now)
                     if request.deadline < now or unknown:
                         queue.remove(request_id)
                         self._forget_request(request)
                         if unknown:
-                            known = sorted(s for s, st in self.services.items() if st.workers)
                             self.send_error(client_id, request_id, ErrorCode.UNKNOWN_SERVICE,
-                                            f"no worker serves {service.name!r}; services with workers: {known}")
+                                            self._unknown_message(service.name))
                         else:
                             self.send_error(client_id, request_id, ErrorCode.TIMEOUT,
                                             f"no worker of {service.name!r} took the request before its deadline")
@@ -493,6 +496,15 @@ class Broker:
         for service in self.services.values():
             self.metrics.queue_depth.labels(service=service.name).set(service.queue_depth())
         self.metrics.inflight.set(sum(1 for r in self.requests.values() if r.worker is not None))
+
+    def _unknown(self, service: ServiceState | None, now: float) -> bool:
+        """No worker ever served it, and the start-up grace (workers still loading) is over."""
+        never_served = service is None or not service.ever_had_workers
+        return never_served and now - self.started_monotonic > UNKNOWN_SERVICE_GRACE
+
+    def _unknown_message(self, name: str) -> str:
+        known = sorted(s for s, st in self.services.items() if st.workers)
+        return f"unknown service {name!r}: no worker serves it; services with workers: {known}"
 
     # ----------------------------------------------------------------- util
 

@@ -79,6 +79,7 @@ class ClientStats:
     retried: int = 0
     duplicates: int = 0
     broker_reconnects: int = 0
+    batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
 
 
 def _advertise_host(broker_url: str) -> str:
@@ -240,7 +241,8 @@ class _ClientIO(threading.Thread):
     def _retry(self, pending: _Pending, now: float, reason: str, delay: float = 0.0) -> None:
         if pending.attempts > self.max_retries:
             self._fail(pending, TimeoutError(
-                f"request {pending.request_id.hex()[:12]} failed after {pending.attempts} attempts: {reason}"))
+                f"request {pending.request_id.hex()[:12]} to service {pending.service!r} failed after "
+                f"{pending.attempts} attempts: {reason}"))
             return
         self.stats.retried += 1
         event(log, logging.INFO, "client.retry", request=pending.request_id.hex()[:12], reason=reason)
@@ -320,6 +322,8 @@ class _ClientIO(threading.Thread):
         tensors = wire.decode(payload, max_bytes=self.max_message_bytes)
         self._pending.pop(request_id)
         self.stats.completed += 1
+        if int(header.get("batched", 1)) > 1:
+            self.stats.batched += 1
         pending.future.set_result(tensors)
 
     def _disconnect(self) -> None:
@@ -349,6 +353,7 @@ class RemoteTargetModel:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        compact: bool = False,
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
@@ -365,6 +370,14 @@ class RemoteTargetModel:
         self._vocab_digest: str | None = None
         self._info: TargetInfo | None = None
         self._closed = False
+        # Compact EAGLE-3: workers ship last hidden state + argmax; target_probs and position_mask
+        # are rebuilt here from the draft-vocab lm_head slice, cached per mapping digest on `device`.
+        self.compact = bool(compact)
+        self._lm_head_slices: dict[str, torch.Tensor] = {}
+        self._selected_mask: torch.Tensor | None = None
+        # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
+        self._expander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand") \
+            if self.compact else None
 
     @property
     def stats(self) -> ClientStats:
@@ -381,6 +394,8 @@ class RemoteTargetModel:
         """Submit a batch; blocks while ``prefetch_depth`` batches are already in flight."""
         kind = Kind.parse(kind)
         validate_request(input_ids, attention_mask, loss_mask, self.target_info().vocab_size)
+        expand = self.compact and kind is Kind.EAGLE3
+        wire_kind = Kind.EAGLE3_COMPACT if expand else kind
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
         self._credits.acquire()
@@ -394,15 +409,46 @@ class RemoteTargetModel:
                     "attention_mask": attention_mask[lo:hi].to("cpu"),
                     "loss_mask": loss_mask[lo:hi].to("cpu"),
                 })
-                header = {"op": Op.GENERATE.value, "kind": kind.value, "timeout": self.timeout,
+                header = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                           "tokens": int(attention_mask[lo:hi].sum())}
                 shards.append(self._request(header, payload))
         except BaseException:
             self._credits.release()
             raise
         result = _gather(shards, self.device)
+        if expand:
+            result = self._expand_later(result, self._vocab_digest)
         result.add_done_callback(lambda _: self._credits.release())
         return result
+
+    def _expand_later(self, compact: concurrent.futures.Future, digest: str) -> concurrent.futures.Future:
+        """A future of the EAGLE-3 tensors rebuilt from a compact batch (after gathering every shard,
+        so the draft-vocab GEMM has the colocated shape)."""
+        from spec_serve.compact import expand_compact
+
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        weight, mask = self._lm_head_slices[digest], self._selected_mask
+
+        def run():
+            try:
+                out.set_result(expand_compact(compact.result(), weight, mask))
+            except BaseException as e:
+                out.set_exception(e)
+
+        compact.add_done_callback(lambda _: self._expander.submit(run))
+        return out
+
+    def lm_head_slice(self) -> torch.Tensor:
+        """The draft-vocab rows ``[Vd, H]`` of the target's lm_head for the current mapping, on ``device``:
+        fetched from a worker once per mapping digest, then cached."""
+        digest = self._vocab_digest
+        if digest is None:
+            raise RuntimeError("call set_vocab_mapping first")
+        weight = self._lm_head_slices.get(digest)
+        if weight is None:
+            tensors = self._request({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout}, ()).result()
+            weight = self._lm_head_slices[digest] = tensors["weight"].to(self.device)
+        return weight
 
     def _request(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
         header = dict(header, reply_to=self._io.data_endpoint)
@@ -423,6 +469,9 @@ class RemoteTargetModel:
         payload = [bytes(memoryview(f)) for f in payload]
         self._io.call(lambda: setattr(self._io, "vocab_registration", (self.service, payload)))
         self._vocab_digest = digest
+        self._selected_mask = mask.to(self.device)
+        if self.compact:
+            self.lm_head_slice()
 
     # ----------------------------------------------------------- target info
 
@@ -484,6 +533,8 @@ class RemoteTargetModel:
         if not self._closed:
             self._closed = True
             self._io.close()
+            if self._expander is not None:
+                self._expander.shutdown(wait=False)
 
     def __enter__(self) -> "RemoteTargetModel":
         return self

@@ -1,0 +1,208 @@
+"""The main job with real processes: a broker and two hf workers on loopback, several client ranks.
+
+Every remote tensor is compared with ``torch.equal`` against the colocated ``HFTarget``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from spec_serve import wire
+from spec_serve.client import RemoteTargetModel
+from spec_serve.launch import Cluster, free_port, local_cluster
+from spec_serve.tiny import sample_batch
+
+KINDS = ("eagle3", "dspark")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir):
+    with local_cluster(tiny_target_dir, workers=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(colocated_target):
+    return colocated_target()
+
+
+def assert_equal_batches(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
+        assert torch.equal(got[name], want[name]), f"{name} differs from the colocated forward"
+
+
+def run_rank(rank, frontend, tiny_target_dir, mapping, reference, shards, steps=4):
+    """One client rank: prefetch 2, alternating kinds; returns (verified, stats)."""
+    verified = 0
+    with RemoteTargetModel(frontend, num_shards=shards, prefetch_depth=2, timeout=60) as target:
+        target.set_vocab_mapping(*mapping)
+        submitted = []
+        for step in range(steps):
+            inputs = sample_batch(tiny_target_dir, batch=3 + rank, seq=24, seed=100 * rank + step)
+            kind = KINDS[step % 2]
+            submitted.append((kind, inputs, target.generate_batch_async(*inputs, kind=kind)))
+        for kind, inputs, future in submitted:
+            assert_equal_batches(future.result(timeout=120), reference.generate_batch(*inputs, kind=kind))
+            verified += 1
+        stats = target.stats
+    return verified, stats
+
+
+def test_three_ranks_sharded_and_prefetched_equal_colocated(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
+    shards = [1, 2, 2]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda r: run_rank(r, cluster.frontend, tiny_target_dir, tiny_vocab_mapping,
+                                                   reference, shards[r]), range(3)))
+    print("verified per rank:", [v for v, _ in results], "stats:", [s for _, s in results])
+    assert [v for v, _ in results] == [4, 4, 4]
+    assert all(s.duplicates == 0 for _, s in results)
+    # Both workers served: sharded requests spread across them.
+    _, body = cluster.get("/workers")
+    assert all(w["completed"] > 0 for w in body["workers"]), body["workers"]
+
+
+def test_embeddings_and_target_info(cluster, reference):
+    with RemoteTargetModel(cluster.frontend, timeout=60) as target:
+        assert target.target_info() == reference.target_info()
+        target.check_target_info(reference.target_info())
+        assert torch.equal(target.get_input_embeddings().weight, reference.get_input_embeddings().weight)
+        assert torch.equal(target.get_output_embeddings().weight, reference.get_output_embeddings().weight)
+
+
+def test_mismatched_target_info_names_worker_and_fields(cluster, reference):
+    expected = dict(reference.target_info().to_dict(), hidden_size=4096, aux_layer_ids=[2, 16, 29])
+    with RemoteTargetModel(cluster.frontend, timeout=60) as target:
+        with pytest.raises(ValueError) as err:
+            target.check_target_info(expected)
+    message = str(err.value)
+    assert "worker " in message and "hidden_size" in message and "aux_layer_ids" in message
+    assert "4096" in message
+
+
+def test_unknown_service_is_a_clear_error(cluster, tiny_target_dir):
+    inputs = sample_batch(tiny_target_dir, batch=1, seq=8, seed=0)
+    with RemoteTargetModel(cluster.frontend, service="no-such-target", timeout=3, max_retries=0) as target:
+        # target_info() of a service no worker serves times out clearly.
+        with pytest.raises(TimeoutError, match="no-such-target"):
+            target.target_info()
+        # A raw request (bypassing the info lookup) gets the broker's error reply.
+        target._info = None
+        future = target._request({"op": "generate", "kind": "dspark", "timeout": 3}, [])
+        with pytest.raises((ValueError, TimeoutError), match="no-such-target|no worker"):
+            future.result(timeout=30)
+    del inputs
+
+
+def test_bad_request_is_refused_and_worker_keeps_serving(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
+    with RemoteTargetModel(cluster.frontend, timeout=60) as target:
+        ids, attn, loss = sample_batch(tiny_target_dir, batch=2, seq=8, seed=3)
+        with pytest.raises(ValueError, match="token ids"):
+            target.generate_batch(ids + 10_000, attn, loss, kind="dspark")
+        with pytest.raises(RuntimeError, match="set_vocab_mapping"):
+            target.generate_batch(ids, attn, loss, kind="eagle3")
+        with pytest.raises(ValueError, match="shape"):
+            target.generate_batch(ids, attn[:, :4], loss, kind="dspark")
+        # Past the client's own checks: the worker refuses a request with a foreign tensor set.
+        future = target._request({"op": "generate", "kind": "dspark", "timeout": 60},
+                                 wire.encode({"input_ids": ids, "labels": ids}))
+        with pytest.raises(ValueError, match="request must hold"):
+            future.result(timeout=60)
+        assert_equal_batches(target.generate_batch(ids, attn, loss, kind="dspark"),
+                             reference.generate_batch(ids, attn, loss, kind="dspark"))
+
+
+def test_closing_one_client_leaves_others_served(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
+    inputs = sample_batch(tiny_target_dir, batch=2, seq=16, seed=11)
+    a = RemoteTargetModel(cluster.frontend, timeout=60)
+    b = RemoteTargetModel(cluster.frontend, timeout=60)
+    try:
+        a.set_vocab_mapping(*tiny_vocab_mapping)
+        b.set_vocab_mapping(*tiny_vocab_mapping)
+        pending = a.generate_batch_async(*inputs, kind="eagle3")
+        a.close()  # closing with a request in flight
+        with pytest.raises(RuntimeError):
+            pending.result(timeout=30)
+        for _ in range(3):
+            assert_equal_batches(b.generate_batch(*inputs, kind="eagle3"),
+                                 reference.generate_batch(*inputs, kind="eagle3"))
+        code, health = cluster.get("/health")
+        assert code == 200 and health["workers"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_clients_with_different_vocab_mappings(cluster, tiny_target_dir, tiny_vocab_mapping, colocated_target):
+    """No request is ever answered with another client's mapping."""
+    ids_a, mask_a = tiny_vocab_mapping
+    ids_b = torch.arange(0, 512, 4, dtype=torch.int64)
+    mask_b = torch.zeros(512, dtype=torch.bool)
+    mask_b[ids_b] = True
+    ref_a, ref_b = colocated_target(), colocated_target(vocab_mapping=(ids_b, mask_b))
+    inputs = sample_batch(tiny_target_dir, batch=2, seq=16, seed=5)
+    with RemoteTargetModel(cluster.frontend, timeout=60) as a, RemoteTargetModel(cluster.frontend, timeout=60) as b:
+        a.set_vocab_mapping(ids_a, mask_a)
+        b.set_vocab_mapping(ids_b, mask_b)
+        futures = []
+        for _ in range(3):
+            futures.append((ref_a, a.generate_batch_async(*inputs)))
+            futures.append((ref_b, b.generate_batch_async(*inputs)))
+        for ref, future in futures:
+            assert_equal_batches(future.result(timeout=120), ref.generate_batch(*inputs, kind="eagle3"))
+
+
+def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
+    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port())
+    try:
+        cluster.start_broker()
+        code, body = cluster.get("/health")
+        assert code == 503, body
+        cluster.start_worker(tiny_target_dir)
+        cluster.wait_workers(1)
+        code, body = cluster.get("/health")
+        assert code == 200 and body["workers"] == 1, body
+        code, info = cluster.get("/model_info?service=default")
+        assert code == 200 and info["engine"] == "hf" and info["num_hidden_layers"] == 8
+        assert cluster.get("/model_info?service=nope")[0] == 404
+        assert cluster.get("/nope")[0] == 404
+        with RemoteTargetModel(cluster.frontend, timeout=60) as target:
+            inputs = sample_batch(tiny_target_dir, batch=2, seq=8, seed=1)
+            target.generate_batch(*inputs, kind="dspark")
+        code, text = cluster.get("/metrics")
+        assert code == 200
+        for metric in ("spec_serve_requests_total", "spec_serve_tokens_total", "spec_serve_reply_bytes_total",
+                       "spec_serve_request_latency_seconds_bucket", "spec_serve_queue_depth",
+                       "spec_serve_worker_inflight"):
+            assert metric in text, metric
+        tokens = [line for line in text.splitlines() if line.startswith("spec_serve_tokens_total")]
+        assert tokens and float(tokens[0].split()[-1]) == float(inputs[1].sum())
+        # The status command prints the same picture.
+        out = subprocess.run([sys.executable, "-m", "spec_serve.cli", "status", "--broker", cluster.frontend,
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        assert status["services"]["default"]["workers"] == 1
+        # Kill the only worker: health falls back to 503 once the broker notices.
+        cluster.workers[0].kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and cluster.get("/health")[0] != 503:
+            time.sleep(0.2)
+        assert cluster.get("/health")[0] == 503
+    finally:
+        cluster.stop()
+
+
+def test_http_shim_binds_loopback_by_default():
+    out = subprocess.run([sys.executable, "-m", "spec_serve.cli", "broker", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert "127.0.0.1" in out.stdout and "Examples" in out.stdout
