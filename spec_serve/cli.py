@@ -132,15 +132,19 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
               help="EAGLE-3 layers, e.g. 1,15,28; default [1, N/2-1, N-4] [env SPEC_SERVE_AUX_LAYER_IDS].")
 @click.option("--dspark-layer-ids", default=None, envvar="SPEC_SERVE_DSPARK_LAYER_IDS",
               help="DSpark layers, strictly increasing, -1 = embeddings [env SPEC_SERVE_DSPARK_LAYER_IDS].")
-@click.option("--capacity", default=2, type=int, envvar="SPEC_SERVE_CAPACITY", show_default=True,
-              help="Requests held at once: one computing while the last reply is sent [env SPEC_SERVE_CAPACITY].")
+@click.option("--capacity", default=None, type=int, envvar="SPEC_SERVE_CAPACITY",
+              help="Requests held at once: one computing while the last reply is sent; default 2, or 8 with "
+                   "--max-batch-tokens (batching needs several queued) [env SPEC_SERVE_CAPACITY].")
+@click.option("--max-batch-tokens", default=0, type=int, envvar="SPEC_SERVE_MAX_BATCH_TOKENS", show_default=True,
+              help="Coalesce queued requests of the same kind, vocab and seq length into one forward of up to "
+                   "this many (padded) tokens; 0 = off [env SPEC_SERVE_MAX_BATCH_TOKENS].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
 @log_level_option
 def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           curve_secret_key, curve_server_key, log_level):
+           max_batch_tokens, curve_secret_key, curve_server_key, log_level):
     """Run one worker (one target replica, one GPU) for the broker.
 
     \b
@@ -148,12 +152,10 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
       spec-serve worker --target /models/llama-3.1-8b --device cuda:0 --dtype bfloat16
       spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556
       spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
+      spec-serve worker --target ./tiny --max-batch-tokens 4096   # many small requests: one forward
     """
     logs.setup(log_level)
-    if log_level.upper() != "DEBUG":
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # quiet by default: no weight-loading bars in worker logs
+    logs.quiet_transformers()
     from spec_serve.engines import EngineUnavailable, load_engine
     from spec_serve.worker import Worker
 
@@ -164,7 +166,9 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     except EngineUnavailable as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    w = Worker(engine_obj, broker_url, service=service, capacity=capacity,
+    if capacity is None:
+        capacity = 8 if max_batch_tokens > 0 else 2
+    w = Worker(engine_obj, broker_url, service=service, capacity=capacity, max_batch_tokens=max_batch_tokens,
                security=_security(curve_secret_key, curve_server_key, None))
     _serve_until_signal(w.stop)
     w.run()
@@ -265,6 +269,7 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
       spec-serve demo --ranks 4 --workers 2 --steps 20
     """
     logs.setup(log_level)
+    logs.quiet_transformers()
     from spec_serve.demo import run_demo
 
     ok = run_demo(ranks=ranks, workers=workers, steps=steps, batch=batch, seq=seq, target=target)

@@ -30,3 +30,11 @@ def event(logger: logging.Logger, level: int, name: str, **fields) -> None:
         s = str(v)
         parts.append(f"{k}={s!r}" if (" " in s or not s) else f"{k}={s}")
     logger.log(level, " ".join(parts))
+
+
+def quiet_transformers() -> None:
+    """No weight-loading progress bars from transformers unless logging at DEBUG."""
+    if logging.getLogger("spec_serve").getEffectiveLevel() > logging.DEBUG:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
