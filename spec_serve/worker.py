@@ -25,6 +25,7 @@ import zmq
 
 from spec_serve import wire
 from spec_serve.contract import REQUEST_TENSORS, Kind
+from spec_serve.hostpool import HostBufferPool, Lease, to_host
 from spec_serve.logs import event
 from spec_serve.protocol import (
     HEARTBEAT_INTERVAL,
@@ -65,6 +66,7 @@ class Job:
     header: dict[str, Any]
     payload: list
     received_at: float
+    tensors: dict | None = None  # decoded request, cached when the batcher looked at it
 
 
 @dataclasses.dataclass
@@ -74,6 +76,7 @@ class Result:
     header: dict[str, Any]
     frames: list
     tokens: int = 0
+    lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
 
 
 class Worker:
@@ -92,9 +95,12 @@ class Worker:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         reply_timeout: float = 60.0,
         context: zmq.Context | None = None,
+        max_batch_tokens: int = 0,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
+        if max_batch_tokens < 0:
+            raise ValueError("max_batch_tokens must be >= 0 (0 turns batching off)")
         self.engine = engine
         self.broker_url = broker_url
         self.service = service
@@ -117,6 +123,13 @@ class Worker:
         self._stop = threading.Event()
         self._notify_endpoint = f"inproc://spec-serve-worker-{self.name}"
         self.served = 0
+        # Dynamic batching: queued generate jobs with the same kind, vocab, seq length and dtypes are
+        # coalesced into one forward of at most this many (padded) tokens; 0 = one job per forward.
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.batches = 0  # forwards run for coalesced jobs (2 or more)
+        # GPU outputs are copied into pooled pinned slabs, reused once ZeroMQ has sent them.
+        self.host_pool = HostBufferPool(max_buffers=capacity + 2)
+        self._tracked: list = []  # (MessageTracker, Lease) of replies still borrowing a slab
 
     # ------------------------------------------------------------------ I/O
 
@@ -136,7 +149,7 @@ class Worker:
         poller.register(broker, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                timeout = 5 if outbox else self.heartbeat_interval * 250
+                timeout = 5 if outbox or self._tracked else self.heartbeat_interval * 250
                 events = dict(poller.poll(timeout))
                 now = time.monotonic()
                 if broker in events:
@@ -165,7 +178,15 @@ class Worker:
                         except queue.Empty:
                             break
                         endpoint = result.job.header["reply_to"]
-                        sock = self._data_socket(data_sockets, endpoint, result.job.header, now)
+                        try:
+                            sock = self._data_socket(data_sockets, endpoint, result.job.header, now)
+                        except Exception as e:  # a reply_to or data_key no socket takes: no one to answer
+                            event(log, logging.WARNING, "worker.bad_reply_to", endpoint=str(endpoint)[:80], error=e)
+                            if getattr(result, "lease", None) is not None:
+                                result.lease.release()
+                            broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service,
+                                                          result.job.request_id, {"status": "undeliverable"}))
+                            continue
                         outbox.append((sock, result, now + self.reply_timeout))
                 self._flush(outbox, broker, now)
                 if now >= next_beat:
@@ -234,6 +255,8 @@ class Worker:
         entry = sockets.get(endpoint)
         if entry is None:
             server_key = header.get("data_key")
+            if server_key is not None and not isinstance(server_key, str):
+                raise ProtocolError("data_key must be a Z85 string")
             sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint, security=self.security, hwm=4,
                                curve_server_key=server_key.encode() if server_key else None)
             entry = sockets[endpoint] = [sock, now]
@@ -251,16 +274,30 @@ class Worker:
     def _flush(self, outbox: collections.deque, broker: zmq.Socket, now: float) -> None:
         """Send queued replies without blocking; a client that cannot take one
         within ``reply_timeout`` is given up on (it will retry if alive)."""
+        if self._tracked:
+            still = []
+            for tracker, lease in self._tracked:
+                if tracker.done:
+                    lease.release()
+                else:
+                    still.append((tracker, lease))
+            self._tracked = still
         for _ in range(len(outbox)):
             sock, result, deadline = outbox.popleft()
             frames = data_message(result.status, result.job.request_id, result.header, result.frames)
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                if result.lease is not None:
+                    tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                    self._tracked.append((tracker, result.lease))
+                else:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 status = "ok" if result.status is Status.OK else "error"
             except zmq.Again:
                 if now < deadline:
                     outbox.append((sock, result, deadline))
                     continue
+                if result.lease is not None:
+                    result.lease.release()
                 status = "undeliverable"
             nbytes = sum(len(memoryview(f)) for f in result.frames)
             broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, result.job.request_id,
@@ -273,11 +310,27 @@ class Worker:
         wake = self.ctx.socket(zmq.PAIR)
         wake.connect(self._notify_endpoint)
         try:
+            backlog: collections.deque = collections.deque()
             while True:
-                job = self._jobs.get()
-                if job is None:
-                    return
-                self._results.put(self.serve(job))
+                if not backlog:
+                    job = self._jobs.get()
+                    if job is None:
+                        return
+                    backlog.append(job)
+                if self.max_batch_tokens <= 0:
+                    self._results.put(self.serve(backlog.popleft()))
+                    wake.send(b"")
+                    continue
+                while True:  # everything queued now is a batching candidate
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        return
+                    backlog.append(job)
+                for result in self.serve_group(self._take_group(backlog)):
+                    self._results.put(result)
                 wake.send(b"")
         finally:
             wake.close(0)
@@ -287,9 +340,15 @@ class Worker:
         start = time.perf_counter()
         try:
             tensors, tokens = self._execute(job)
-            frames = wire.encode(tensors)
+            host, lease = to_host(tensors, self.host_pool)
+            try:
+                frames = wire.encode(host)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
             header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6)}
-            return Result(job, Status.OK, header, frames, tokens)
+            return Result(job, Status.OK, header, frames, tokens, lease)
         except RequestError as e:
             code, message = e.code, str(e)
         except (ValueError, wire.WireError) as e:
@@ -321,20 +380,104 @@ class Worker:
 
     def _generate(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
         kind = Kind.parse(job.header.get("kind", Kind.EAGLE3.value))
+        tensors = self._request_tensors(job)
+        self._select_mapping(kind, job)
+        out = self.engine.generate_batch(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"],
+                                         kind=kind.value)
+        tokens = int(tensors["attention_mask"].sum())
+        return out, tokens
+
+    def _request_tensors(self, job: Job) -> dict[str, torch.Tensor]:
+        if job.tensors is not None:
+            return job.tensors
         tensors = wire.decode(job.payload, max_bytes=self.max_message_bytes)
         missing = [n for n in REQUEST_TENSORS if n not in tensors]
         if missing or len(tensors) != len(REQUEST_TENSORS):
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"request must hold exactly {list(REQUEST_TENSORS)}, got {sorted(tensors)}")
+        job.tensors = tensors
+        return tensors
+
+    def _select_mapping(self, kind: Kind, job: Job) -> None:
         if kind in (Kind.EAGLE3, Kind.EAGLE3_COMPACT):
             digest = job.header.get("vocab")
             if digest != self._current_mapping:
                 self.engine.set_vocab_mapping(*self._mapping(digest))
                 self._current_mapping = digest
-        out = self.engine.generate_batch(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"],
-                                         kind=kind.value)
-        tokens = int(tensors["attention_mask"].sum())
-        return {k: v.to("cpu") for k, v in out.items()}, tokens
+
+    # ------------------------------------------------------ dynamic batching
+
+    def _batch_key(self, job: Job):
+        """What must match for two jobs to share a forward, and the job's padded tokens; None if unbatchable.
+
+        Only generate jobs of the same kind, vocab mapping, sequence length and request dtypes coalesce:
+        rows are concatenated along the batch dimension and nothing is re-padded, so every row sees
+        exactly the shapes it would alone. (On CPU, fp32 and bf16, a row's outputs were checked
+        bit-identical batched and alone; see BENCHMARKS.md.)
+        """
+        if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value:
+            return None
+        try:
+            tensors = self._request_tensors(job)
+            ids = tensors["input_ids"]
+            if ids.dim() != 2 or any(t.shape != ids.shape for t in tensors.values()):
+                return None
+        except (RequestError, wire.WireError, ValueError):
+            return None  # served alone, which reports the error
+        key = (job.header.get("kind", Kind.EAGLE3.value), job.header.get("vocab"), ids.shape[1],
+               tuple(str(tensors[n].dtype) for n in REQUEST_TENSORS))
+        return key, ids.shape[0] * ids.shape[1]
+
+    def _take_group(self, backlog: collections.deque) -> list[Job]:
+        """Pop the oldest job and every later compatible one that fits the token budget (order kept)."""
+        first = backlog.popleft()
+        head = self._batch_key(first)
+        if head is None or head[1] >= self.max_batch_tokens:
+            return [first]
+        key, tokens = head
+        group, rest = [first], collections.deque()
+        while backlog:
+            job = backlog.popleft()
+            other = self._batch_key(job)
+            if other is not None and other[0] == key and tokens + other[1] <= self.max_batch_tokens:
+                group.append(job)
+                tokens += other[1]
+            else:
+                rest.append(job)
+        backlog.extend(rest)
+        return group
+
+    def serve_group(self, jobs: list[Job]) -> list[Result]:
+        """Serve compatible jobs with one forward and split the result per job; one job: ``serve``."""
+        if len(jobs) == 1:
+            return [self.serve(jobs[0])]
+        start = time.perf_counter()
+        lease = None
+        try:
+            kind = Kind.parse(jobs[0].header.get("kind", Kind.EAGLE3.value))
+            parts = [self._request_tensors(job) for job in jobs]
+            self._select_mapping(kind, jobs[0])
+            merged = {n: torch.cat([p[n] for p in parts], dim=0) for n in REQUEST_TENSORS}
+            out = self.engine.generate_batch(merged["input_ids"], merged["attention_mask"], merged["loss_mask"],
+                                             kind=kind.value)
+            host, lease = to_host(out, self.host_pool)
+            results, lo = [], 0
+            elapsed = round(time.perf_counter() - start, 6)
+            for job, part in zip(jobs, parts):
+                hi = lo + part["input_ids"].shape[0]
+                frames = wire.encode({k: v[lo:hi] for k, v in host.items()})
+                header = {"worker": self.name, "compute_s": elapsed, "batched": len(jobs)}
+                results.append(Result(job, Status.OK, header, frames, int(part["attention_mask"].sum()), lease))
+                lo = hi
+            if lease is not None:
+                lease.retain(len(jobs) - 1)  # one release per reply sent
+            self.batches += 1
+            return results
+        except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
+            if lease is not None:
+                lease.release()
+            event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
+            return [self.serve(job) for job in jobs]
 
     def _mapping(self, digest) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(digest, str):

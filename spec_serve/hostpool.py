@@ -1,0 +1,126 @@
+"""Reused (pinned) host buffers for a worker's GPU outputs: no fresh host allocation per message.
+
+A GPU engine's outputs must land in host memory before ZeroMQ can send them. ``tensor.to("cpu")``
+allocates fresh pageable memory every time (a page fault per 4 KiB, and pageable device->host copies
+run at about a quarter of pinned ones on the H200 machine: 15.5 versus 54.8 GB/s). Instead a worker
+copies every output of one forward into one slab taken from a small pool of pinned buffers and hands
+views of it to the codec (zero copy). The slab goes back to the pool when ZeroMQ is done with every
+frame that borrows it (``send_multipart(copy=False, track=True)`` -> ``MessageTracker``); a batched
+forward's slab is shared by several replies and is released after the last. The pool holds at most
+``max_buffers`` slabs, so a client that stops reading bounds the worker's memory: ``acquire`` waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping
+
+import torch
+
+_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Lease:
+    """One slab lent out; returned to its pool after ``release`` was called ``refs`` times."""
+
+    def __init__(self, pool: "HostBufferPool", buffer: torch.Tensor):
+        self.pool = pool
+        self.buffer = buffer
+        self._refs = 1
+        self._lock = threading.Lock()
+
+    def retain(self, n: int = 1) -> "Lease":
+        with self._lock:
+            self._refs += n
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.pool._give_back(self.buffer)
+
+
+class HostBufferPool:
+    """At most ``max_buffers`` host slabs, pinned when ``pin`` (and CUDA is available)."""
+
+    def __init__(self, max_buffers: int = 4, pin: bool = True):
+        if max_buffers < 1:
+            raise ValueError("max_buffers must be >= 1")
+        self.max_buffers = max_buffers
+        self.pin = bool(pin) and torch.cuda.is_available()
+        self._free: list[torch.Tensor] = []
+        self._lent = 0
+        self._cond = threading.Condition()
+        self.allocations = 0  # fresh slabs ever made: flat after warm-up on a steady workload
+        self.acquisitions = 0
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> Lease:
+        """A slab of at least ``nbytes``; waits while all ``max_buffers`` are lent out."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._lent + len(self._free) < self.max_buffers or self._free,
+                                       timeout):
+                raise TimeoutError(f"no host buffer came back within {timeout}s")
+            self.acquisitions += 1
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+            else:
+                if self._lent + len(self._free) >= self.max_buffers:
+                    self._free.remove(min(self._free, key=lambda b: b.numel()))  # too small: replace it
+                buf = None
+            self._lent += 1
+        if buf is None:
+            try:
+                buf = torch.empty(_aligned(max(nbytes, 1)), dtype=torch.uint8, pin_memory=self.pin)
+            except BaseException:
+                with self._cond:
+                    self._lent -= 1
+                    self._cond.notify()
+                raise
+            self.allocations += 1
+        return Lease(self, buf)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._lent -= 1
+            self._free.append(buffer)
+            self._cond.notify()
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"allocations": self.allocations, "acquisitions": self.acquisitions, "lent": self._lent,
+                    "free": len(self._free)}
+
+
+def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None) -> tuple[dict, Lease | None]:
+    """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU, else unchanged.
+
+    Returns ``(tensors, lease)``; release the lease once the views are no longer read (sent).
+    """
+    if pool is None or all(t.device.type == "cpu" for t in tensors.values()):
+        return {k: v.to("cpu") for k, v in tensors.items()}, None
+    sizes = {k: _aligned(t.numel() * t.element_size()) for k, t in tensors.items()}
+    lease = pool.acquire(sum(sizes.values()))
+    out, offset, devices = {}, 0, set()
+    try:
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            dst = lease.buffer[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=True)
+            if t.device.type == "cuda":
+                devices.add(t.device)
+            out[name] = dst
+            offset += sizes[name]
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+    except BaseException:
+        lease.release()
+        raise
+    return out, lease
