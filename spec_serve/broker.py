@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from spec_serve import wire
-from spec_serve.contract import validate_vocab_mapping
+from spec_serve.contract import TargetInfo, validate_vocab_mapping
 from spec_serve.logs import event
 from spec_serve.metrics import BrokerMetrics
 from spec_serve.protocol import (
@@ -39,7 +39,13 @@ from spec_serve.protocol import (
     control,
     parse_control,
 )
-from spec_serve.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, bound_endpoint, make_socket
+from spec_serve.sockets import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Security,
+    bound_endpoint,
+    make_socket,
+)
 
 log = logging.getLogger("spec_serve.broker")
 
@@ -135,8 +141,12 @@ class Broker:
         self.heartbeat_interval = heartbeat_interval
         self.liveness = liveness
         self.max_message_bytes = max_message_bytes
-        self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=frontend, security=security, curve_server=True)
-        self.backend = make_socket(self.ctx, zmq.ROUTER, bind=backend, security=security, curve_server=True)
+        # libzmq drops a peer that sends a frame over this, before allocating it.
+        frame_limit = min(DEFAULT_MAX_FRAME_BYTES, max_message_bytes + (1 << 16))
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=frontend, security=security, curve_server=True,
+                                    max_frame_bytes=frame_limit)
+        self.backend = make_socket(self.ctx, zmq.ROUTER, bind=backend, security=security, curve_server=True,
+                                   max_frame_bytes=frame_limit)
         # A reconnecting peer keeps its identity and takes over its old route.
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -231,20 +241,23 @@ class Broker:
     def enqueue(self, client: ClientState, msg: Message, now: float) -> None:
         if not msg.request_id:
             raise ProtocolError("REQUEST without a request id")
+        timeout = _request_timeout(msg.header)
         existing = self.requests.get(msg.request_id)
         if existing is not None:
             # A retry of a request we still hold: keep one copy, route errors
             # to the sender's current connection, and extend its deadline.
             existing.client = client.identity
-            existing.deadline = max(existing.deadline, now + float(msg.header.get("timeout", 120)))
+            existing.deadline = max(existing.deadline, now + timeout)
             self.metrics.duplicate_requests.inc()
             return
         if len(client.requests) >= MAX_REQUESTS_PER_CLIENT:
             self.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
                             f"more than {MAX_REQUESTS_PER_CLIENT} requests outstanding for this client")
             return
-        if not isinstance(msg.header.get("reply_to"), str):
-            raise ProtocolError("REQUEST header lacks reply_to")
+        if not _valid_endpoint(msg.header.get("reply_to")):
+            raise ProtocolError("REQUEST header needs reply_to, a tcp://host:port or ipc:// endpoint")
+        if not isinstance(msg.header.get("vocab", ""), str):
+            raise ProtocolError("REQUEST header 'vocab' must be a digest string")
         size = sum(len(memoryview(f)) for f in msg.payload)
         if size > self.max_message_bytes:
             self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
@@ -259,7 +272,6 @@ class Broker:
         if self._unknown(service, now):
             self.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE, self._unknown_message(msg.service))
             return
-        timeout = float(msg.header.get("timeout", 120))
         request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now)
         self.requests[msg.request_id] = request
         client.requests.add(msg.request_id)
@@ -344,6 +356,10 @@ class Broker:
         capacity = msg.header.get("capacity", 1)
         if not isinstance(info, dict) or not isinstance(capacity, int) or capacity < 1:
             raise ProtocolError("READY needs target_info and a positive capacity")
+        try:
+            TargetInfo.from_dict(info)  # clients check it at setup: refuse junk here
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"READY with invalid target_info: {e}") from None
         worker = WorkerState(identity, msg.service, info, capacity, now + self.heartbeat_interval * self.liveness,
                              time.time(), idle_since=now)
         self.workers[identity] = worker
@@ -563,6 +579,26 @@ class Broker:
         """The latest status, safe to read from another thread (the HTTP shim)."""
         with self._snapshot_lock:
             return self._snapshot
+
+
+def _request_timeout(header: dict[str, Any]) -> float:
+    """The request's ``timeout`` header (seconds), checked: a finite positive number."""
+    timeout = header.get("timeout", 120)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
+        raise ProtocolError(f"REQUEST header 'timeout' must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _valid_endpoint(endpoint: Any) -> bool:
+    """A ``reply_to`` a worker may connect to: ``tcp://host:port`` or ``ipc://path``."""
+    if not isinstance(endpoint, str) or len(endpoint) > 512:
+        return False
+    if endpoint.startswith("ipc://"):
+        return len(endpoint) > 6 and "\x00" not in endpoint
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, _, port = endpoint[6:].rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and "*" not in host
 
 
 def mapping_digest(ids, mask) -> str:

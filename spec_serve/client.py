@@ -158,7 +158,12 @@ class _ClientIO(threading.Thread):
     def close(self) -> None:
         if self._closing.is_set():
             return
-        self.call(self._disconnect)
+        # The I/O thread must send DISCONNECT before it stops, or the broker
+        # counts this client (and what it queued) until its liveness expires.
+        sent = threading.Event()
+        self.call(lambda: (self._disconnect(), sent.set()))
+        if self.is_alive():
+            sent.wait(timeout=2)
         self._closing.set()
         self.join(timeout=5)
         os.close(self._wake_r)
@@ -207,7 +212,7 @@ class _ClientIO(threading.Thread):
                 if not pending.future.done():
                     pending.future.set_exception(RuntimeError("client closed"))
             self._pending.clear()
-            self.dealer.close(0)
+            self.dealer.close(linger=500)  # let a final DISCONNECT leave
             self.data.close(0)
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
@@ -220,6 +225,8 @@ class _ClientIO(threading.Thread):
                 handler(frames)
             except (ProtocolError, wire.WireError) as e:
                 event(log, logging.WARNING, "client.bad_message", error=e)
+            except Exception as e:  # whatever a peer sends, the I/O thread must live on
+                log.exception("client.handler_failed error=%s", e)
 
     def _send(self, frames: list) -> None:
         try:
@@ -258,10 +265,13 @@ class _ClientIO(threading.Thread):
             service, payload = self.vocab_registration
             self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
         for pending in list(self._pending.values()):
+            # Not the request's fault: resending after a broker restart or loss
+            # costs no attempt (a broker down for a while must not fail requests).
             if pending.command == ClientCommand.REQUEST.value:
-                self._retry(pending, now, "broker restarted or lost")
-            else:
-                self._transmit(pending, now)
+                self.stats.retried += 1
+            pending.not_before = 0.0
+            self._transmit(pending, now)
+            pending.attempts -= 1
 
     def _check_timeouts(self, now: float) -> None:
         for pending in list(self._pending.values()):

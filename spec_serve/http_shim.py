@@ -54,6 +54,7 @@ class HttpShim:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "spec-serve"
+            timeout = 10  # a peer that stalls mid-request loses its thread after this (no slowloris)
 
             def log_message(self, fmt, *args):  # quiet: structured log at DEBUG instead
                 event(log, logging.DEBUG, "http.request", peer=self.client_address[0], line=fmt % args)

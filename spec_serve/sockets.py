@@ -97,6 +97,17 @@ def make_socket(
     (a worker connecting to a client's data socket learns it from the request).
     """
     sock = ctx.socket(kind)
+    try:
+        _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm, max_frame_bytes)
+    except BaseException:
+        sock.close(0)  # a bad endpoint or key must not leak the socket
+        raise
+    return sock
+
+
+def _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm,
+               max_frame_bytes) -> None:
+    ctx = sock.context
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
@@ -122,7 +133,6 @@ def make_socket(
         sock.bind(bind)
     if connect is not None:
         sock.connect(connect)
-    return sock
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:

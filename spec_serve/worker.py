@@ -401,7 +401,8 @@ class Worker:
     def _select_mapping(self, kind: Kind, job: Job) -> None:
         if kind in (Kind.EAGLE3, Kind.EAGLE3_COMPACT):
             digest = job.header.get("vocab")
-            if digest != self._current_mapping:
+            if digest != self._current_mapping or not isinstance(digest, str):
+                # _mapping refuses a missing digest as BAD_REQUEST (never retried)
                 self.engine.set_vocab_mapping(*self._mapping(digest))
                 self._current_mapping = digest
 
