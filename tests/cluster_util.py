@@ -1,0 +1,187 @@
+"""Helpers for the fault, load and security tests: real broker and worker subprocesses.
+
+Also a test-only entry point (``python tests/cluster_util.py slow-worker ...``) that
+serves the hf engine with an artificial delay before every forward, so the
+slow-worker test needs no knob in the production worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+# Short timers for the subprocesses (read by spec_serve.protocol at import).
+# Liveness 5 x 0.2 s = 1 s: a worker is dead after about a second of silence.
+HEARTBEAT_INTERVAL = 0.2
+HEARTBEAT_LIVENESS = 5
+FAST_ENV = {
+    "SPEC_SERVE_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL),
+    "SPEC_SERVE_HEARTBEAT_LIVENESS": str(HEARTBEAT_LIVENESS),
+    # Workers start slowly on a loaded CI box: don't answer UNKNOWN_SERVICE early.
+    "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "120",
+    "SPEC_SERVE_LOG_LEVEL": "INFO",
+}
+# Clients in the test process: same interval, a more forgiving broker-loss window
+# (the test process runs many threads on two shared cores).
+CLIENT_KW = {"heartbeat_interval": HEARTBEAT_INTERVAL, "liveness": 15}
+HERE = Path(__file__).resolve().parent
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process in KiB, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def workers(cluster, service: str | None = None) -> list[dict]:
+    _, body = cluster.get("/workers")
+    return [w for w in body["workers"] if service is None or w["service"] == service]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout:g}s (last: {value!r})")
+
+
+def start_slow_worker(cluster, target, delay: float, *extra: str) -> subprocess.Popen:
+    """A worker whose every forward first sleeps ``delay`` seconds (test-only entry point)."""
+    env = {**os.environ, **cluster.env}
+    out = subprocess.DEVNULL
+    if cluster.log_dir is not None:
+        cluster.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(cluster.log_dir / f"slow-worker{len(cluster.workers)}.log", "ab")
+    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "slow-worker", "--delay", str(delay),
+                             "--target", str(target), "--broker", cluster.backend, *extra],
+                            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    cluster.workers.append(proc)
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+class Reference:
+    """Colocated ``HFTarget`` outputs for test batches, computed once per batch."""
+
+    def __init__(self, target_dir, mapping):
+        from spec_serve.engines.hf import HFTarget
+
+        self.target_dir = target_dir
+        self.engine = HFTarget(target_dir)
+        self.engine.set_vocab_mapping(*mapping)
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def batch(self, seed: int, batch: int = 2, seq: int = 16):
+        from spec_serve.tiny import sample_batch
+
+        return sample_batch(self.target_dir, batch, seq, seed=seed)
+
+    def expected(self, seed: int, batch: int = 2, seq: int = 16, kind: str = "eagle3") -> dict:
+        key = (seed, batch, seq, kind)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = self.engine.generate_batch(*self.batch(seed, batch, seq), kind=kind)
+            return self._cache[key]
+
+
+def same(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+class Tally:
+    """Counts a fault test prints: sent, completed, verified, wrong, failed."""
+
+    def __init__(self):
+        self.sent = self.completed = self.verified = self.wrong = self.failed = 0
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, **counts):
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def error(self, e: BaseException):
+        with self._lock:
+            self.failed += 1
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("sent", "completed", "verified", "wrong", "failed")}
+
+
+def run_requests(client, reference: Reference, seeds, tally: Tally, kind: str = "eagle3", batch: int = 2,
+                 seq: int = 16) -> None:
+    """Submit one batch per seed (prefetch as deep as the client allows) and verify each result."""
+    futures = []
+    for seed in seeds:
+        futures.append((seed, client.generate_batch_async(*reference.batch(seed, batch, seq), kind=kind)))
+        tally.add(sent=1)
+    for seed, fut in futures:
+        try:
+            got = fut.result()
+        except Exception as e:  # counted, reported by the test
+            tally.error(e)
+            continue
+        tally.add(completed=1)
+        if same(got, reference.expected(seed, batch, seq, kind)):
+            tally.add(verified=1)
+        else:
+            tally.add(wrong=1)
+
+
+# ------------------------------------------------------------ test-only worker
+
+
+def _slow_worker_main(argv: list[str]) -> None:
+    import argparse
+
+    from spec_serve import logs
+    from spec_serve.engines import load_engine
+    from spec_serve.worker import Worker
+
+    p = argparse.ArgumentParser(prog="cluster_util.py slow-worker")
+    p.add_argument("--delay", type=float, required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--broker", required=True)
+    p.add_argument("--service", default="default")
+    args = p.parse_args(argv)
+    logs.setup(os.environ.get("SPEC_SERVE_LOG_LEVEL", "INFO"))
+    engine = load_engine("hf", args.target)
+    inner = engine.generate_batch
+
+    def slow_generate_batch(*a, **kw):
+        time.sleep(args.delay)  # holds the compute thread only; heartbeats run on the I/O thread
+        return inner(*a, **kw)
+
+    engine.generate_batch = slow_generate_batch
+    worker = Worker(engine, args.broker, service=args.service)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    worker.run()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "slow-worker":
+        _slow_worker_main(sys.argv[2:])
+    else:
+        sys.exit("usage: cluster_util.py slow-worker --delay S --target DIR --broker URL")

@@ -1,0 +1,198 @@
+"""Faults cost at most a retry: slow worker, client death, worker death, broker restart.
+
+One cluster (a broker, one hf worker and one test-only slow worker, real
+subprocesses on loopback, short heartbeats) is shared by the tests in file
+order. Every result is compared with torch.equal to the colocated HFTarget on
+the same directory; each test prints its counts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from cluster_util import (
+    CLIENT_KW,
+    FAST_ENV,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_LIVENESS,
+    Reference,
+    Tally,
+    kill,
+    rss_kib,
+    run_requests,
+    start_slow_worker,
+    wait_until,
+    workers,
+)
+from spec_serve.client import RemoteTargetModel
+from spec_serve.launch import local_cluster
+
+SLOW_DELAY = 2.0  # 10 heartbeat intervals, twice the liveness window
+LIVENESS_WINDOW = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("reliability-logs")
+    with local_cluster(tiny_target_dir, workers=1, env=dict(FAST_ENV), log_dir=log_dir) as c:
+        start_slow_worker(c, tiny_target_dir, SLOW_DELAY)
+        c.wait_workers(2)
+        c.slow_worker = c.workers[-1]
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target_dir, tiny_vocab_mapping):
+    return Reference(tiny_target_dir, tiny_vocab_mapping)
+
+
+def _client(cluster, mapping, **kw):
+    args = dict(timeout=30.0, max_retries=4, **CLIENT_KW)
+    args.update(kw)
+    client = RemoteTargetModel(cluster.frontend, **args)
+    client.set_vocab_mapping(*mapping)
+    return client
+
+
+def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping):
+    """A forward of 2 s (10 heartbeat intervals) keeps the worker registered."""
+    before = {w["id"]: w["registered_at"] for w in workers(cluster)}
+    seen_counts: list[int] = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen_counts.append(len(workers(cluster)))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    tally = Tally()
+    with _client(cluster, tiny_vocab_mapping, prefetch_depth=6) as client:
+        run_requests(client, reference, range(100, 112), tally)
+        stats = client.stats
+    stop.set()
+    watcher.join()
+    after = {w["id"]: w["registered_at"] for w in workers(cluster)}
+    busy = max((w["completed"] for w in workers(cluster)), default=0)
+    print(f"\nslow worker: {tally.as_dict()} retried={stats.retried} duplicates={stats.duplicates} "
+          f"min_worker_count={min(seen_counts)} polls={len(seen_counts)} max_completed={busy}")
+    assert tally.verified == tally.sent == 12, tally.errors
+    assert min(seen_counts) == 2, "a slow worker was mistaken for a dead one"
+    assert after == before, "a worker re-registered during the slow forwards"
+    _, metrics = cluster.get("/metrics")
+    deaths = [line for line in metrics.splitlines() if line.startswith("spec_serve_worker_deaths")]
+    print("metrics:", deaths)
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from spec_serve.client import RemoteTargetModel
+    from spec_serve.tiny import sample_batch
+    frontend, target = sys.argv[1], sys.argv[2]
+    client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=60, heartbeat_interval=0.2, liveness=15)
+    futures = [client.generate_batch_async(*sample_batch(target, 2, 16, seed=s), kind="dspark") for s in range(8)]
+    print("SUBMITTED", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_client_death_frees_what_it_held(cluster, tiny_target_dir, tiny_vocab_mapping):
+    """SIGKILL a client subprocess with 8 requests out: the broker's tables and RSS return to baseline."""
+    with _client(cluster, tiny_vocab_mapping) as observer:
+        base = observer.status()
+        base_rss = rss_kib(cluster.broker.pid)
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, cluster.frontend, str(tiny_target_dir)],
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, **FAST_ENV})
+        try:
+            assert proc.stdout.readline().strip() == "SUBMITTED"
+            held = wait_until(lambda: (s := observer.status()) and s["inflight"] + s["queued"] > 0 and s,
+                              timeout=30, what="the client's requests at the broker")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        killed_at = time.monotonic()
+
+        last = []
+
+        def back_to_baseline():
+            s = observer.status()
+            last[:] = [{k: s[k] for k in ("clients", "inflight", "queued")},
+                       [(w["id"], w["inflight"], w["completed"]) for w in s["workers"]]]
+            return s["clients"] == base["clients"] and s["inflight"] == 0 and s["queued"] == 0 and s
+
+        try:
+            final = wait_until(back_to_baseline, timeout=60, interval=0.2, what="broker tables back to baseline")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; last status {last}") from None
+        freed_s = time.monotonic() - killed_at
+        rss = rss_kib(cluster.broker.pid)
+    print(f"\nclient death: held inflight={held['inflight']} queued={held['queued']} clients={held['clients']}; "
+          f"baseline clients={base['clients']}; after {freed_s:.2f}s inflight={final['inflight']} "
+          f"queued={final['queued']} clients={final['clients']}; broker RSS {base_rss} -> {rss} KiB")
+    assert rss - base_rss < 20 * 1024, "broker memory grew by more than 20 MiB"
+
+
+def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_vocab_mapping):
+    """SIGKILL the slow worker while it holds requests: every result arrives once and is correct."""
+    victim = cluster.slow_worker
+    tally = Tally()
+    with _client(cluster, tiny_vocab_mapping, prefetch_depth=8) as client:
+        box = {}
+        runner = threading.Thread(target=lambda: run_requests(client, reference, range(200, 216), tally))
+        runner.start()
+        # The slow worker holds requests for 2 s each: kill it once it has some.
+        wait_until(lambda: sorted(workers(cluster), key=lambda w: w["registered_at"])[-1]["inflight"] > 0,
+                   timeout=30, interval=0.02, what="slow worker holding requests")
+        held = sorted(workers(cluster), key=lambda w: w["registered_at"])[-1]["inflight"]
+        killed_at = time.monotonic()
+        kill(victim)
+        wait_until(lambda: len(workers(cluster)) == 1, timeout=10, interval=0.02, what="broker noticing the death")
+        box["detect_s"] = time.monotonic() - killed_at
+        runner.join(timeout=120)
+        assert not runner.is_alive(), "a rank hung"
+        stats = client.stats
+    cluster.workers.remove(victim)
+    _, metrics = cluster.get("/metrics")
+    redispatched = [line for line in metrics.splitlines() if line.startswith("spec_serve_redispatched")]
+    print(f"\nworker death: held={held} detection={box['detect_s']:.2f}s (liveness window {LIVENESS_WINDOW:g}s) "
+          f"{tally.as_dict()} retried={stats.retried} duplicates_dropped={stats.duplicates} {redispatched}")
+    assert box["detect_s"] < 10
+    assert tally.sent == tally.completed == tally.verified == 16, tally.errors
+    assert tally.wrong == 0
+
+
+def test_broker_restart(cluster, reference, tiny_target_dir, tiny_vocab_mapping):
+    """SIGKILL the broker mid-run and start it on the same ports: the run completes, all correct."""
+    cluster.start_worker(tiny_target_dir)  # back to two workers
+    cluster.wait_workers(2)
+    tally = Tally()
+    with _client(cluster, tiny_vocab_mapping, prefetch_depth=4) as client:
+        def ranks():
+            for start in range(300, 340, 4):
+                run_requests(client, reference, range(start, start + 4), tally)
+
+        runner = threading.Thread(target=ranks)
+        runner.start()
+        wait_until(lambda: tally.completed >= 8, timeout=60, interval=0.02, what="first results")
+        old = cluster.broker
+        kill(old)
+        killed_at = time.monotonic()
+        time.sleep(1.0)  # a real restart takes a moment; requests pile up meanwhile
+        cluster.start_broker()
+        cluster.wait_workers(2, timeout=60)
+        rejoin_s = time.monotonic() - killed_at
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "a rank hung"
+        stats = client.stats
+    print(f"\nbroker restart: workers rejoined {rejoin_s:.2f}s after the kill; {tally.as_dict()} "
+          f"retried={stats.retried} duplicates_dropped={stats.duplicates} reconnects={stats.broker_reconnects}")
+    assert tally.sent == tally.completed == tally.verified == 40, tally.errors
