@@ -1,0 +1,31 @@
+"""The examples run: ``examples/train_eagle3.py --demo`` trains a draft end to end and its loss goes down."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.timeout(600)
+def test_train_eagle3_demo_loss_goes_down():
+    # The demo builds the tiny target, starts a broker and 2 workers, and torchruns 2 gloo ranks
+    # (DDP over the draft) that share the workers. Few steps: the whole run is mostly process start-up.
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_eagle3.py"), "--demo", "--steps", "20", "--log-every", "5"],
+        capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert re.search(r"^step +0 +loss ", proc.stdout, re.M), output[-4000:]
+    found = re.search(r"initial loss ([0-9.]+) +final loss ([0-9.]+)", proc.stdout)
+    assert found, output[-4000:]
+    initial, final = map(float, found.groups())
+    assert final < initial, output[-4000:]
+    assert "requests completed" in proc.stdout and "Traceback" not in output, output[-4000:]
