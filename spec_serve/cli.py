@@ -179,17 +179,23 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
               show_default=True, help="Broker frontend endpoint [env SPEC_SERVE_CLIENT_BROKER].")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status JSON.")
 @click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the broker.")
-def status(broker_url, as_json, timeout):
+@click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
+              help="This client's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
+@click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
+              help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
+def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
     """Print the broker's workers, services and queues.
 
     \b
     Examples:
       spec-serve status
       spec-serve status --broker tcp://10.0.0.1:5555 --json
+      spec-serve status --curve-secret-key keys/ops.key_secret --curve-server-key keys/broker.key
     """
     from spec_serve.client import RemoteTargetModel
 
-    client = RemoteTargetModel(broker_url, timeout=timeout, max_retries=0)
+    client = RemoteTargetModel(broker_url, timeout=timeout, max_retries=0,
+                               security=_security(curve_secret_key, curve_server_key, None))
     try:
         snap = client.status()
     except TimeoutError:
