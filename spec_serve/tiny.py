@@ -7,6 +7,8 @@ byte-identical files, so fingerprints and cached results are stable across runs.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import random
 from pathlib import Path
@@ -184,6 +186,27 @@ def _encoder(tokenizer_or_dir: Any):
     return (lambda s: t.encode(s, add_special_tokens=False)), t.bos_token_id, pad
 
 
+def _corpus_stream(tokenizer_or_dir: Any) -> tuple[torch.Tensor, int, int]:
+    """The built-in corpus as one token stream, with BOS and pad ids; cached per directory,
+    since tokenizing the corpus costs far more than cutting a batch from it."""
+    if isinstance(tokenizer_or_dir, (str, Path)):
+        return _cached_stream(str(Path(tokenizer_or_dir).resolve()))
+    return _tokenize_corpus(tokenizer_or_dir)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_stream(directory: str) -> tuple[torch.Tensor, int, int]:
+    return _tokenize_corpus(directory)
+
+
+def _tokenize_corpus(tokenizer_or_dir: Any) -> tuple[torch.Tensor, int, int]:
+    encode, bos_id, pad_id = _encoder(tokenizer_or_dir)
+    if bos_id is None or pad_id is None:
+        raise ValueError("sample_batch needs a tokenizer with BOS and pad (or EOS) tokens")
+    stream = torch.tensor([i for text in builtin_corpus() for i in encode(text + "\n")], dtype=torch.int64)
+    return stream, bos_id, pad_id
+
+
 def sample_batch(
     tokenizer_or_dir: Any = None,
     batch: int = 2,
@@ -207,9 +230,8 @@ def sample_batch(
     if tokenizer_or_dir is None:
         rows = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
     else:
-        encode, bos_id, pad_id = _encoder(tokenizer_or_dir)
+        stream, bos_id, pad_id = _corpus_stream(tokenizer_or_dir)
         input_ids.fill_(pad_id)
-        stream = torch.tensor([i for text in builtin_corpus() for i in encode(text + "\n")], dtype=torch.int64)
         if len(stream) < seq:
             raise ValueError(f"seq {seq} exceeds the built-in corpus ({len(stream)} tokens)")
         rows = []
