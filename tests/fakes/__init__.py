@@ -1,0 +1,1 @@
+"""Test doubles. Everything here is a fake, never the real package it imitates."""

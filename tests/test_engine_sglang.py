@@ -1,0 +1,165 @@
+"""The SGLang engine against a FAKE SGLang (tests/fakes/fake_sglang.py), plus engine-import hygiene.
+
+The fake runs the checkpoint's HF model behind SGLang's capture conventions, so these tests check
+what spec-serve adds: the layer-id mapping (contract id i -> SGLang's i+1, -1 and N-1 handled here),
+per-row requests for right-padded batches, and the contract's shapes, dtypes and values against
+HFTarget. The real-SGLang test runs only where sglang imports and CUDA is present.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from spec_serve.contract import RESPONSE_TENSORS, Kind
+from spec_serve.engines import EngineUnavailable, load_engine
+from spec_serve.tiny import sample_batch
+
+
+@pytest.fixture
+def fake_sglang():
+    from fakes import fake_sglang
+
+    fake_sglang.install()
+    yield sys.modules["sglang"]
+    fake_sglang.uninstall()
+
+
+# Includes -1 (embedding) and N-1 (post-norm) and is strictly increasing, so every rule is used.
+DSPARK_IDS = [-1, 1, 4, 7]
+AUX_IDS = [5, 0, 7]  # not sorted: SGLang returns layers in layer order, the contract in list order
+
+
+def _engines(tiny_target_dir, tiny_vocab_mapping, **kw):
+    from spec_serve.engines.hf import HFTarget
+
+    sg = load_engine("sglang", str(tiny_target_dir), device="cpu", dtype="float32", **kw)
+    hf = HFTarget(tiny_target_dir, device="cpu", dtype="float32", **kw)
+    for e in (sg, hf):
+        e.set_vocab_mapping(*tiny_vocab_mapping)
+    return sg, hf
+
+
+@pytest.mark.parametrize("kind", [k.value for k in Kind])
+@pytest.mark.parametrize("layer_ids", ["default", "edges"])
+def test_fake_sglang_matches_hf(fake_sglang, tiny_target_dir, tiny_vocab_mapping, kind, layer_ids):
+    kw = {} if layer_ids == "default" else {"aux_layer_ids": AUX_IDS, "dspark_layer_ids": DSPARK_IDS}
+    sg, hf = _engines(tiny_target_dir, tiny_vocab_mapping, **kw)
+    # What reached SGLang: contract ids, which SGLang shifts by one; never the embedding or N-1.
+    n = sg.head.num_layers
+    wanted = sorted((set(sg.head.aux_layer_ids) | set(sg.head.dspark_layer_ids)) - {-1, n - 1})
+    assert sg.runner.model.layers_to_capture == [i + 1 for i in wanted]
+
+    input_ids, attention_mask, loss_mask = sample_batch(tiny_target_dir, batch=4, seq=24, seed=3)
+    assert attention_mask.sum(1).min() < 24  # the batch is padded
+    got = sg.generate_batch(input_ids, attention_mask, loss_mask, kind)
+    ref = hf.generate_batch(input_ids, attention_mask, loss_mask, kind)
+    assert tuple(got) == RESPONSE_TENSORS[Kind(kind)]
+    valid = attention_mask.bool()
+    next_valid = torch.zeros_like(valid)
+    next_valid[:, :-1] = valid[:, 1:]
+    for name in got:
+        a, b = got[name], ref[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        where = next_valid if name in ("target_probs", "position_mask", "argmax_ids") else valid
+        if a.is_floating_point():
+            torch.testing.assert_close(a[where], b[where], atol=1e-5, rtol=1e-5, msg=name)
+            assert not a[~where].any(), f"{name} is not zero past each row's end"
+        else:
+            assert torch.equal(a[where], b[where]), name
+    # One request per row, and every KV slot handed back.
+    assert sg.runner.forward_calls == 1
+    assert sg.runner.token_to_kv_pool_allocator.used == 0
+
+
+def test_fake_sglang_target_info_and_embeddings(fake_sglang, tiny_target_dir, tiny_vocab_mapping):
+    sg, hf = _engines(tiny_target_dir, tiny_vocab_mapping)
+    info, ref = sg.target_info(), hf.target_info()
+    assert info.engine == "sglang"
+    assert info.mismatches(ref, ignore=("engine",)) == {}
+    assert torch.equal(sg.get_input_embeddings().weight, hf.get_input_embeddings().weight)
+    assert torch.equal(sg.get_output_embeddings().weight, hf.get_output_embeddings().weight)
+
+
+def test_fake_sglang_tied_embeddings(fake_sglang, tmp_path):
+    from spec_serve.tiny import make_tiny_target
+
+    target = make_tiny_target(tmp_path / "tied", tie_word_embeddings=True)
+    sg = load_engine("sglang", str(target), device="cpu", dtype="float32")
+    assert sg.get_output_embeddings() is sg.get_input_embeddings()
+    assert sg.get_output_embeddings().weight.shape == (512, 128)
+
+
+def test_sglang_rejects_left_padding(fake_sglang, tiny_target_dir, tiny_vocab_mapping):
+    sg, _ = _engines(tiny_target_dir, tiny_vocab_mapping)
+    input_ids = torch.ones(2, 8, dtype=torch.int64)
+    left_padded = torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5])
+    with pytest.raises(ValueError, match="right-padded"):
+        sg.generate_batch(input_ids, left_padded, left_padded, "dspark")
+
+
+def test_import_never_pulls_engines():
+    code = textwrap.dedent(
+        """
+        import sys, spec_serve, spec_serve.engines, spec_serve.engines.hf
+        assert "vllm" not in sys.modules and "sglang" not in sys.modules, sorted(
+            m for m in sys.modules if m.split(".")[0] in ("vllm", "sglang"))
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_engine_load_does_not_import_vllm_or_sglang(tiny_target_dir):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from spec_serve.engines import load_engine
+        load_engine("hf", {str(tiny_target_dir)!r}, device="cpu")
+        assert "vllm" not in sys.modules and "sglang" not in sys.modules
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_uninstalled_engine_raises_with_instructions(engine, tiny_target_dir):
+    import importlib.util
+
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here")
+    with pytest.raises(EngineUnavailable, match=r"pip install"):
+        load_engine(engine, str(tiny_target_dir))
+
+
+def _real_sglang_available() -> bool:
+    try:
+        import sglang  # noqa: F401
+    except Exception:
+        return False
+    return not getattr(sys.modules["sglang"], "IS_FAKE", False) and torch.cuda.is_available()
+
+
+@pytest.mark.sglang_real
+@pytest.mark.skipif(not _real_sglang_available(), reason="needs a real sglang install and a CUDA GPU")
+@pytest.mark.parametrize("kind", [k.value for k in Kind])
+def test_real_sglang_matches_hf(tiny_target_dir, tiny_vocab_mapping, kind):
+    from spec_serve.engines.hf import HFTarget
+
+    sg = load_engine("sglang", str(tiny_target_dir), device="cuda", dtype="bfloat16", mem_fraction_static=0.3)
+    hf = HFTarget(tiny_target_dir, device="cuda", dtype="bfloat16")
+    for e in (sg, hf):
+        e.set_vocab_mapping(*tiny_vocab_mapping)
+    input_ids, attention_mask, loss_mask = sample_batch(tiny_target_dir, batch=4, seq=64, seed=3)
+    got = sg.generate_batch(input_ids, attention_mask, loss_mask, kind)
+    ref = hf.generate_batch(input_ids, attention_mask, loss_mask, kind)
+    valid = attention_mask.bool().cuda()
+    for name in got:
+        a, b = got[name], ref[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if a.is_floating_point() and name != "target_probs":
+            cos = torch.nn.functional.cosine_similarity(a[valid].float(), b[valid].float(), dim=-1)
+            assert cos.min() >= 0.999, name

@@ -1,0 +1,113 @@
+"""The vLLM engine on CPU against HFTarget on the same tiny model and batch.
+
+Runs only where vllm is importable (the vllm venv, built by .ci/setup_vllm_venv.sh); elsewhere
+the whole module skips. One engine per dtype per module: a vLLM start takes 20 s to minutes.
+
+Tolerances, from runs on the tiny target (8 x 128 tokens, 8 layers, H=128):
+fp32: hidden states cos >= 0.99999 per token (measured 1.000000), max-abs 1e-3 (measured 5e-5);
+      target_probs max-abs 1e-5 (measured 8e-7).
+bf16: hidden states cos >= 0.99 per token (measured 0.9973 worst), max-abs 0.1 x max|hf|;
+      target_probs max-abs 0.05 (measured 0.018).
+Argmax-derived tensors must agree wherever HF's top-1/top-2 logit margin exceeds 1e-3 (fp32) or
+0.25 (bf16); in bf16 about 5% of positions have a smaller margin and may differ.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from spec_serve.contract import RESPONSE_TENSORS, Kind
+from spec_serve.tiny import sample_batch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed here; run with the vllm venv's python (.ci/setup_vllm_venv.sh)",
+    ),
+]
+
+TOL = {
+    # dtype: (min per-token cosine, hidden max-abs as a fraction of max|hf|, probs max-abs, logit margin)
+    "float32": (0.99999, 1e-3, 1e-5, 1e-3),
+    "bfloat16": (0.99, 0.1, 0.05, 0.25),
+}
+DSPARK_IDS = [-1, 2, 5, 7]  # embedding, two inner layers and N-1 (post-norm)
+
+
+@pytest.fixture(scope="module", params=sorted(TOL))
+def engines(request, tiny_target_dir, tiny_vocab_mapping):
+    """``(dtype, VLLMTarget, HFTarget)`` on the tiny target, the vLLM one started once per dtype."""
+    from spec_serve.engines import load_engine
+    from spec_serve.engines.hf import HFTarget
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes far more
+    dtype = request.param
+    kw = dict(device="cpu", dtype=dtype, dspark_layer_ids=DSPARK_IDS)
+    # Through load_engine, exactly as the worker builds it.
+    v = load_engine("vllm", str(tiny_target_dir), max_model_len=512, **kw)
+    h = HFTarget(tiny_target_dir, **kw)
+    for e in (v, h):
+        e.set_vocab_mapping(*tiny_vocab_mapping)
+    yield dtype, v, h
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_target_dir):
+    return sample_batch(tiny_target_dir, batch=8, seq=128, seed=1)
+
+
+def _margin(h, input_ids, attention_mask):
+    """HF's top-1 minus top-2 logit at every position, shifted like argmax_ids."""
+    with torch.no_grad():
+        logits = h.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    top2 = logits.topk(2, dim=-1).values
+    margin = torch.zeros(logits.shape[:2])
+    margin[:, :-1] = (top2[..., 0] - top2[..., 1])[:, 1:]
+    return margin
+
+
+@pytest.mark.parametrize("kind", [k.value for k in Kind])
+def test_vllm_matches_hf(engines, batch, kind):
+    dtype, v, h = engines
+    min_cos, rel_abs, probs_abs, margin_eps = TOL[dtype]
+    input_ids, attention_mask, loss_mask = batch
+    got = v.generate_batch(input_ids, attention_mask, loss_mask, kind)
+    ref = h.generate_batch(input_ids, attention_mask, loss_mask, kind)
+    assert tuple(got) == RESPONSE_TENSORS[Kind(kind)]
+    valid = attention_mask.bool()
+    next_valid = torch.zeros_like(valid)
+    next_valid[:, :-1] = valid[:, 1:]
+    clear = next_valid & (_margin(h, input_ids, attention_mask) > margin_eps)
+    for name in got:
+        a, b = got[name], ref[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name == "target_probs":
+            assert (a[next_valid] - b[next_valid]).abs().max() <= probs_abs, name
+            assert not a[~next_valid].any()
+        elif a.is_floating_point():
+            x, y = a[valid].float(), b[valid].float()
+            cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+            assert cos.min() >= min_cos, f"{name}: min cosine {cos.min():.6f}"
+            assert (x - y).abs().max() <= rel_abs * y.abs().max(), name
+            assert not a[~valid].any(), f"{name} is not zero past each row's end"
+        elif name in ("position_mask", "argmax_ids"):
+            assert clear.sum() >= 0.2 * next_valid.sum()  # random logits: small margins are common
+            assert torch.equal(a[clear], b[clear]), name
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_vllm_target_info_and_embeddings(engines):
+    dtype, v, h = engines
+    info = v.target_info()
+    assert info.engine == "vllm" and info.dtype == dtype
+    assert info.mismatches(h.target_info(), ignore=("engine",)) == {}
+    assert torch.equal(v.get_input_embeddings().weight, h.get_input_embeddings().weight)
+    assert torch.equal(v.get_output_embeddings().weight, h.get_output_embeddings().weight)
+    assert v.get_output_embeddings().weight.shape == (info.vocab_size, info.hidden_size)
