@@ -26,5 +26,5 @@ fi
 if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
   bash .ci/setup_vllm_venv.sh
   VLLM_VENV=${SPEC_SERVE_VLLM_VENV:-.venv-vllm}
-  "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/test_engine_vllm.py
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/test_engine_vllm.py
 fi

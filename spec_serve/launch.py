@@ -124,7 +124,7 @@ class Cluster:
 @contextlib.contextmanager
 def local_cluster(target: str | Path | None = None, workers: int = 2, *, worker_args: Sequence[str] = (),
                   broker_args: Sequence[str] = (), env: dict | None = None,
-                  log_dir: Path | None = None) -> Iterator[Cluster]:
+                  log_dir: Path | None = None, ready_timeout: float = 180.0) -> Iterator[Cluster]:
     """A broker plus ``workers`` hf workers of ``target`` on free loopback ports."""
     cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
                       env=env or {}, log_dir=log_dir)
@@ -133,7 +133,7 @@ def local_cluster(target: str | Path | None = None, workers: int = 2, *, worker_
         for _ in range(workers):
             cluster.start_worker(target, *worker_args)
         if workers:
-            cluster.wait_workers(workers)
+            cluster.wait_workers(workers, timeout=ready_timeout)
         yield cluster
     finally:
         cluster.stop()

@@ -111,3 +111,33 @@ def test_vllm_target_info_and_embeddings(engines):
     assert torch.equal(v.get_input_embeddings().weight, h.get_input_embeddings().weight)
     assert torch.equal(v.get_output_embeddings().weight, h.get_output_embeddings().weight)
     assert v.get_output_embeddings().weight.shape == (info.vocab_size, info.hidden_size)
+
+
+def test_vllm_worker_through_the_broker(tiny_target_dir, tiny_vocab_mapping, batch):
+    """A `spec-serve worker --engine vllm` process serves the tiny target through a real broker;
+    a client cannot tell it from the hf engine beyond the stated fp32 tolerances."""
+    from spec_serve.client import RemoteTargetModel
+    from spec_serve.engines.hf import HFTarget
+    from spec_serve.launch import local_cluster
+
+    min_cos, rel_abs, probs_abs, _ = TOL["float32"]
+    input_ids, attention_mask, loss_mask = batch
+    h = HFTarget(tiny_target_dir, dtype="float32")
+    h.set_vocab_mapping(*tiny_vocab_mapping)
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with local_cluster(tiny_target_dir, workers=1, worker_args=("--engine", "vllm", "--dtype", "float32"),
+                       env=env, ready_timeout=600) as cluster:
+        with RemoteTargetModel(cluster.frontend, timeout=300) as target:
+            assert target.target_info().engine == "vllm"
+            target.check_target_info(h.target_info().to_dict() | {"engine": "vllm"})
+            target.set_vocab_mapping(*tiny_vocab_mapping)
+            got = target.generate_batch(input_ids, attention_mask, loss_mask, kind="eagle3")
+    ref = h.generate_batch(input_ids, attention_mask, loss_mask, kind="eagle3")
+    valid = attention_mask.bool()
+    next_valid = torch.zeros_like(valid)
+    next_valid[:, :-1] = valid[:, 1:]
+    x, y = got["aux_hidden_states"][valid], ref["aux_hidden_states"][valid]
+    assert torch.nn.functional.cosine_similarity(x, y, dim=-1).min() >= min_cos
+    assert (x - y).abs().max() <= rel_abs * y.abs().max()
+    assert (got["target_probs"][next_valid] - ref["target_probs"][next_valid]).abs().max() <= probs_abs
+    assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
