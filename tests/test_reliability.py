@@ -42,10 +42,11 @@ LIVENESS_WINDOW = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
 @pytest.fixture(scope="module")
 def cluster(tiny_target_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("reliability-logs")
-    with local_cluster(tiny_target_dir, workers=1, env=dict(FAST_ENV), log_dir=log_dir) as c:
-        start_slow_worker(c, tiny_target_dir, SLOW_DELAY)
+    with local_cluster(tiny_target_dir, workers=0, env=dict(FAST_ENV), log_dir=log_dir) as c:
+        c.start_worker(tiny_target_dir)
+        c.wait_workers(1)  # the slow one registers second: tests find it by registration order
+        c.slow_worker = start_slow_worker(c, tiny_target_dir, SLOW_DELAY)
         c.wait_workers(2)
-        c.slow_worker = c.workers[-1]
         yield c
 
 
@@ -108,6 +109,7 @@ CLIENT_SCRIPT = textwrap.dedent("""
 def test_client_death_frees_what_it_held(cluster, tiny_target_dir, tiny_vocab_mapping):
     """SIGKILL a client subprocess with 8 requests out: the broker's tables and RSS return to baseline."""
     with _client(cluster, tiny_vocab_mapping) as observer:
+        wait_until(lambda: observer.status()["clients"] == 1, timeout=30, what="only the observer connected")
         base = observer.status()
         base_rss = rss_kib(cluster.broker.pid)
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, cluster.frontend, str(tiny_target_dir)],
@@ -196,3 +198,23 @@ def test_broker_restart(cluster, reference, tiny_target_dir, tiny_vocab_mapping)
     print(f"\nbroker restart: workers rejoined {rejoin_s:.2f}s after the kill; {tally.as_dict()} "
           f"retried={stats.retried} duplicates_dropped={stats.duplicates} reconnects={stats.broker_reconnects}")
     assert tally.sent == tally.completed == tally.verified == 40, tally.errors
+
+
+def test_chaos_soak_short(tiny_target_dir, tmp_path):
+    """The chaos soak (benchmarks/chaos_soak.py), bounded: random worker kills and restarts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "chaos_soak.py"
+    spec = importlib.util.spec_from_file_location("chaos_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    duration = float(os.environ.get("SPEC_SERVE_SOAK_SECONDS", "25"))
+    result = module.soak(str(tiny_target_dir), duration=duration, workers=3, ranks=3, kill_every=5.0, seed=1,
+                         log_dir=tmp_path / "logs")
+    print("\nchaos soak:", {k: result[k] for k in ("sent", "completed", "verified", "retried", "lost", "duplicated",
+                                                  "dropped_duplicates", "worker_kills", "worker_restarts",
+                                                  "redispatched", "hung_ranks", "duration_s")})
+    assert result["hung_ranks"] == 0
+    assert result["lost"] == 0 and result["duplicated"] == 0 and result["wrong"] == 0, result["errors"]
+    assert result["verified"] == result["sent"] > 0

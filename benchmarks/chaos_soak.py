@@ -1,0 +1,150 @@
+"""Chaos soak: client ranks run against a local cluster while workers are SIGKILLed and restarted.
+
+Every result is checked with torch.equal against the colocated HFTarget. Prints
+and writes (JSON) requests sent, completed, verified, retried, lost (must be 0)
+and duplicated (must be 0: a duplicate reply reaching the user; duplicates
+the client dropped by request id are counted separately as ``dropped_duplicates``).
+
+    python benchmarks/chaos_soak.py --duration 60 --workers 3 --ranks 4 --out soak.json
+    python benchmarks/chaos_soak.py --target /models/tiny --duration 3600   # a long soak
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from spec_serve.client import RemoteTargetModel
+from spec_serve.engines.hf import HFTarget
+from spec_serve.launch import local_cluster
+from spec_serve.tiny import make_tiny_target, sample_batch
+from spec_serve.vocab import build_vocab_mapping
+
+FAST_ENV = {"SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2", "SPEC_SERVE_HEARTBEAT_LIVENESS": "5",
+            "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "300"}
+
+
+def soak(target: str, duration: float, workers: int, ranks: int, kill_every: float, seed: int,
+         distinct: int = 16, log_dir: Path | None = None) -> dict:
+    rng = random.Random(seed)
+    reference = HFTarget(target)
+    ids, _, loss = sample_batch(target, batch=8, seq=64, seed=0)
+    mapping = build_vocab_mapping(ids, loss, reference.vocab_size, reference.vocab_size // 2,
+                                  special_token_ids=(0, 1, 2, 3))
+    reference.set_vocab_mapping(*mapping)
+    batches = {s: sample_batch(target, 2, 16, seed=10_000 + s) for s in range(distinct)}
+    expected = {s: reference.generate_batch(*b) for s, b in batches.items()}
+    counts = {"sent": 0, "completed": 0, "verified": 0, "wrong": 0, "failed": 0, "retried": 0,
+              "dropped_duplicates": 0, "lost": 0, "duplicated": 0, "worker_kills": 0, "worker_restarts": 0}
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def add(**kw):
+        with lock:
+            for k, v in kw.items():
+                counts[k] += v
+
+    with local_cluster(target, workers=workers, env=FAST_ENV, log_dir=log_dir) as cluster:
+        def rank(r: int):
+            with RemoteTargetModel(cluster.frontend, prefetch_depth=4, timeout=30, max_retries=10,
+                                   heartbeat_interval=0.2, liveness=15) as client:
+                client.set_vocab_mapping(*mapping)
+                inflight: list = []
+                delivered: dict[int, int] = {}
+                n = 0
+
+                def settle(item):
+                    idx, s, fut = item
+                    try:
+                        got = fut.result(timeout=300)
+                    except Exception as e:
+                        add(failed=1)
+                        errors.append(f"{type(e).__name__}: {e}")
+                        return
+                    delivered[idx] = delivered.get(idx, 0) + 1
+                    ok = got.keys() == expected[s].keys() and all(torch.equal(got[k], expected[s][k])
+                                                                  for k in expected[s])
+                    add(completed=1, **({"verified": 1} if ok else {"wrong": 1}))
+
+                while not stop.is_set():
+                    s = (r * 5 + n) % distinct
+                    inflight.append((n, s, client.generate_batch_async(*batches[s])))
+                    add(sent=1)
+                    n += 1
+                    if len(inflight) >= 4:
+                        settle(inflight.pop(0))
+                for item in inflight:
+                    settle(item)
+                add(retried=client.stats.retried, dropped_duplicates=client.stats.duplicates,
+                    duplicated=sum(c - 1 for c in delivered.values() if c > 1),
+                    lost=n - len(delivered))  # failed futures included
+
+        def chaos():
+            while not stop.wait(rng.uniform(0.5, 1.5) * kill_every):
+                alive = [p for p in cluster.workers if p.poll() is None]
+                if len(alive) > 1:
+                    victim = rng.choice(alive)
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait()
+                    cluster.workers.remove(victim)
+                    add(worker_kills=1)
+                if len([p for p in cluster.workers if p.poll() is None]) < workers:
+                    cluster.start_worker(target)
+                    add(worker_restarts=1)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+        monkey = threading.Thread(target=chaos, daemon=True)
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        monkey.start()
+        time.sleep(duration)
+        stop.set()
+        for t in threads:
+            t.join(timeout=600)
+        elapsed = time.monotonic() - start
+        hung = sum(t.is_alive() for t in threads)
+        _, metrics = cluster.get("/metrics")
+    redispatched = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("spec_serve_redispatched_total"))
+    return {**counts, "hung_ranks": hung, "redispatched": redispatched, "duration_s": round(elapsed, 1),
+            "workers": workers, "ranks": ranks, "kill_every_s": kill_every, "seed": seed, "errors": errors[:5]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="model directory; default: build the tiny target in a temp dir")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--kill-every", type=float, default=6.0, help="mean seconds between worker kills")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("chaos_soak.json"))
+    p.add_argument("--log-dir", type=Path)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = args.target or str(make_tiny_target(Path(tmp) / "tiny"))
+        result = soak(target, args.duration, args.workers, args.ranks, args.kill_every, args.seed,
+                      log_dir=args.log_dir)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(" ".join(f"{k}={result[k]}" for k in ("sent", "completed", "verified", "retried", "lost", "duplicated",
+                                                  "dropped_duplicates", "worker_kills", "worker_restarts",
+                                                  "redispatched", "hung_ranks", "duration_s")))
+    ok = (result["lost"] == 0 and result["duplicated"] == 0 and result["wrong"] == 0 and result["hung_ranks"] == 0
+          and result["verified"] == result["sent"])
+    print("OK" if ok else f"FAILED: {result['errors']}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

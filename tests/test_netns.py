@@ -1,0 +1,198 @@
+"""Several hosts: broker, two workers and a client in separate network namespaces joined by veth
+links to a bridge; cut one worker's link mid-run, nothing is lost; restore it, the worker rejoins.
+
+Needs root and ``ip netns`` (iproute2); skipped with the reason otherwise. Only
+private namespaces created here (10.231.0.0/24, bridged in their own hub
+namespace) are touched, and they are always removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from cluster_util import FAST_ENV, HERE
+
+pytestmark = pytest.mark.netns
+
+SUBNET = "10.231.0"
+NODES = {"b": 1, "w0": 2, "w1": 3, "c": 4}  # broker, workers, client -> host part of the address
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for ip netns"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (apt-get install iproute2)"
+    probe = f"ssprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def net():
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = f"ss{os.getpid() % 100000}"
+    hub = f"{tag}hub"
+    names = {node: f"{tag}{node}" for node in NODES}
+    created = []
+    try:
+        _ip("netns", "add", hub)
+        created.append(hub)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        for node, host in NODES.items():
+            ns = names[node]
+            _ip("netns", "add", ns)
+            created.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("link", "add", f"h{node}", "netns", hub, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{SUBNET}.{host}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", hub, "link", "set", f"h{node}", "master", "br0")
+            _ip("-n", hub, "link", "set", f"h{node}", "up")
+        yield {"hub": hub, **names}
+    finally:
+        for ns in reversed(created):
+            # Processes still inside would keep the namespace alive: kill only those (they are ours).
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+CLIENT = textwrap.dedent("""
+    import json, sys, time, threading
+    import torch
+    from spec_serve.client import RemoteTargetModel
+    from spec_serve.engines.hf import HFTarget
+    from spec_serve.tiny import sample_batch
+    from spec_serve.vocab import build_vocab_mapping
+
+    frontend, target = sys.argv[1], sys.argv[2]
+    say = lambda **kw: print(json.dumps(kw), flush=True)
+    ref = HFTarget(target)
+    ids, _, loss = sample_batch(target, batch=8, seq=64, seed=0)
+    mapping = build_vocab_mapping(ids, loss, 512, 256, special_token_ids=(0, 1, 2, 3))
+    ref.set_vocab_mapping(*mapping)
+    client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=30, max_retries=5,
+                               heartbeat_interval=0.2, liveness=15)
+    nworkers = lambda: len(client.status()["workers"])
+    while nworkers() < 2:
+        time.sleep(0.2)
+    client.set_vocab_mapping(*mapping)
+    say(phase="ready")
+    def run(seeds):
+        futs = [(s, client.generate_batch_async(*sample_batch(target, 2, 16, seed=s))) for s in seeds]
+        say(phase="submitted", n=len(futs))
+        ok = wrong = failed = 0
+        for s, f in futs:
+            try:
+                got = f.result()
+            except Exception as e:
+                failed += 1
+                continue
+            want = ref.generate_batch(*sample_batch(target, 2, 16, seed=s))
+            if all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys():
+                ok += 1
+            else:
+                wrong += 1
+        return {"sent": len(futs), "verified": ok, "wrong": wrong, "failed": failed}
+    counts = run(range(500, 524))
+    say(phase="done", counts=counts, workers=nworkers(), retried=client.stats.retried,
+        duplicates=client.stats.duplicates)
+    sys.stdin.readline()  # the parent restores the link
+    t0 = time.monotonic()
+    while nworkers() < 2:
+        time.sleep(0.1)
+    rejoin = time.monotonic() - t0
+    counts2 = run(range(600, 612))
+    say(phase="rejoined", rejoin_s=round(rejoin, 2), counts=counts2, duplicates=client.stats.duplicates)
+    client.close()
+""")
+
+
+def _spawn(ns: str, args: list[str], log, **kw) -> subprocess.Popen:
+    env = {**os.environ, **FAST_ENV}
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT if log is not subprocess.PIPE else None, **kw)
+
+
+def _expect(proc, phase: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"client exited (rc={proc.poll()}) before phase {phase!r}")
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # library chatter
+        if msg.get("phase") == phase:
+            return msg
+    raise TimeoutError(phase)
+
+
+def test_cut_worker_link_loses_nothing_and_worker_rejoins(net, tiny_target_dir, tmp_path):
+    broker_url = f"tcp://{SUBNET}.{NODES['b']}"
+    logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("broker", "w0", "w1")}
+    procs = []
+    try:
+        procs.append(_spawn(net["b"], ["-m", "spec_serve.cli", "broker", "--frontend", "tcp://*:5555",
+                                       "--backend", "tcp://*:5556", "--http-port", "0"], logs["broker"]))
+        # w0 is slow (1.5 s a forward) so it certainly holds requests when its link is cut.
+        procs.append(_spawn(net["w0"], [str(HERE / "cluster_util.py"), "slow-worker", "--delay", "1.5",
+                                        "--target", str(tiny_target_dir), "--broker", f"{broker_url}:5556"],
+                            logs["w0"]))
+        procs.append(_spawn(net["w1"], ["-m", "spec_serve.cli", "worker", "--target", str(tiny_target_dir),
+                                        "--broker", f"{broker_url}:5556"], logs["w1"]))
+        client = _spawn(net["c"], ["-c", CLIENT, f"{broker_url}:5555", str(tiny_target_dir)], subprocess.PIPE,
+                        stdin=subprocess.PIPE, text=True)
+        procs.append(client)
+        _expect(client, "ready", 180)
+        _expect(client, "submitted", 30)
+        time.sleep(1.0)  # w0 now holds requests
+        _ip("-n", net["hub"], "link", "set", "hw0", "down")
+        cut_at = time.monotonic()
+        done = _expect(client, "done", 240)
+        print(f"\nnetns: link of w0 cut; {done['counts']} in {time.monotonic() - cut_at:.1f}s after the cut, "
+              f"workers seen by the broker {done['workers']}, retried={done['retried']} "
+              f"duplicates_dropped={done['duplicates']}")
+        assert done["counts"]["verified"] == done["counts"]["sent"] == 24, done
+        _ip("-n", net["hub"], "link", "set", "hw0", "up")
+        client.stdin.write("restored\n")
+        client.stdin.flush()
+        rejoined = _expect(client, "rejoined", 120)
+        print(f"netns: link restored; w0 rejoined after {rejoined['rejoin_s']}s; {rejoined['counts']} "
+              f"duplicates_dropped={rejoined['duplicates']}")
+        assert rejoined["counts"]["verified"] == rejoined["counts"]["sent"] == 12, rejoined
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for f in logs.values():
+            f.close()
