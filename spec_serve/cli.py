@@ -282,5 +282,72 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
     sys.exit(0 if ok else 1)
 
 
+@main.command()
+@click.option("--target", default=None, help="Model directory; default: the tiny target (or the 8B shape).")
+@click.option("--gpu-8b", is_flag=True,
+              help="Llama-3.1-8B shape with random bf16 weights built on the GPU (no download).")
+@click.option("--devices", default=None,
+              help="Worker devices, comma-separated; the first also runs the colocated forward and the client. "
+                   "Default: cpu, or cuda:0,cuda:1 with --gpu-8b.")
+@click.option("--dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Model dtype; default: the checkpoint's (bfloat16 with --gpu-8b).")
+@click.option("--batch", default=None, type=int, help="Rows per batch [4].")
+@click.option("--seq", default=None, type=int, help="Tokens per row [256; 2048 with --gpu-8b].")
+@click.option("--steps", default=None, type=int, help="Timed batches per scenario [8; 10 with --gpu-8b].")
+@click.option("--warmup", default=2, show_default=True, help="Untimed batches first.")
+@click.option("--prefetch", default=2, show_default=True, help="Client prefetch depth.")
+@click.option("--draft-vocab", default=None, type=int, help="Draft vocab size [256; 32000 with --gpu-8b].")
+@click.option("--max-batch-tokens", default=None, type=int, help="Batching worker's token budget [4096; 8192].")
+@click.option("--transport-seq", default=None, type=int,
+              help="Tokens per transport-only message (8B-shaped replies, 149 KiB a token) [256; 1024].")
+@click.option("--transport-messages", default=8, show_default=True, help="Messages per transport scenario.")
+@click.option("--only", default="", help="Comma-separated scenarios (see below); default: all.")
+@click.option("--json", "json_out", default="bench.json", show_default=True, help="Where to write the report.")
+@click.option("--log-dir", default=None, help="Keep broker and worker logs here.")
+def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, max_batch_tokens,
+          transport_seq, transport_messages, only, json_out, log_dir):
+    """Measure remote supervision against the colocated forward, in one run.
+
+    Colocated versus remote, broker path versus a direct socket for the same bytes, 1 versus 2
+    workers, EAGLE-3 full versus compact, batched versus unbatched small requests, the frames codec
+    versus raw ZeroMQ. Prints a table of figures and ratios and writes JSON. Scenarios: colocated,
+    colocated_compact, remote_1w, remote_1w_compact, remote_2w, remote_2w_compact, small_unbatched,
+    small_batched, broker_null, direct_null, zmq_raw, frames, worker_pool.
+
+    \b
+    Examples:
+      spec-serve bench                                  # tiny target on CPU, every scenario
+      spec-serve bench --only colocated,remote_1w --steps 4 --json out.json
+      spec-serve bench --only zmq_raw,frames,broker_null,direct_null --transport-seq 512
+      spec-serve bench --gpu-8b --devices cuda:0,cuda:1 --json h200.json
+    """
+    from spec_serve.bench import SCENARIOS, format_table, make_config, run
+
+    try:
+        cfg = make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, 4, 12,
+                          None, max_batch_tokens, transport_messages, only, log_dir, transport_seq)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    names = [n for n in SCENARIOS if not cfg.only or n in cfg.only]
+    unknown = set(cfg.only) - set(SCENARIOS)
+    if unknown:
+        raise click.BadParameter(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}",
+                                 param_hint="--only")
+    needs_cluster = any(SCENARIOS[n][0] for n in names)
+    with click.progressbar(length=len(names) + needs_cluster, label="bench", show_pos=True,
+                           item_show_func=lambda s: s, file=sys.stderr) as bar:
+        started: list[str] = []
+
+        def progress(name: str) -> None:  # a step is counted when the next one starts
+            bar.update(1 if started else 0, name)
+            started.append(name)
+
+        report = run(cfg, progress=progress)
+        bar.update(1, "done")
+    click.echo(format_table(report))
+    Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(f"wrote {json_out}")
+
+
 if __name__ == "__main__":
     main()

@@ -74,6 +74,37 @@ def fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+# A benchmark target dir (``write_random_init_target``) holds config.json plus this small file instead
+# of weights: the model is built with random weights straight on the device (an 8B model in seconds,
+# no 16 GB download or disk write). Same file, same seed, same weights on the same kind of device.
+RANDOM_INIT_FILE = "random_init.safetensors"
+
+
+def write_random_init_target(out_dir: str | Path, config: dict, seed: int = 0) -> Path:
+    """Write a weightless target dir: ``config.json`` and a marker with the init seed."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({"seed": torch.tensor([seed], dtype=torch.int64)}, str(out / RANDOM_INIT_FILE),
+              metadata={"spec_serve": "random_init"})
+    return out
+
+
+def _random_init_model(config, marker: Path, dtype, device: torch.device):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    seed = int(load_file(str(marker))["seed"][0])
+    dtype = torch.float32 if dtype == "auto" else dtype
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
 class HFTarget:
     """A frozen local causal LM serving the supervision contract (engine "hf")."""
 
@@ -107,7 +138,10 @@ class HFTarget:
             self.num_layers,
         )
         # `dtype=` replaced `torch_dtype=` in transformers 4.56; both 4.57 and 5.x accept it.
-        model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype))
+        if (self.path / RANDOM_INIT_FILE).exists():
+            model = _random_init_model(config, self.path / RANDOM_INIT_FILE, parse_dtype(dtype), self.device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype))
         model.to(self.device).eval().requires_grad_(False)
         self.model = model
         self._base = model.base_model

@@ -1,0 +1,694 @@
+"""``spec-serve bench``: remote supervision against the target's own forward, measured in one run.
+
+Every figure of a run is measured side by side on the same machine, so the ratios mean something
+even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--only`` picks some):
+
+  colocated           HFTarget.generate_batch in this process (forward + supervision on the device)
+  colocated_compact   the compact kind + expand_compact on the same device (what the client does)
+  remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full
+  remote_1w_compact   the same with RemoteTargetModel(compact=True)
+  remote_2w           two workers, each batch sharded in two (num_shards=2)
+  remote_2w_compact
+  small_unbatched     many small requests from several ranks, one worker without batching
+  small_batched       the same against a worker started with --max-batch-tokens
+  broker_null         transport only: a worker whose engine returns ready tensors of the EAGLE-3
+                      reply size, through the broker (request via broker, reply straight back)
+  direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
+  zmq_raw             raw ZeroMQ PUSH->PULL over loopback: pre-built 16 MiB frames, same bytes
+  frames              the codec path over the same socket pair: wire.encode -> send -> wire.decode
+  worker_pool         the worker's hot path in-process (serve, host copy into the pinned pool,
+                      encode): pool allocations against messages (flat = no fresh host memory)
+  nccl                hook for the NCCL data plane (RemoteTargetModel bound to a worker):
+                      register a function in SCENARIOS["remote_nccl"] (not built yet)
+
+Also reported: bytes per token of the full and compact EAGLE-3 replies, measured on the target and
+computed analytically at the Llama-3.1-8B shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Llama-3.1-8B's shape (the GPU benchmark builds it with random bf16 weights on the device).
+LLAMA_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+LLAMA_8B_AUX_LAYERS = "1,15,28"
+# Transport-only scenarios always move EAGLE-3 replies of the 8B shape (149 KiB a token), so their
+# GB/s are comparable between the CPU box and the GPU machine.
+T_HIDDEN, T_VD = 4096, 32000
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    target: str | None = None  # model dir; None: the tiny target (or the 8B shape with gpu_8b)
+    gpu_8b: bool = False
+    devices: tuple[str, ...] = ("cpu",)  # worker devices; the first is also the colocated/client device
+    dtype: str | None = None
+    batch: int = 4
+    seq: int = 256
+    steps: int = 8
+    warmup: int = 2
+    prefetch: int = 2
+    draft_vocab: int = 256
+    small_ranks: int = 4
+    small_requests: int = 12  # per rank
+    small_seq: int = 64
+    max_batch_tokens: int = 4096
+    transport_messages: int = 8
+    transport_seq: int = 256  # transport scenarios send 1 x this many tokens of 8B-shaped EAGLE-3 replies
+    only: tuple[str, ...] = ()
+    log_dir: str | None = None
+
+
+def bytes_per_token(hidden: int, draft_vocab: int, dtype_bytes: int = 2, mask_bytes: int = 8) -> dict[str, int]:
+    """Reply bytes a token: full EAGLE-3 (aux, probs f32, mask, ids, loss) and compact (aux, last, argmax, ids, loss)."""
+    common = 3 * hidden * dtype_bytes + 8 + mask_bytes  # aux + input_ids int64 + loss_mask as sent
+    return {"eagle3": common + draft_vocab * 4 + 1, "eagle3_compact": common + hidden * dtype_bytes + 4}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_batch(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full-length rows (every token counts), random ids, loss on the last three quarters."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    attn = torch.ones(batch, seq, dtype=torch.int64)
+    loss = torch.zeros(batch, seq, dtype=torch.int64)
+    loss[:, seq // 4 :] = 1
+    return ids, attn, loss
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _figure(name: str, tokens: int, nbytes: int, seconds: float, **extra) -> dict[str, Any]:
+    return {"scenario": name, "tokens": tokens, "bytes": nbytes, "seconds": round(seconds, 6),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+            "gb_per_s": round(nbytes / seconds / 1e9, 4) if seconds else None, **extra}
+
+
+# ------------------------------------------------------------------- colocated
+
+
+def run_colocated(ctx: "Context", compact: bool) -> dict[str, Any]:
+    from spec_serve.compact import expand_compact, lm_head_slice
+
+    engine, device = ctx.engine(), ctx.device
+    weight = lm_head_slice(engine.get_output_embeddings().weight, ctx.mapping[0]) if compact else None
+    mask = ctx.mapping[1].to(device)
+    batches = [tuple(t.to(device) for t in b) for b in ctx.batches]
+    tokens = nbytes = 0
+    start = 0.0
+    for i, b in enumerate(batches):
+        if i == ctx.cfg.warmup:
+            _sync(device)
+            start, tokens, nbytes = time.perf_counter(), 0, 0
+        if compact:
+            out = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), weight, mask)
+        else:
+            out = engine.generate_batch(*b, kind="eagle3")
+        tokens += int(b[1].sum())
+        nbytes += _nbytes(out)
+    _sync(device)
+    return _figure("colocated_compact" if compact else "colocated", tokens, nbytes, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------- remote
+
+
+def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str) -> dict[str, Any]:
+    from spec_serve.client import RemoteTargetModel
+
+    with RemoteTargetModel(ctx.cluster.frontend, service=service, device=ctx.device, prefetch_depth=ctx.cfg.prefetch,
+                           num_shards=shards, compact=compact, timeout=600) as client:
+        client.set_vocab_mapping(*ctx.mapping)
+        futures, tokens, nbytes, start = [], 0, 0, 0.0
+        for i, b in enumerate(ctx.batches):
+            if i == ctx.cfg.warmup:
+                for _, f in futures:
+                    f.result()
+                futures, start = [], time.perf_counter()
+            futures.append((int(b[1].sum()), client.generate_batch_async(*b, kind="eagle3")))
+        for n, f in futures:
+            out = f.result()
+            tokens += n
+            nbytes += _nbytes(out)
+        _sync(ctx.device)
+        seconds = time.perf_counter() - start
+        wire_kind = "eagle3_compact" if compact else "eagle3"
+        return _figure(name, tokens, nbytes, seconds, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
+                       retried=client.stats.retried)
+
+
+def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
+    """Several ranks at once, each with small requests in flight: what batching is for."""
+    from spec_serve.client import RemoteTargetModel
+
+    cfg = ctx.cfg
+    vocab = ctx.info["vocab_size"]
+    clients = [RemoteTargetModel(ctx.cluster.frontend, service=service, device=ctx.device, prefetch_depth=4,
+                                 timeout=600) for _ in range(cfg.small_ranks)]
+    try:
+        for c in clients:
+            c.set_vocab_mapping(*ctx.mapping)
+        batched = [0]
+        barrier = threading.Barrier(cfg.small_ranks + 1)
+
+        def rank(r: int, client) -> None:
+            reqs = [make_batch(1, cfg.small_seq, vocab, seed=1000 * r + i) for i in range(cfg.small_requests)]
+            client.generate_batch(*reqs[0], kind="eagle3")  # warm-up
+            barrier.wait()
+            futures = [client.generate_batch_async(*b, kind="eagle3") for b in reqs]
+            for f in futures:
+                f.result()
+
+        threads = [threading.Thread(target=rank, args=(r, c)) for r, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        batched[0] = sum(c.stats.batched for c in clients)
+    finally:
+        for c in clients:
+            c.close()
+    tokens = cfg.small_ranks * cfg.small_requests * cfg.small_seq
+    return _figure(name, tokens, tokens * ctx.reply_bytes_per_token["eagle3"], seconds,
+                   requests=cfg.small_ranks * cfg.small_requests, batched_replies=batched[0])
+
+
+# ------------------------------------------------------------------- transport
+
+
+def null_tensors(batch: int, seq: int, hidden: int, draft_vocab: int) -> dict[str, torch.Tensor]:
+    """Ready-made EAGLE-3 reply tensors of the real shapes (bf16 aux, f32 probs)."""
+    return {
+        "aux_hidden_states": torch.ones(batch, seq, 3 * hidden, dtype=torch.bfloat16),
+        "target_probs": torch.full((batch, seq, draft_vocab), 1.0 / draft_vocab),
+        "position_mask": torch.ones(batch, seq, 1, dtype=torch.bool),
+        "input_ids": torch.zeros(batch, seq, dtype=torch.int64),
+        "loss_mask": torch.ones(batch, seq, dtype=torch.int64),
+    }
+
+
+class NullEngine:
+    """An engine with no model: answers every request with ready tensors (transport-only benchmark)."""
+
+    engine = "null"
+
+    def __init__(self, info: dict, hidden: int, draft_vocab: int):
+        from spec_serve.contract import TargetInfo
+
+        self.info = TargetInfo.from_dict(info)
+        self.hidden, self.draft_vocab = hidden, draft_vocab
+        self._cache: dict = {}
+
+    def target_info(self):
+        return self.info
+
+    def set_vocab_mapping(self, ids, mask) -> None:
+        pass
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
+        key = tuple(input_ids.shape)
+        if key not in self._cache:
+            self._cache[key] = null_tensors(*key, self.hidden, self.draft_vocab)
+        return self._cache[key]
+
+
+def _null_worker(args: list[str]) -> None:
+    from spec_serve.worker import Worker
+
+    broker, service, info, hidden, draft_vocab = args[0], args[1], json.loads(args[2]), int(args[3]), int(args[4])
+    w = Worker(NullEngine(info, hidden, draft_vocab), broker, service=service, capacity=2)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *a: w.stop())
+    w.run()
+
+
+def _direct_server(args: list[str]) -> None:
+    """A ROUTER that answers each [reqid, ...] with data-message frames of the null tensors."""
+    import zmq
+
+    from spec_serve import wire
+    from spec_serve.protocol import Status, data_message
+    from spec_serve.sockets import make_socket
+
+    endpoint_file, hidden, draft_vocab, batch, seq = args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4])
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    Path(endpoint_file).write_text(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    tensors = null_tensors(batch, seq, hidden, draft_vocab)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[1].bytes == b"stop":
+            return
+        # Encoded per reply, as the worker does (zero-copy views, a small header).
+        sock.send_multipart([frames[0], *data_message(Status.OK, frames[1].bytes, {}, wire.encode(tensors))],
+                            copy=False)
+
+
+def _push_sender(args: list[str]) -> None:
+    """PUSH ``count`` messages of the null tensors' bytes: raw 16 MiB frames, or wire.encode frames."""
+    import zmq
+
+    from spec_serve import wire
+    from spec_serve.sockets import make_socket
+
+    endpoint, mode, count, hidden, draft_vocab, batch, seq = args[0], args[1], *map(int, args[2:7])
+    tensors = null_tensors(batch, seq, hidden, draft_vocab)
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.PUSH, connect=endpoint, hwm=4)
+    if mode == "raw":
+        blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+        view = memoryview(blob.numpy())
+        raw = [view[i : i + wire.MAX_FRAME_BYTES] for i in range(0, len(view), wire.MAX_FRAME_BYTES)]
+    for _ in range(count):
+        frames = raw if mode == "raw" else wire.encode(tensors)
+        sock.send_multipart(frames, copy=False)
+    sock.send(b"")  # end marker
+    time.sleep(0.5)
+    sock.close(linger=2000)
+
+
+def _spawn_helper(kind: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "spec_serve.bench", kind, *map(str, args)],
+                            env=os.environ.copy(), start_new_session=True)
+
+
+def run_push(ctx: "Context", mode: str) -> dict[str, Any]:
+    import zmq
+
+    from spec_serve import wire
+    from spec_serve.sockets import make_socket
+
+    cfg = ctx.cfg
+    zctx = zmq.Context.instance()
+    pull = make_socket(zctx, zmq.PULL, bind="tcp://127.0.0.1:*", hwm=4)
+    endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    count = cfg.transport_messages + 1
+    proc = _spawn_helper("_push_sender", endpoint, mode, count, T_HIDDEN, T_VD, 1, cfg.transport_seq)
+    try:
+        nbytes = 0
+        pull.recv_multipart(copy=False)  # the first message pays connection set-up
+        start = time.perf_counter()
+        while True:
+            frames = pull.recv_multipart(copy=False)
+            if len(frames) == 1 and len(frames[0]) == 0:
+                break
+            if mode == "raw":
+                nbytes += sum(len(f) for f in frames)
+            else:
+                nbytes += _nbytes(wire.decode(frames))
+        seconds = time.perf_counter() - start
+    finally:
+        proc.wait(30)
+        pull.close(0)
+    return _figure("zmq_raw" if mode == "raw" else "frames", 0, nbytes, seconds,
+                   messages=cfg.transport_messages)
+
+
+def run_direct(ctx: "Context") -> dict[str, Any]:
+    import zmq
+
+    from spec_serve import wire
+    from spec_serve.protocol import new_request_id, parse_data
+    from spec_serve.sockets import make_socket
+
+    cfg = ctx.cfg
+    endpoint_file = Path(ctx.tmp) / "direct.endpoint"
+    proc = _spawn_helper("_direct_server", endpoint_file, T_HIDDEN, T_VD, 1, cfg.transport_seq)
+    deadline = time.monotonic() + 120
+    while not endpoint_file.exists() or not endpoint_file.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("direct server did not start")
+        time.sleep(0.05)
+    dealer = make_socket(zmq.Context.instance(), zmq.DEALER, connect=endpoint_file.read_text())
+    request = wire.encode(dict(zip(("input_ids", "attention_mask", "loss_mask"),
+                                   make_batch(1, cfg.transport_seq, 2, 0))))
+    try:
+        def one_round(n: int) -> int:
+            got, received, inflight, sent = 0, 0, 0, 0
+            while received < n:
+                while inflight < cfg.prefetch and sent < n:
+                    dealer.send_multipart([new_request_id(), *request], copy=False)
+                    inflight, sent = inflight + 1, sent + 1
+                _, _, _, payload = parse_data(dealer.recv_multipart(copy=False))
+                got += _nbytes(wire.decode(payload))
+                received, inflight = received + 1, inflight - 1
+            return got
+
+        one_round(cfg.warmup or 1)
+        start = time.perf_counter()
+        nbytes = one_round(cfg.transport_messages)
+        seconds = time.perf_counter() - start
+        dealer.send(b"stop")
+    finally:
+        dealer.close(0)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    tokens = cfg.transport_messages * cfg.transport_seq
+    return _figure("direct_null", tokens, nbytes, seconds)
+
+
+def run_broker_null(ctx: "Context") -> dict[str, Any]:
+    from spec_serve.client import RemoteTargetModel
+
+    cfg = ctx.cfg
+    with RemoteTargetModel(ctx.cluster.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600) as client:
+        client.set_vocab_mapping(*ctx.mapping)
+        batch = make_batch(1, cfg.transport_seq, ctx.info["vocab_size"], 0)
+        for _ in range(cfg.warmup or 1):
+            client.generate_batch(*batch)
+        start = time.perf_counter()
+        futures = [client.generate_batch_async(*batch) for _ in range(cfg.transport_messages)]
+        nbytes = sum(_nbytes(f.result()) for f in futures)
+        seconds = time.perf_counter() - start
+    tokens = cfg.transport_messages * cfg.transport_seq
+    return _figure("broker_null", tokens, nbytes, seconds)
+
+
+def run_worker_pool(ctx: "Context") -> dict[str, Any]:
+    """The worker's hot path in-process: forward, host copy (pinned pool on a GPU), encode; release as sent."""
+    from spec_serve import wire
+    from spec_serve.worker import Job, Worker
+
+    engine = ctx.engine()
+    worker = Worker(engine, "tcp://127.0.0.1:1", capacity=2)
+    worker._mappings["bench"] = ctx.mapping
+    batch = dict(zip(("input_ids", "attention_mask", "loss_mask"), ctx.batches[0]))
+    header = {"op": "generate", "kind": "eagle3", "vocab": "bench", "reply_to": "tcp://127.0.0.1:1"}
+    n = max(ctx.cfg.steps, 4)
+    start = time.perf_counter()
+    for i in range(n):
+        result = worker.serve(Job(bytes(16), header, wire.encode(batch), time.monotonic()))
+        if result.lease is not None:
+            result.lease.release()  # what the I/O thread does once ZeroMQ has sent the frames
+    seconds = time.perf_counter() - start
+    stats = worker.host_pool.stats()
+    return _figure("worker_pool", n * int(batch["attention_mask"].sum()), 0, seconds, messages=n,
+                   pool_allocations=stats["allocations"], pooled=engine.device.type == "cuda")
+
+
+# --------------------------------------------------------------------- context
+
+
+class Context:
+    """What scenarios share: config, target, batches, mapping, the cluster (started lazily)."""
+
+    def __init__(self, cfg: BenchConfig, tmp: str):
+        from spec_serve.engines.hf import write_random_init_target
+        from spec_serve.tiny import make_tiny_target
+        from spec_serve.vocab import build_vocab_mapping
+
+        self.cfg, self.tmp = cfg, tmp
+        self.device = torch.device(cfg.devices[0])
+        if cfg.target:
+            self.target = cfg.target
+        elif cfg.gpu_8b:
+            self.target = str(write_random_init_target(Path(tmp) / "llama-8b-shape", LLAMA_8B_CONFIG))
+        else:
+            self.target = str(make_tiny_target(Path(tmp) / "tiny"))
+        self.config = json.loads((Path(self.target) / "config.json").read_text())
+        vocab = int(self.config["vocab_size"])
+        self.info = {"vocab_size": vocab, "hidden_size": int(self.config["hidden_size"])}
+        self.batches = [make_batch(cfg.batch, cfg.seq, vocab, seed=s) for s in range(cfg.warmup + cfg.steps)]
+        ids = torch.cat([b[0] for b in self.batches[:4]])
+        loss = torch.cat([b[2] for b in self.batches[:4]])
+        self.mapping = build_vocab_mapping(ids, loss, vocab, min(cfg.draft_vocab, vocab))
+        dtype_bytes = 2 if (cfg.dtype or self.config.get("torch_dtype", "float32")) in ("bfloat16", "float16") else 4
+        self.dtype_bytes = dtype_bytes
+        self.reply_bytes_per_token = bytes_per_token(self.info["hidden_size"], min(cfg.draft_vocab, vocab),
+                                                     dtype_bytes)
+        self._engine = None
+        self.cluster = None
+        self._stack = contextlib.ExitStack()
+
+    def engine(self):
+        if self._engine is None:
+            from spec_serve.engines.hf import HFTarget
+
+            self._engine = HFTarget(self.target, device=self.device, dtype=self.cfg.dtype,
+                                    aux_layer_ids=self._aux_ids())
+            self._engine.set_vocab_mapping(*self.mapping)
+        return self._engine
+
+    def _aux_ids(self):
+        return [int(i) for i in LLAMA_8B_AUX_LAYERS.split(",")] if self.cfg.gpu_8b else None
+
+    def start_cluster(self, services: set[str]) -> None:
+        """One broker; each service its own workers (all start in parallel, then we wait)."""
+        from spec_serve.launch import Cluster, free_port
+
+        cfg = self.cfg
+        log_dir = Path(cfg.log_dir) if cfg.log_dir else None
+        cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
+                          env={"SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "600"}, log_dir=log_dir)
+        self._stack.callback(cluster.stop)
+        cluster.start_broker()
+        common = ["--capacity", "2"]
+        if cfg.dtype:
+            common += ["--dtype", cfg.dtype]
+        if cfg.gpu_8b:
+            common += ["--aux-layer-ids", LLAMA_8B_AUX_LAYERS]
+        second = cfg.devices[1] if len(cfg.devices) > 1 else cfg.devices[0]
+        expected = 0
+        if "w1" in services:
+            cluster.start_worker(self.target, "--device", cfg.devices[0], *common, service="w1")
+            expected += 1
+        if "w2" in services:
+            for device in (cfg.devices[0], second):
+                cluster.start_worker(self.target, "--device", device, *common, service="w2")
+            expected += 2
+        if "batch" in services:
+            cluster.start_worker(self.target, "--device", cfg.devices[0], "--max-batch-tokens",
+                                 str(cfg.max_batch_tokens), *[a for a in common if a not in ("--capacity", "2")],
+                                 "--capacity", "8", service="batch")
+            expected += 1
+        if "null" in services:
+            from spec_serve.contract import default_aux_layer_ids, default_dspark_layer_ids
+
+            n = int(self.config["num_hidden_layers"])
+            info = {"num_hidden_layers": n, "hidden_size": self.info["hidden_size"],
+                    "vocab_size": self.info["vocab_size"], "aux_layer_ids": default_aux_layer_ids(n),
+                    "dspark_layer_ids": default_dspark_layer_ids(n), "model_name": "null", "dtype": "bfloat16",
+                    "engine": "null", "fingerprint": "0" * 32}
+            proc = _spawn_helper("_null_worker", cluster.backend, "null", json.dumps(info), T_HIDDEN, T_VD)
+            cluster.workers.append(proc)
+            expected += 1
+        cluster.wait_workers(expected, timeout=900)
+        self.cluster = cluster
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+# ------------------------------------------------------------------ scenarios
+
+# name -> (services it needs, function). Another data plane (NCCL) plugs in here:
+# SCENARIOS["remote_nccl"] = (set(), lambda ctx: run_remote_nccl(ctx)) returning a _figure(...).
+SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
+    "colocated": (set(), lambda c: run_colocated(c, compact=False)),
+    "colocated_compact": (set(), lambda c: run_colocated(c, compact=True)),
+    "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
+    "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
+    "remote_2w": ({"w2"}, lambda c: run_remote(c, "w2", False, 2, "remote_2w")),
+    "remote_2w_compact": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact")),
+    "small_unbatched": ({"w1"}, lambda c: run_small(c, "w1", "small_unbatched")),
+    "small_batched": ({"batch"}, lambda c: run_small(c, "batch", "small_batched")),
+    "broker_null": ({"null"}, run_broker_null),
+    "direct_null": (set(), run_direct),
+    "zmq_raw": (set(), lambda c: run_push(c, "raw")),
+    "frames": (set(), lambda c: run_push(c, "wire")),
+    "worker_pool": (set(), run_worker_pool),
+}
+
+# (label, numerator, denominator, target on an H200 or None); ratios of tokens/s (or GB/s).
+RATIOS = [
+    ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
+    ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
+    ("compact / full, remote 1 worker", "remote_1w_compact", "remote_1w", None),
+    ("2 workers / 1 worker", "remote_2w", "remote_1w", 1.9),
+    ("2 workers / 1 worker, compact", "remote_2w_compact", "remote_1w_compact", 1.9),
+    ("small requests: batched / unbatched", "small_batched", "small_unbatched", None),
+    ("broker path / direct socket (same bytes)", "broker_null", "direct_null", None),
+    ("frames / raw ZeroMQ (same bytes)", "frames", "zmq_raw", 0.9),
+]
+
+
+def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
+    """Run the chosen scenarios; return the JSON-ready report (figures, ratios, bytes per token)."""
+    names = [n for n in SCENARIOS if not cfg.only or n in cfg.only]
+    unknown = set(cfg.only) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
+    with tempfile.TemporaryDirectory(prefix="spec-serve-bench-") as tmp:
+        ctx = Context(cfg, tmp)
+        try:
+            services = set().union(*(SCENARIOS[n][0] for n in names)) if names else set()
+            if services:
+                progress("start cluster")
+                ctx.start_cluster(services)
+            figures = {}
+            for name in names:
+                progress(name)
+                figures[name] = SCENARIOS[name][1](ctx)
+        finally:
+            ctx.close()
+        ratios = []
+        for label, a, b, goal in RATIOS:
+            if a in figures and b in figures:
+                key = "tokens_per_s" if figures[a]["tokens"] and figures[b]["tokens"] else "gb_per_s"
+                value = figures[a][key] / figures[b][key] if figures[b][key] else None
+                ratios.append({"ratio": label, "of": key, "value": round(value, 3) if value else None,
+                               "h200_target": goal})
+        hidden = ctx.info["hidden_size"]
+        report = {
+            "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+            "config": dataclasses.asdict(cfg),
+            "target": {"path": ctx.target, **ctx.info, "layers": ctx.config["num_hidden_layers"],
+                       "dtype_bytes": ctx.dtype_bytes},
+            "bytes_per_token": {
+                "this_target": ctx.reply_bytes_per_token,
+                "llama_8b_shape_vd32000_bf16": bytes_per_token(4096, 32000, 2),
+                "measured": {n: round(f["bytes"] / f["tokens"], 1) for n, f in figures.items()
+                             if f["tokens"] and n.startswith(("colocated", "remote"))},
+            },
+            "figures": figures,
+            "ratios": ratios,
+        }
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{'scenario':<20}{'tokens/s':>14}{'GB/s':>10}{'seconds':>10}  notes"]
+    for name, f in report["figures"].items():
+        notes = ", ".join(f"{k}={v}" for k, v in f.items()
+                          if k not in ("scenario", "tokens", "bytes", "seconds", "tokens_per_s", "gb_per_s"))
+        tps = f"{f['tokens_per_s']:,.0f}" if f["tokens"] and f["tokens_per_s"] else "-"
+        lines.append(f"{name:<20}{tps:>14}{f['gb_per_s'] or 0:>10.3f}{f['seconds']:>10.3f}  {notes}")
+    lines.append("")
+    lines.append(f"{'ratio':<48}{'value':>8}{'H200 target':>13}")
+    for r in report["ratios"]:
+        goal = f">= {r['h200_target']}" if r["h200_target"] else "-"
+        lines.append(f"{r['ratio']:<48}{r['value'] if r['value'] is not None else '-':>8}{goal:>13}")
+    bpt = report["bytes_per_token"]
+    full, comp = bpt["llama_8b_shape_vd32000_bf16"]["eagle3"], bpt["llama_8b_shape_vd32000_bf16"]["eagle3_compact"]
+    lines.append("")
+    lines.append(f"reply bytes/token at the Llama-3.1-8B shape (Vd=32000, bf16): EAGLE-3 {full / 1024:.1f} KiB, "
+                 f"compact {comp / 1024:.1f} KiB ({full / comp:.1f}x fewer)")
+    here = bpt["this_target"]
+    lines.append(f"reply bytes/token on this target: EAGLE-3 {here['eagle3']} B, compact {here['eagle3_compact']} B; "
+                 f"measured (client-side tensors): {bpt['measured']}")
+    return "\n".join(lines)
+
+
+def _parse_args(argv: list[str]) -> tuple[BenchConfig, str | None]:
+    p = argparse.ArgumentParser(prog="python -m spec_serve.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target")
+    p.add_argument("--gpu-8b", action="store_true", help="Llama-3.1-8B shape, random bf16 weights on the GPU")
+    p.add_argument("--devices", default=None, help="comma-separated worker devices, e.g. cuda:0,cuda:1")
+    p.add_argument("--dtype", default=None)
+    for name, default in (("batch", None), ("seq", None), ("steps", None), ("warmup", 2), ("prefetch", 2),
+                          ("draft-vocab", None), ("small-ranks", 4), ("small-requests", 12), ("small-seq", None),
+                          ("max-batch-tokens", None), ("transport-messages", 8), ("transport-seq", None)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--only", default="")
+    p.add_argument("--json", default=None)
+    p.add_argument("--log-dir", default=None)
+    a = p.parse_args(argv)
+    return make_config(a.target, a.gpu_8b, a.devices, a.dtype, a.batch, a.seq, a.steps, a.warmup, a.prefetch,
+                       a.draft_vocab, a.small_ranks, a.small_requests, a.small_seq, a.max_batch_tokens,
+                       a.transport_messages, a.only, a.log_dir, a.transport_seq), a.json
+
+
+def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
+                small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
+                transport_seq=None) -> BenchConfig:
+    """Defaults per mode: the tiny target on CPU, or the 8B shape on the GPUs (4 x 2048, Vd 32000)."""
+    if gpu_8b:
+        n = torch.cuda.device_count()
+        devices = devices or ",".join(f"cuda:{i}" for i in range(min(max(n, 1), 2)))
+        dtype = dtype or "bfloat16"
+        batch, seq, steps = batch or 4, seq or 2048, steps or 10
+        draft_vocab, small_seq = draft_vocab or 32000, small_seq or 512
+        max_batch_tokens = max_batch_tokens or 8192
+        transport_seq = transport_seq or 1024
+    else:
+        devices = devices or "cpu"
+        batch, seq, steps = batch or 4, seq or 256, steps or 8
+        draft_vocab, small_seq = draft_vocab or 256, small_seq or 64
+        max_batch_tokens = max_batch_tokens or 4096
+        transport_seq = transport_seq or 256
+    return BenchConfig(target=target, gpu_8b=gpu_8b, devices=tuple(d.strip() for d in devices.split(",") if d.strip()),
+                       dtype=dtype, batch=batch, seq=seq, steps=steps, warmup=warmup, prefetch=prefetch,
+                       draft_vocab=draft_vocab, small_ranks=small_ranks, small_requests=small_requests,
+                       small_seq=small_seq, max_batch_tokens=max_batch_tokens,
+                       transport_messages=transport_messages, transport_seq=transport_seq,
+                       only=tuple(s.strip() for s in only.split(",") if s.strip()), log_dir=log_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    helpers = {"_null_worker": _null_worker, "_direct_server": _direct_server, "_push_sender": _push_sender}
+    if argv and argv[0] in helpers:
+        helpers[argv[0]](argv[1:])
+        return
+    cfg, json_out = _parse_args(argv)
+    report = run(cfg, progress=lambda name: print(f"[bench] {name} ...", file=sys.stderr, flush=True))
+    print(format_table(report))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {json_out}")
+
+
+if __name__ == "__main__":
+    main()
