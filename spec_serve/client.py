@@ -269,9 +269,13 @@ class _ClientIO(threading.Thread):
             # costs no attempt (a broker down for a while must not fail requests).
             if pending.command == ClientCommand.REQUEST.value:
                 self.stats.retried += 1
+            # The timeout clock keeps running from the last counted attempt, so a
+            # broker that never comes back still fails the request (no hung rank).
+            sent_at = pending.sent_at if pending.sent_at != float("inf") else now
             pending.not_before = 0.0
             self._transmit(pending, now)
             pending.attempts -= 1
+            pending.sent_at = sent_at
 
     def _check_timeouts(self, now: float) -> None:
         for pending in list(self._pending.values()):
