@@ -39,3 +39,19 @@ def colocated_target(tiny_target_dir, tiny_vocab_mapping):
         return engine
 
     return make
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (long load and soak runs); or set SPEC_SERVE_RUN_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    import os
+
+    if config.getoption("--run-slow") or os.environ.get("SPEC_SERVE_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow or SPEC_SERVE_RUN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
