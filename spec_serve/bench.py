@@ -324,7 +324,10 @@ def run_push(ctx: "Context", mode: str) -> dict[str, Any]:
     from spec_serve import wire
     from spec_serve.sockets import make_socket
 
+    from spec_serve.hostpool import RecyclingAllocator
+
     cfg = ctx.cfg
+    alloc = RecyclingAllocator()  # as the client's I/O thread decodes
     zctx = zmq.Context.instance()
     pull = make_socket(zctx, zmq.PULL, bind="tcp://127.0.0.1:*", hwm=4)
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -341,7 +344,7 @@ def run_push(ctx: "Context", mode: str) -> dict[str, Any]:
             if mode == "raw":
                 nbytes += sum(len(f) for f in frames)
             else:
-                nbytes += _nbytes(wire.decode(frames))
+                nbytes += _nbytes(wire.decode(frames, alloc=alloc if ctx.recycle else None))
         seconds = time.perf_counter() - start
     finally:
         proc.wait(30)
@@ -434,6 +437,14 @@ def run_worker_pool(ctx: "Context") -> dict[str, Any]:
                    pool_allocations=stats["allocations"], pooled=engine.device.type == "cuda")
 
 
+def _fresh(ctx: "Context") -> dict[str, Any]:
+    ctx.recycle = False
+    try:
+        return run_push(ctx, "wire")
+    finally:
+        ctx.recycle = True
+
+
 # --------------------------------------------------------------------- context
 
 
@@ -465,6 +476,7 @@ class Context:
         self.reply_bytes_per_token = bytes_per_token(self.info["hidden_size"], min(cfg.draft_vocab, vocab),
                                                      dtype_bytes)
         self._engine = None
+        self.recycle = True
         self.cluster = None
         self._stack = contextlib.ExitStack()
 
@@ -544,6 +556,8 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "direct_null": (set(), run_direct),
     "zmq_raw": (set(), lambda c: run_push(c, "raw")),
     "frames": (set(), lambda c: run_push(c, "wire")),
+    # Before/after of the receive-buffer recycling (hostpool.RecyclingAllocator) on the same bytes.
+    "frames_fresh": (set(), lambda c: dict(_fresh(c), scenario="frames_fresh")),
     "worker_pool": (set(), run_worker_pool),
 }
 
@@ -557,6 +571,7 @@ RATIOS = [
     ("small requests: batched / unbatched", "small_batched", "small_unbatched", None),
     ("broker path / direct socket (same bytes)", "broker_null", "direct_null", None),
     ("frames / raw ZeroMQ (same bytes)", "frames", "zmq_raw", 0.9),
+    ("frames: recycled / fresh receive buffers", "frames", "frames_fresh", None),
 ]
 
 

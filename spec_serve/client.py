@@ -28,6 +28,7 @@ import zmq
 
 from spec_serve import wire
 from spec_serve.contract import Kind, TargetInfo, validate_request, validate_vocab_mapping
+from spec_serve.hostpool import RecyclingAllocator
 from spec_serve.logs import event
 from spec_serve.protocol import (
     CLIENT_TAG,
@@ -115,6 +116,8 @@ class _ClientIO(threading.Thread):
         self.max_message_bytes = max_message_bytes
         self.identity = uuid.uuid4().bytes
         self.stats = ClientStats()
+        # Tensors spanning frames are assembled into reused buffers (fresh ones fault on every page).
+        self.recv_alloc = RecyclingAllocator()
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -333,7 +336,7 @@ class _ClientIO(threading.Thread):
             else:
                 self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S)
             return
-        tensors = wire.decode(payload, max_bytes=self.max_message_bytes)
+        tensors = wire.decode(payload, max_bytes=self.max_message_bytes, alloc=self.recv_alloc)
         self._pending.pop(request_id)
         self.stats.completed += 1
         if int(header.get("batched", 1)) > 1:
