@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -601,7 +600,6 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
                 value = figures[a][key] / figures[b][key] if figures[b][key] else None
                 ratios.append({"ratio": label, "of": key, "value": round(value, 3) if value else None,
                                "h200_target": goal})
-        hidden = ctx.info["hidden_size"]
         report = {
             "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),

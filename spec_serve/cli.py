@@ -7,7 +7,6 @@ named in its help.
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import sys
 from pathlib import Path

@@ -11,7 +11,6 @@ import collections
 import concurrent.futures
 import time
 
-import pytest
 import torch
 
 from spec_serve import wire

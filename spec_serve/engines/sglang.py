@@ -18,17 +18,14 @@ vLLM engine. sglang is imported only inside :class:`SGLangTarget`.
 
 from __future__ import annotations
 
-import os
 import socket
-import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from spec_serve.contract import Kind, TargetInfo
-from spec_serve.engines.hf import fingerprint
-from spec_serve.engines.vllm import CapturedHead, resolve_dtype
+from spec_serve.contract import Kind
+from spec_serve.engines.captured import CapturedTarget
 
 
 class _KeepHiddenStates(torch.nn.Module):
@@ -57,7 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class SGLangTarget:
+class SGLangTarget(CapturedTarget):
     """A frozen target served by SGLang (engine "sglang"), with the HF engine's surface.
 
     ``server_kwargs`` go to SGLang's ``ServerArgs`` and override the defaults here
@@ -76,13 +73,7 @@ class SGLangTarget:
         model_name: str | None = None,
         **server_kwargs: Any,
     ):
-        self.path = Path(path)
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(self.path, dtype)
-        self.head = CapturedHead(self.path, self.dtype, self.device, aux_layer_ids, dspark_layer_ids)
-        self.model_name = model_name or os.path.basename(os.path.normpath(str(self.path)))
-        self._fingerprint: str | None = None
-        self._lock = threading.Lock()
+        super().__init__(path, device, dtype, aux_layer_ids, dspark_layer_ids, model_name)
 
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.model_executor.model_runner import ModelRunner
@@ -193,24 +184,3 @@ class SGLangTarget:
             layers[-1] = emb * (attention_mask.to(self.device) != 0).unsqueeze(-1)
         return self.head.assemble(kind, input_ids, attention_mask, loss_mask, layers, unpack(last))
 
-    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
-        """Install the draft-vocab mapping EAGLE-3 batches are computed with (``ValueError`` if invalid)."""
-        self.head.set_vocab_mapping(selected_token_ids, selected_token_mask)
-
-    def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The current ``(selected_token_ids, selected_token_mask)`` on CPU, or ``None`` if unset."""
-        return self.head.vocab_mapping()
-
-    def target_info(self) -> TargetInfo:
-        """What this engine serves; the fingerprint is the HF engine's, so both agree on one checkpoint."""
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint(self.path)
-        return self.head.target_info(model_name=self.model_name, engine=self.engine, fingerprint_=self._fingerprint)
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        """The input embedding (``.weight`` ``[V, H]``), read from the checkpoint."""
-        return self.head.embedding
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        """The lm_head (``.weight`` ``[V, H]``); the input embedding for tied models."""
-        return self.head.lm_head

@@ -1,0 +1,274 @@
+"""The torch half shared by engines that capture hidden states elsewhere (vllm, sglang).
+
+:class:`CapturedHead` applies the checkpoint's own final RMSNorm and lm_head (loaded from its
+safetensors) to captured states and assembles the contract tensors with the same ops as the HF
+engine; :class:`CapturedTarget` is the engine surface built on it. Nothing here imports vllm or
+sglang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from spec_serve import contract
+from spec_serve.compact import eagle3_targets, shift_left
+from spec_serve.contract import Kind, TargetInfo
+from spec_serve.engines.hf import fingerprint, parse_dtype
+
+
+def resolve_dtype(path: str | Path, dtype: "str | torch.dtype | None") -> torch.dtype:
+    """``dtype`` as a torch dtype; ``None``/"auto" means the checkpoint's (float32 if it names none)."""
+    parsed = parse_dtype(dtype)
+    if parsed != "auto":
+        return parsed
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return parse_dtype(name)
+
+
+def load_checkpoint_tensors(path: str | Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Read the named tensors (those present) from a checkpoint's safetensors files, on CPU."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({weight_map[n] for n in names if n in weight_map})
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights for {list(names)} in {root}")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt", device="cpu") as f:
+            for key in set(names) & set(f.keys()):
+                out[key] = f.get_tensor(key)
+    return out
+
+
+class _Weight(torch.nn.Module):
+    """A bare ``.weight`` holder, the shape of ``get_input_embeddings()``'s answer."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+class CapturedHead:
+    """Turns per-row captured residual-stream states into contract tensors.
+
+    Holds the checkpoint's final-norm weight and eps, lm_head and input
+    embedding (Llama-family names; the lm_head is the embedding when tied) in
+    the model dtype on ``device``. An engine captures, for each row of a batch,
+    the states :meth:`needed_layer_ids` names (and the final-norm output) and hands them to :meth:`assemble`.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        aux_layer_ids: Sequence[int] | None,
+        dspark_layer_ids: Sequence[int] | None,
+    ):
+        self.path = Path(path)
+        config = json.loads((self.path / "config.json").read_text())
+        self.config = config
+        for key in ("final_logit_softcapping", "logit_scale"):
+            if config.get(key) not in (None, 1.0):
+                raise NotImplementedError(f"models with {key}={config[key]} are not supported")
+        self.num_layers = int(config["num_hidden_layers"])
+        self.hidden_size = int(config["hidden_size"])
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.dtype = dtype
+        self.device = torch.device(device)
+        n = self.num_layers
+        self.aux_layer_ids = contract.validate_aux_layer_ids(
+            contract.default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids, n
+        )
+        self.dspark_layer_ids = contract.validate_dspark_layer_ids(
+            contract.default_dspark_layer_ids(n) if dspark_layer_ids is None else dspark_layer_ids, n
+        )
+        names = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+        weights = load_checkpoint_tensors(self.path, names)
+        for name in names[:2]:
+            if name not in weights:
+                raise ValueError(f"{self.path} lacks {name} (only Llama-style checkpoint names are supported)")
+        embed = weights["model.embed_tokens.weight"].to(self.device, dtype)
+        tied = "lm_head.weight" not in weights or config.get("tie_word_embeddings", False)
+        self.embedding = _Weight(embed)
+        self.lm_head = self.embedding if tied else _Weight(weights["lm_head.weight"].to(self.device, dtype))
+        self.norm_weight = weights["model.norm.weight"].to(self.device, dtype)
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self._mapping: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mapping_on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def needed_layer_ids(self) -> list[int]:
+        """Contract layer ids whose states an engine must capture, ascending.
+
+        Layer N-1 is never among them: the contract means the post-norm state there, which
+        every engine reports as ``last``. Id -1 is the first decoder layer's input.
+        """
+        return sorted((set(self.aux_layer_ids) | set(self.dspark_layer_ids)) - {self.num_layers - 1})
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm, op for op as HF's ``LlamaRMSNorm``."""
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm_weight * h.to(x.dtype)
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        contract.validate_vocab_mapping(selected_token_ids, selected_token_mask, self.vocab_size)
+        # Private CPU copies: the caller may mutate or free its tensors afterwards.
+        ids = selected_token_ids.detach().to("cpu", copy=True)
+        mask = selected_token_mask.detach().to("cpu", copy=True)
+        self._mapping = (ids, mask)
+        self._mapping_on_device = (ids.to(self.device), mask.to(self.device))
+
+    def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self._mapping is None else (self._mapping[0].clone(), self._mapping[1].clone())
+
+    def check_request(self, input_ids, attention_mask, loss_mask, kind: "str | Kind") -> tuple[Kind, list[int]]:
+        """Validate a request; return its kind and each row's true length (right padding required)."""
+        kind = Kind.parse(kind)
+        contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
+        if kind is Kind.EAGLE3 and self._mapping_on_device is None:
+            raise RuntimeError("EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping() first")
+        mask = attention_mask.detach().to("cpu").bool()
+        lengths = mask.sum(dim=1)
+        positions = torch.arange(mask.shape[1])
+        if not torch.equal(mask, positions[None, :] < lengths[:, None]):
+            raise ValueError("attention_mask must be right-padded: each row ones then zeros")
+        if int(lengths.min()) < 1:
+            raise ValueError("every row needs at least one token (attention_mask all zero in some row)")
+        return kind, [int(n) for n in lengths]
+
+    def pad_rows(self, rows: Sequence[torch.Tensor], seq: int) -> torch.Tensor:
+        """Stack per-row ``[L_b, ...]`` states into ``[B, seq, ...]`` in the model dtype, zero past each row."""
+        out = torch.zeros(len(rows), seq, *rows[0].shape[1:], dtype=self.dtype, device=self.device)
+        for b, row in enumerate(rows):
+            out[b, : row.shape[0]] = row.to(self.device, self.dtype)
+        return out
+
+    @torch.inference_mode()
+    def assemble(
+        self,
+        kind: Kind,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        layers: Mapping[int, torch.Tensor],
+        last: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Contract tensors of ``kind`` from captured states, each ``[B,S,H]``, zero past a row's end.
+
+        ``layers`` maps each of :meth:`needed_layer_ids` to HF ``hidden_states[id+1]``; ``last`` is
+        the final-norm output. The last valid position of a row has padding as its next token:
+        its ``target_probs`` row is zero and its ``position_mask`` false, like the padding itself.
+        """
+
+        def layer(i: int) -> torch.Tensor:
+            return last if i == self.num_layers - 1 else layers[i]
+
+        input_ids = input_ids.to(self.device, torch.int64)
+        loss_mask = loss_mask.to(self.device)
+        if kind is Kind.DSPARK:
+            return {
+                "target_hidden_states": torch.cat([layer(i) for i in self.dspark_layer_ids], dim=-1),
+                "target_last_hidden_states": last,
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+            }
+        aux = torch.cat([layer(i) for i in self.aux_layer_ids], dim=-1)
+        logits = F.linear(last, self.lm_head.weight)
+        next_valid = shift_left(attention_mask.to(self.device) != 0)  # position t has a real next token
+        argmax = shift_left(logits.argmax(dim=-1)) * next_valid
+        shifted_ids, shifted_loss = shift_left(input_ids), shift_left(loss_mask)
+        if kind is Kind.EAGLE3_COMPACT:
+            return {
+                "aux_hidden_states": aux,
+                "last_hidden_states": last,
+                "argmax_ids": argmax.to(torch.int32),
+                "input_ids": shifted_ids,
+                "loss_mask": shifted_loss,
+            }
+        selected_ids, selected_mask = self._mapping_on_device
+        target_probs, position_mask = eagle3_targets(
+            logits[:, 1:].index_select(-1, selected_ids), argmax, selected_mask, shifted_loss
+        )
+        target_probs *= next_valid.unsqueeze(-1)
+        position_mask &= next_valid.unsqueeze(-1)
+        return {
+            "aux_hidden_states": aux,
+            "target_probs": target_probs,
+            "position_mask": position_mask,
+            "input_ids": shifted_ids,
+            "loss_mask": shifted_loss,
+        }
+
+    def target_info(self, *, model_name: str, engine: str, fingerprint_: str) -> TargetInfo:
+        return TargetInfo(
+            num_hidden_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            aux_layer_ids=tuple(self.aux_layer_ids),
+            dspark_layer_ids=tuple(self.dspark_layer_ids),
+            model_name=model_name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            engine=engine,
+            fingerprint=fingerprint_,
+        )
+
+
+class CapturedTarget:
+    """What engines that capture states and finish the contract with :class:`CapturedHead` share:
+    the mapping, target info and embeddings, served from the checkpoint in torch."""
+
+    engine = "captured"
+
+    def __init__(
+        self,
+        path: str | Path,
+        device: str | torch.device,
+        dtype: "str | torch.dtype | None",
+        aux_layer_ids: Sequence[int] | None,
+        dspark_layer_ids: Sequence[int] | None,
+        model_name: str | None,
+    ):
+        self.path = Path(path)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(self.path, dtype)
+        self.head = CapturedHead(self.path, self.dtype, self.device, aux_layer_ids, dspark_layer_ids)
+        self.model_name = model_name or os.path.basename(os.path.normpath(str(self.path)))
+        self._fingerprint: str | None = None
+        self._lock = threading.Lock()  # neither engine's forward is re-entrant
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        """Install the draft-vocab mapping EAGLE-3 batches are computed with (``ValueError`` if invalid)."""
+        self.head.set_vocab_mapping(selected_token_ids, selected_token_mask)
+
+    def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The current ``(selected_token_ids, selected_token_mask)`` on CPU, or ``None`` if unset."""
+        return self.head.vocab_mapping()
+
+    def target_info(self) -> TargetInfo:
+        """What this engine serves; the fingerprint is the HF engine's, so both agree on one checkpoint."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.path)
+        return self.head.target_info(model_name=self.model_name, engine=self.engine, fingerprint_=self._fingerprint)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """The input embedding (``.weight`` ``[V, H]``), read from the checkpoint."""
+        return self.head.embedding
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        """The lm_head (``.weight`` ``[V, H]``); the input embedding for tied models."""
+        return self.head.lm_head
