@@ -311,16 +311,24 @@ class Broker:
         client = self.clients.pop(identity, None)
         if client is None:
             return
+        freed = set()
         for request_id in client.requests:
-            request = self.requests.get(request_id)
-            if request is not None and request.worker is None:
-                del self.requests[request_id]
+            request = self.requests.pop(request_id, None)
+            if request is not None and request.worker is not None:
+                # Its worker finishes and discards the reply, but the slot is free
+                # now: a vanished client must not hold a worker for the reply timeout.
+                worker = self.workers.get(request.worker)
+                if worker is not None:
+                    worker.inflight.discard(request_id)
+                    freed.add(worker.service)
         for service in self.services.values():
             service.queues.pop(identity, None)
             for _, users in service.mappings.values():
                 users.discard(identity)
         self.metrics.clients.set(len(self.clients))
         event(log, logging.INFO, "broker.client_gone", client=identity.hex()[:12])
+        for name in freed:
+            self.dispatch(self.services[name])
 
     def send_error(self, client: bytes, request_id: bytes, code: ErrorCode, message: str, **extra) -> None:
         self.metrics.errors.labels(code=code.value).inc()

@@ -6,6 +6,7 @@ variant (``--run-slow``) sends 32 x 60 with sharding on.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -94,3 +95,23 @@ def test_32_ranks(cluster, tiny_target_dir, tiny_vocab_mapping):
 @pytest.mark.slow
 def test_32_ranks_long_sharded(cluster, tiny_target_dir, tiny_vocab_mapping):
     _run_load(cluster, Reference(tiny_target_dir, tiny_vocab_mapping), tiny_vocab_mapping, steps=60, num_shards=2)
+
+
+def test_chaos_soak_short(tiny_target_dir, tmp_path):
+    """The chaos soak (benchmarks/chaos_soak.py), bounded: random worker kills and restarts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "chaos_soak.py"
+    spec = importlib.util.spec_from_file_location("chaos_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    duration = float(os.environ.get("SPEC_SERVE_SOAK_SECONDS", "20"))
+    result = module.soak(str(tiny_target_dir), duration=duration, workers=3, ranks=3, kill_every=5.0, seed=1,
+                         log_dir=tmp_path / "logs")
+    print("\nchaos soak:", {k: result[k] for k in ("sent", "completed", "verified", "retried", "lost", "duplicated",
+                                                  "dropped_duplicates", "worker_kills", "worker_restarts",
+                                                  "redispatched", "hung_ranks", "duration_s")})
+    assert result["hung_ranks"] == 0
+    assert result["lost"] == 0 and result["duplicated"] == 0 and result["wrong"] == 0, result["errors"]
+    assert result["verified"] == result["sent"] > 0
