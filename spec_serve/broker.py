@@ -70,6 +70,8 @@ class WorkerState:
     mappings: set = dataclasses.field(default_factory=set)
     bound_to: bytes | None = None
     bind_address: str | None = None
+    bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)
+    bind_request: bytes = b""  # the client's BIND request id
     idle_since: float = 0.0
     completed: int = 0
 
@@ -233,6 +235,13 @@ class Broker:
                 CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id, self.status()))
         elif command is ClientCommand.DISCONNECT:
             self.delete_client(identity)
+        elif command is ClientCommand.BIND:
+            self.bind(client, msg)
+        elif command is ClientCommand.RELEASE:
+            prefix = msg.header.get("prefix")
+            for worker in [w for w in self.workers.values() if w.bound_to == identity]:
+                if prefix is None or prefix == worker.bind_prefix:
+                    self.unbind(worker, "released by its client")
         elif command is ClientCommand.HEARTBEAT:
             pass
         else:
@@ -272,13 +281,88 @@ class Broker:
         if self._unknown(service, now):
             self.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE, self._unknown_message(msg.service))
             return
+        bound = None
+        if msg.header.get("bound") is not None:
+            # A bound client's request goes to its own worker only (never queued for the pool).
+            bound = next((w for w in self.workers.values() if w.bound_to == client.identity
+                          and w.name == msg.header["bound"] and w.service == msg.service), None)
+            if bound is None:
+                self.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
+                                f"no worker {msg.header['bound']!r} of {msg.service!r} is bound to this client",
+                                unbound=True)
+                return
         request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now)
         self.requests[msg.request_id] = request
         client.requests.add(msg.request_id)
         service = self.service(msg.service, now)
-        service.queues.setdefault(client.identity, collections.deque()).append(msg.request_id)
         self.metrics.requests.labels(service=msg.service).inc()
+        if bound is not None:
+            self.send_request(service, bound, request)
+            return
+        service.queues.setdefault(client.identity, collections.deque()).append(msg.request_id)
         self.dispatch(service)
+
+    # ----------------------------------------------- NCCL binding (nccl.md)
+
+    def bind(self, client: ClientState, msg: Message) -> None:
+        """Give the client a worker of its own: refused at once (BOUND ok=false) when none is free;
+        granted by the worker itself, which sends the client the rendezvous over its data socket."""
+        if not msg.request_id:
+            raise ProtocolError("BIND without a request id")
+        if not _valid_endpoint(msg.header.get("reply_to")):
+            raise ProtocolError("BIND header needs reply_to, a tcp://host:port or ipc:// endpoint")
+        timeout = _request_timeout(msg.header)
+        data_key, device_type = msg.header.get("data_key"), msg.header.get("device_type")
+        if not isinstance(data_key, (str, type(None))) or not isinstance(device_type, (str, type(None))):
+            raise ProtocolError("BIND header data_key and device_type must be strings")
+        for worker in [w for w in self.workers.values() if w.bound_to == client.identity]:
+            self.unbind(worker, "its client bound again")  # one binding per client
+        service = self.services.get(msg.service)
+        names = service.workers if service else []
+        candidates = [self.workers[w] for w in names if self.workers[w].bound_to is None]
+        if not candidates:
+            error = (f"all {len(names)} workers of service {msg.service!r} are bound to other clients" if names
+                     else f"no worker of service {msg.service!r} is registered")
+            self.metrics.errors.labels(code=ErrorCode.UNAVAILABLE.value).inc()
+            self._send(self.frontend, client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
+                       msg.request_id, {"ok": False, "code": ErrorCode.UNAVAILABLE.value, "error": error}))
+            return
+        # Prefer an idle worker; a busy one finishes the jobs it holds first (BIND queues behind them).
+        worker = min(candidates, key=lambda w: (len(w.inflight), w.idle_since))
+        prefix = uuid.uuid4().hex
+        worker.bound_to, worker.bind_prefix, worker.bind_request = client.identity, prefix, msg.request_id
+        header = {"client": client.identity.hex(), "reply_to": msg.header["reply_to"], "prefix": prefix,
+                  "timeout": timeout, "device_type": device_type}
+        if data_key is not None:
+            header["data_key"] = data_key
+        if not self._send(self.backend, worker.identity, control(WORKER_TAG, WorkerCommand.BIND.value, msg.service,
+                                                                 msg.request_id, header)):
+            worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
+            self._send(self.frontend, client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
+                       msg.request_id, {"ok": False, "code": ErrorCode.UNAVAILABLE.value,
+                                        "error": f"worker {worker.name} unreachable"}))
+            return
+        event(log, logging.INFO, "broker.bound", worker=worker.name, client=client.identity.hex()[:12])
+        self.update_snapshot()
+
+    def unbind(self, worker: WorkerState, reason: str, notify: bool = False) -> None:
+        """End a binding: tell the worker (if alive) and, with ``notify``, the client; back to the pool."""
+        client, prefix, request_id = worker.bound_to, worker.bind_prefix, worker.bind_request
+        if client is None:
+            return
+        worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
+        alive = worker.identity in self.workers
+        if alive:
+            self._send(self.backend, worker.identity, control(WORKER_TAG, WorkerCommand.RELEASE.value, worker.service,
+                                                              b"", {"prefix": prefix}))
+        if notify and client in self.clients:
+            self._send(self.frontend, client, control(CLIENT_TAG, ClientCommand.BOUND.value, worker.service, request_id,
+                       {"ok": False, "lost": worker.name, "prefix": prefix,
+                        "error": f"bound worker {worker.name} lost: {reason}"}))
+        event(log, logging.INFO, "broker.unbound", worker=worker.name, client=client.hex()[:12], reason=reason)
+        self.update_snapshot()
+        if alive:
+            self.dispatch(self.services[worker.service])
 
     def register_mapping(self, client: ClientState, msg: Message) -> None:
         try:
@@ -311,6 +395,8 @@ class Broker:
         client = self.clients.pop(identity, None)
         if client is None:
             return
+        for worker in [w for w in self.workers.values() if w.bound_to == identity]:
+            self.unbind(worker, "client gone")
         freed = set()
         for request_id in client.requests:
             request = self.requests.pop(request_id, None)
@@ -393,12 +479,18 @@ class Broker:
             if request is None:
                 continue
             request.worker = None
-            if request.client in self.clients:
+            if request.header.get("bound") is not None:
+                # Its binding died with the worker: the client re-sends it as frames.
+                self._forget_request(request)
+                self.send_error(request.client, request_id, ErrorCode.UNAVAILABLE,
+                                f"bound worker {worker.name} is gone ({reason})", unbound=True)
+            elif request.client in self.clients:
                 service.queues.setdefault(request.client, collections.deque()).appendleft(request_id)
                 self.metrics.redispatched.inc()
             else:
                 del self.requests[request_id]
         worker.inflight.clear()
+        self.unbind(worker, reason, notify=True)
         self.metrics.workers.labels(service=worker.service).set(len(service.workers))
         event(log, logging.WARNING, "broker.worker_gone", worker=worker.name, service=worker.service, reason=reason)
         self.update_snapshot()
@@ -558,6 +650,7 @@ class Broker:
                 "id": w.name,
                 "service": w.service,
                 "state": "bound" if w.bound_to else ("busy" if w.inflight else "idle"),
+                "bound_to": w.bound_to.hex()[:12] if w.bound_to else None,
                 "inflight": len(w.inflight),
                 "capacity": w.capacity,
                 "completed": w.completed,
