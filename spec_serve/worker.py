@@ -67,6 +67,7 @@ class Job:
     payload: list
     received_at: float
     tensors: dict | None = None  # decoded request, cached when the batcher looked at it
+    control: str | None = None  # "bind" / "release": NCCL pairing, run in order with jobs on the compute thread
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class Result:
     frames: list
     tokens: int = 0
     lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
+    send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
 
 
 class Worker:
@@ -96,6 +98,7 @@ class Worker:
         reply_timeout: float = 60.0,
         context: zmq.Context | None = None,
         max_batch_tokens: int = 0,
+        advertise_host: str | None = None,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -130,6 +133,17 @@ class Worker:
         # GPU outputs are copied into pooled pinned slabs, reused once ZeroMQ has sent them.
         self.host_pool = HostBufferPool(max_buffers=capacity + 2)
         self._tracked: list = []  # (MessageTracker, Lease) of replies still borrowing a slab
+        # NCCL data plane (docs/nccl.md): at most one client bound at a time. The pair is used only
+        # on the compute thread; the I/O thread only records released prefixes.
+        self.advertise_host = advertise_host  # where the bound client reaches our rendezvous store
+        self.device = torch.device(getattr(engine, "device", "cpu"))
+        self._pair = None
+        self._pair_client: str | None = None
+        self._pair_prefix: str | None = None
+        self._released: set[str] = set()
+        self.nccl_sent = 0
+        # Test-only fault injection: abort the pair instead of the next N sends (tests/test_nccl_binding.py).
+        self._test_fail_sends = int(os.environ.get("SPEC_SERVE_TEST_FAIL_NCCL_SEND", "0") or 0)
 
     # ------------------------------------------------------------------ I/O
 
@@ -218,7 +232,15 @@ class Worker:
         self._send_ready(sock)
         return sock
 
+    def _release(self, prefix) -> None:
+        """I/O thread: the binding ``prefix`` ended; queued sends to it are skipped, the pair closed in order."""
+        if isinstance(prefix, str):
+            self._released.add(prefix)
+            self._jobs.put(Job(b"", {"prefix": prefix}, [], time.monotonic(), control="release"))
+
     def _send_ready(self, sock: zmq.Socket) -> None:
+        if self._pair_prefix is not None:
+            self._release(self._pair_prefix)  # registering anew: the broker forgot our binding
         header = {"target_info": self.info.to_dict(), "capacity": self.capacity, "pid": os.getpid(),
                   "host": socket.gethostname()}
         sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
@@ -231,6 +253,13 @@ class Worker:
             if not isinstance(msg.header.get("reply_to"), str) or not msg.request_id:
                 raise ProtocolError("REQUEST without reply_to or request id")
             self._jobs.put(Job(msg.request_id, msg.header, msg.payload, time.monotonic()))
+        elif command is WorkerCommand.BIND:
+            if not isinstance(msg.header.get("reply_to"), str) or not isinstance(msg.header.get("prefix"), str) \
+                    or not msg.request_id:
+                raise ProtocolError("BIND without reply_to, prefix or request id")
+            self._jobs.put(Job(msg.request_id, msg.header, [], time.monotonic(), control="bind"))
+        elif command is WorkerCommand.RELEASE:
+            self._release(msg.header.get("prefix"))
         elif command is WorkerCommand.SET_VOCAB:
             self._store_mapping(msg)
         elif command is WorkerCommand.DISCONNECT:
@@ -317,9 +346,14 @@ class Worker:
                     if job is None:
                         return
                     backlog.append(job)
+                if backlog[0].control is not None:  # bind/release, in order with the jobs before it
+                    self._pair_control(backlog.popleft(), wake)
+                    continue
                 if self.max_batch_tokens <= 0:
-                    self._results.put(self.serve(backlog.popleft()))
+                    result = self.serve(backlog.popleft())
+                    self._results.put(result)
                     wake.send(b"")
+                    self._pair_send([result])
                     continue
                 while True:  # everything queued now is a batching candidate
                     try:
@@ -329,9 +363,11 @@ class Worker:
                     if job is None:
                         return
                     backlog.append(job)
-                for result in self.serve_group(self._take_group(backlog)):
+                results = self.serve_group(self._take_group(backlog))
+                for result in results:
                     self._results.put(result)
                 wake.send(b"")
+                self._pair_send(results)
         finally:
             wake.close(0)
 
@@ -339,7 +375,16 @@ class Worker:
         """Run one job on the engine; every failure becomes an error reply."""
         start = time.perf_counter()
         try:
+            nccl = bool(job.header.get("nccl")) and job.header.get("op", Op.GENERATE.value) == Op.GENERATE.value
+            if nccl:
+                self._check_pair(job)
             tensors, tokens = self._execute(job)
+            if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
+                from spec_serve.binding import encode_specs
+
+                header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
+                          "pair": self._pair_prefix, "specs": encode_specs(tensors)}
+                return Result(job, Status.OK, header, [], tokens, send=tensors)
             host, lease = to_host(tensors, self.host_pool)
             try:
                 frames = wire.encode(host)
@@ -416,7 +461,8 @@ class Worker:
         exactly the shapes it would alone. (On CPU, fp32 and bf16, a row's outputs were checked
         bit-identical batched and alone; see BENCHMARKS.md.)
         """
-        if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value:
+        if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value or job.header.get("nccl") \
+                or job.control is not None:
             return None
         try:
             tensors = self._request_tensors(job)
@@ -479,6 +525,91 @@ class Worker:
                 lease.release()
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
+
+    # ------------------------------------------------- NCCL data plane (pair)
+
+    def _pair_control(self, job: Job, wake: zmq.Socket) -> None:
+        """Compute thread: bind (host the store, tell the client, form the group) or release."""
+        if job.control == "release":
+            if job.header.get("prefix") == self._pair_prefix:
+                self._close_pair("released")
+            return
+        from spec_serve.pairgroup import PairGroup
+
+        header = job.header
+        prefix, timeout = header["prefix"], float(header.get("timeout", 30.0))
+        self._close_pair("rebound")
+        if prefix in self._released:  # released before we got to it
+            self._released.discard(prefix)
+            return
+        if header.get("device_type", self.device.type) != self.device.type:
+            self._post(Result(job, Status.ERROR, {"worker": self.name, "code": ErrorCode.UNAVAILABLE.value, "error": (
+                f"worker device is {self.device.type}, client device is {header.get('device_type')}: the pair "
+                f"group needs both on CUDA (NCCL) or both on CPU (gloo)")}, []), wake)
+            return
+        try:
+            if self.advertise_host is None:
+                from spec_serve.client import _advertise_host
+
+                self.advertise_host = _advertise_host(self.broker_url)
+            store, port = PairGroup.host_store(self.advertise_host, 0, timeout)
+        except Exception as e:
+            self._post(Result(job, Status.ERROR, {"worker": self.name, "code": ErrorCode.UNAVAILABLE.value,
+                                                  "error": f"could not host the rendezvous store: {e}"}, []), wake)
+            return
+        info = {"store_host": self.advertise_host, "store_port": port, "prefix": prefix, "worker": self.name,
+                "timeout": timeout}
+        self._post(Result(job, Status.OK, {"worker": self.name, "bind": info}, []), wake)
+        try:
+            pair = PairGroup.create(self.advertise_host, port, 0, device=self.device, prefix=prefix, timeout=timeout,
+                                    store=store)
+        except Exception as e:  # the client falls back to frames on its side
+            event(log, logging.WARNING, "worker.nccl_bind_failed", client=str(header.get("client"))[:12], error=e)
+            return
+        self._pair, self._pair_client, self._pair_prefix = pair, header.get("client"), prefix
+        event(log, logging.INFO, "worker.nccl_bound", client=str(header.get("client"))[:12],
+              backend="nccl" if self.device.type == "cuda" else "gloo", device=self.device)
+
+    def _post(self, result: Result, wake: zmq.Socket) -> None:
+        self._results.put(result)
+        wake.send(b"")
+
+    def _check_pair(self, job: Job) -> None:
+        if self._pair is None or self._pair.closed or self._pair_prefix in self._released:
+            raise RequestError(ErrorCode.UNAVAILABLE, f"worker {self.name} has no live pair group")
+        if job.header.get("client") != self._pair_client:
+            raise RequestError(ErrorCode.UNAVAILABLE, f"worker {self.name} is not bound to this client")
+
+    def _pair_send(self, results: list[Result]) -> None:
+        """Compute thread, after the results' headers were posted: send the bound replies' tensors."""
+        for result in results:
+            tensors, result.send = result.send, None
+            if tensors is None:
+                continue
+            pair = self._pair
+            try:
+                if pair is None or self._pair_prefix in self._released:
+                    raise RuntimeError("binding released before the send")
+                if self._test_fail_sends > 0:  # test-only fault injection
+                    self._test_fail_sends -= 1
+                    pair.abort()
+                    raise RuntimeError("SPEC_SERVE_TEST_FAIL_NCCL_SEND: send aborted (test hook)")
+                pair.send_tensors(tensors)
+                self.nccl_sent += 1
+            except Exception as e:  # PairGroupError aborted the group: the client re-sends as frames
+                event(log, logging.WARNING, "worker.nccl_send_failed", request=result.job.request_id.hex()[:12],
+                      error=e)
+                self._close_pair("send failed")
+
+    def _close_pair(self, reason: str) -> None:
+        pair, self._pair = self._pair, None
+        if pair is not None:
+            pair.close()
+            event(log, logging.INFO, "worker.nccl_unbound", client=str(self._pair_client)[:12], reason=reason,
+                  sent=self.nccl_sent)
+        if self._pair_prefix is not None:
+            self._released.discard(self._pair_prefix)
+        self._pair_client = self._pair_prefix = None
 
     def _mapping(self, digest) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(digest, str):
