@@ -69,6 +69,7 @@ class _Pending:
     sent_at: float = 0.0
     attempts: int = 0
     not_before: float = 0.0
+    max_retries: int | None = None  # None: the client's; BIND uses 0 (a resend could bind a second worker)
 
 
 @dataclasses.dataclass
@@ -81,6 +82,8 @@ class ClientStats:
     duplicates: int = 0
     broker_reconnects: int = 0
     batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
+    nccl_batches: int = 0  # replies whose tensors came over the bound worker's pair group (no payload frames)
+    nccl_fallbacks: int = 0  # bound requests re-sent as frames through the shared pool after a failure
 
 
 def _advertise_host(broker_url: str) -> str:
@@ -124,6 +127,7 @@ class _ClientIO(threading.Thread):
         self._pending: dict[bytes, _Pending] = {}
         self._closing = threading.Event()
         self._broker_instance: str | None = None
+        self.binding = None  # spec_serve.binding.ClientBinding when enable_nccl
         # Re-sent first after a broker restart, so requests naming it still resolve.
         self.vocab_registration: tuple[str, list] | None = None
         if broker_url.startswith("ipc://"):
@@ -152,9 +156,10 @@ class _ClientIO(threading.Thread):
             pass  # the pipe is full of wake-ups already
 
     def submit(self, command: ClientCommand, service: str, header: dict, payload: Sequence,
-               timeout: float, request_id: bytes | None = None) -> concurrent.futures.Future:
+               timeout: float, request_id: bytes | None = None,
+               max_retries: int | None = None) -> concurrent.futures.Future:
         pending = _Pending(request_id or new_request_id(), command.value, service, header, list(payload),
-                           concurrent.futures.Future(), timeout)
+                           concurrent.futures.Future(), timeout, max_retries=max_retries)
         self.call(lambda: self._send_new(pending))
         return pending.future
 
@@ -249,7 +254,12 @@ class _ClientIO(threading.Thread):
                            pending.payload))
 
     def _retry(self, pending: _Pending, now: float, reason: str, delay: float = 0.0) -> None:
-        if pending.attempts > self.max_retries:
+        if pending.header.get("nccl"):
+            # Whatever went wrong on the bound path (worker lost, group broken, timeout): frames now.
+            self.nccl_fallback(pending.request_id, reason)
+            return
+        limit = self.max_retries if pending.max_retries is None else pending.max_retries
+        if pending.attempts > limit:
             self._fail(pending, TimeoutError(
                 f"request {pending.request_id.hex()[:12]} to service {pending.service!r} failed after "
                 f"{pending.attempts} attempts: {reason}"))
@@ -268,6 +278,10 @@ class _ClientIO(threading.Thread):
             service, payload = self.vocab_registration
             self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
         for pending in list(self._pending.values()):
+            if pending.command == ClientCommand.BIND.value:
+                # A binding half-made through a lost broker is void; the caller falls back to frames.
+                self._fail(pending, RemoteError("broker lost or restarted during BIND"))
+                continue
             # Not the request's fault: resending after a broker restart or loss
             # costs no attempt (a broker down for a while must not fail requests).
             if pending.command == ClientCommand.REQUEST.value:
@@ -305,6 +319,9 @@ class _ClientIO(threading.Thread):
             self._broker_instance = instance
             return
         pending = self._pending.get(msg.request_id)
+        if command is ClientCommand.BOUND and msg.header.get("lost") and self.binding is not None:
+            # The bound worker died or re-registered (a pending BIND resolves below as a refusal).
+            self.binding.lost(msg.header.get("prefix"), str(msg.header.get("error")))
         if pending is None:
             return
         now = time.monotonic()
@@ -325,9 +342,21 @@ class _ClientIO(threading.Thread):
 
     def _on_data(self, frames: list) -> None:
         status, request_id, header, payload = parse_data(frames)
+        if status is Status.OK and header.get("nccl"):
+            # Tensors follow on the pair group: receive them even for a request already answered,
+            # or the worker's send (and the group) stalls. No live binding: re-send as frames.
+            if self.binding is None or not self.binding.on_metadata(request_id, header):
+                self.nccl_fallback(request_id, f"nccl reply from worker {header.get('worker')} without a live binding",
+                                   prefix=str(header.get("pair")))
+            return
         pending = self._pending.get(request_id)
         if pending is None:
             self.stats.duplicates += 1
+            return
+        if status is Status.OK and pending.command == ClientCommand.BIND.value:
+            self._pending.pop(request_id)
+            self.stats.completed += 1
+            pending.future.set_result(header)  # {"bind": {store_host, store_port, prefix, worker, timeout}}
             return
         if status is Status.ERROR:
             code, error = header.get("code"), f"worker {header.get('worker')}: {header.get('error')}"
@@ -345,6 +374,37 @@ class _ClientIO(threading.Thread):
 
     def _disconnect(self) -> None:
         self._send(control(CLIENT_TAG, ClientCommand.DISCONNECT.value))
+
+    # ------------------------------------------- NCCL data plane (binding.py)
+
+    def send_control(self, frames: list) -> None:
+        self._send(frames)
+
+    def nccl_resolve(self, request_id: bytes, tensors: dict) -> None:
+        """I/O thread: the pair thread received a bound request's tensors."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None or pending.future.done():
+            self.stats.duplicates += 1
+            return
+        self.stats.completed += 1
+        self.stats.nccl_batches += 1
+        pending.future.set_result(tensors)
+
+    def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
+        """I/O thread: re-send a bound request as a plain one (frames, shared pool) and drop the binding."""
+        if self.binding is not None:
+            self.binding.mark_broken(reason, prefix)
+        pending = self._pending.get(request_id)
+        if pending is None or not pending.header.get("nccl"):
+            return
+        from spec_serve.binding import BOUND_KEYS
+
+        pending.header = {k: v for k, v in pending.header.items() if k not in BOUND_KEYS}
+        self.stats.nccl_fallbacks += 1
+        event(log, logging.INFO, "client.nccl_request_fallback", request=request_id.hex()[:12], reason=reason)
+        pending.not_before = 0.0
+        self._transmit(pending, time.monotonic())
+        pending.attempts -= 1  # not the request's fault
 
 
 class RemoteTargetModel:
@@ -371,6 +431,9 @@ class RemoteTargetModel:
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         compact: bool = False,
+        enable_nccl: bool = False,
+        nccl_timeout: float = 30.0,
+        nccl_retry_s: float = 30.0,
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
@@ -395,10 +458,30 @@ class RemoteTargetModel:
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
         self._expander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand") \
             if self.compact else None
+        # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
+        # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
+        self._binding = None
+        if enable_nccl:
+            from spec_serve.binding import ClientBinding
+
+            self._binding = self._io.binding = ClientBinding(self._io, service, self.device, float(nccl_timeout),
+                                                             float(nccl_retry_s))
 
     @property
     def stats(self) -> ClientStats:
         return self._io.stats
+
+    @property
+    def bound_worker(self) -> str | None:
+        """Id of the worker bound to this client (enable_nccl), or None while frames are used."""
+        return self._binding.worker if self._binding is not None else None
+
+    def rebind(self) -> str | None:
+        """Drop the binding (if any) and ask for a worker of our own now; returns its id or None."""
+        if self._binding is None:
+            raise RuntimeError("rebind() needs enable_nccl=True")
+        self.target_info()
+        return self._binding.rebind()
 
     # ---------------------------------------------------------- supervision
 
@@ -415,6 +498,7 @@ class RemoteTargetModel:
         wire_kind = Kind.EAGLE3_COMPACT if expand else kind
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
+        bound = self._binding.ensure() if self._binding is not None else None
         self._credits.acquire()
         try:
             rows = input_ids.shape[0]
@@ -428,6 +512,8 @@ class RemoteTargetModel:
                 })
                 header = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                           "tokens": int(attention_mask[lo:hi].sum())}
+                if bound is not None:  # every shard to our bound worker; tensors over the pair group
+                    header.update(bound=bound, nccl=True)
                 shards.append(self._request(header, payload))
         except BaseException:
             self._credits.release()
@@ -549,6 +635,8 @@ class RemoteTargetModel:
         """Leave the broker; workers and other clients carry on."""
         if not self._closed:
             self._closed = True
+            if self._binding is not None:
+                self._binding.close()  # RELEASE goes out before the DISCONNECT
             self._io.close()
             if self._expander is not None:
                 self._expander.shutdown(wait=False)
