@@ -1,0 +1,254 @@
+"""NCCL data plane (issue 5) with real broker and worker processes: gloo on CPU here, NCCL on 2 GPUs.
+
+A client with ``enable_nccl=True`` binds a worker of its own; replies carry only tensor specs over
+ZeroMQ and the bytes over a private 2-rank group. Every result is compared with ``torch.equal``
+against the colocated ``HFTarget``. See docs/nccl.md for the message sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from cluster_util import wait_until, workers
+from spec_serve.client import RemoteTargetModel
+from spec_serve.launch import local_cluster
+from spec_serve.tiny import sample_batch
+
+# Heartbeats every 0.2 s, dead after 3 s of silence (forgiving on 2 loaded cores, quick for the kill test).
+ENV = {
+    "SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2",
+    "SPEC_SERVE_HEARTBEAT_LIVENESS": "15",
+    "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "120",
+    "SPEC_SERVE_LOG_LEVEL": "INFO",
+}
+CLIENT_KW = {"timeout": 60, "heartbeat_interval": 0.2, "liveness": 15}
+NCCL_KW = {**CLIENT_KW, "enable_nccl": True, "nccl_timeout": 20}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir, tmp_path_factory):
+    """Two workers of "default", and one of "faulty" whose first pair-group send aborts (test-only hook)."""
+    log_dir = tmp_path_factory.mktemp("nccl-logs")
+    with local_cluster(tiny_target_dir, workers=2, env=ENV, log_dir=log_dir) as c:
+        c.env = {**ENV, "SPEC_SERVE_TEST_FAIL_NCCL_SEND": "1"}
+        c.start_worker(tiny_target_dir, service="faulty")
+        c.env = dict(ENV)
+        c.wait_workers(1, service="faulty")
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(colocated_target):
+    return colocated_target()
+
+
+def assert_equal_batches(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert torch.equal(got[name].cpu(), want[name].cpu()), f"{name} differs from the colocated forward"
+
+
+def check(client, reference, target_dir, seed: int, kind: str, batch: int = 3, seq: int = 24) -> None:
+    inputs = sample_batch(target_dir, batch, seq, seed=seed)
+    assert_equal_batches(client.generate_batch(*inputs, kind=kind), reference.generate_batch(*inputs, kind=kind))
+
+
+def bound_workers(cluster, service="default") -> dict[str, str]:
+    return {w["id"]: w["bound_to"] for w in workers(cluster, service) if w["state"] == "bound"}
+
+
+def completed(cluster) -> dict[str, int]:
+    return {w["id"]: w["completed"] for w in workers(cluster, "default")}
+
+
+def worker_logs(cluster, names=("worker0", "worker1")) -> str:
+    return "".join((cluster.log_dir / f"{n}.log").read_text() for n in names)
+
+
+def wait_unbound(cluster, service="default", timeout=30.0) -> None:
+    wait_until(lambda: not bound_workers(cluster, service), timeout=timeout, what=f"no bound worker of {service}")
+
+
+def test_bound_path_equals_colocated_and_pool_serves_others(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
+    with RemoteTargetModel(cluster.frontend, prefetch_depth=2, num_shards=2, **NCCL_KW) as bound:
+        bound.set_vocab_mapping(*tiny_vocab_mapping)
+        for seed, kind in [(1, "eagle3"), (2, "dspark")]:
+            check(bound, reference, tiny_target_dir, seed, kind)
+        worker = bound.bound_worker
+        assert worker is not None
+        # Prefetched, two shards each: every shard goes to the bound worker, over the group.
+        inputs = [sample_batch(tiny_target_dir, 4, 16, seed=s) for s in (3, 4)]
+        futures = [bound.generate_batch_async(*x, kind=k) for x, k in zip(inputs, ("eagle3", "dspark"))]
+        for x, k, f in zip(inputs, ("eagle3", "dspark"), futures):
+            assert_equal_batches(f.result(timeout=120), reference.generate_batch(*x, kind=k))
+        stats = bound.stats
+        # 2 single calls x 2 shards + 2 prefetched x 2 shards: all delivered by the group, none as frames.
+        assert stats.nccl_batches == 8 and stats.nccl_fallbacks == 0, stats
+        assert list(bound_workers(cluster)) == [worker]
+
+        # A plain client is served by the other worker meanwhile.
+        other = next(w["id"] for w in workers(cluster, "default") if w["id"] != worker)
+        # The broker's snapshot settles (our DONEs counted) before the baseline is taken.
+        wait_until(lambda: all(w["inflight"] == 0 for w in workers(cluster, "default")), timeout=10, what="idle")
+        time.sleep(0.5)
+        before = completed(cluster)
+        with RemoteTargetModel(cluster.frontend, **CLIENT_KW) as plain:
+            plain.set_vocab_mapping(*tiny_vocab_mapping)
+            check(plain, reference, tiny_target_dir, 5, "eagle3")
+            assert plain.bound_worker is None and plain.stats.nccl_batches == 0
+        wait_until(lambda: completed(cluster)[other] > before[other], timeout=10, what="the other worker served it")
+        time.sleep(0.5)
+        assert completed(cluster) == {worker: before[worker], other: before[other] + 1}, (before, completed(cluster))
+    print(f"\nbound to {worker}: {stats}")
+    # close() released it: back in the pool.
+    wait_unbound(cluster)
+    # The worker's log shows the binding and its release, with the number of replies sent over the group.
+    wait_until(lambda: "reason=released sent=8" in worker_logs(cluster), timeout=10, what="worker released its pair")
+    assert "worker.nccl_bound" in worker_logs(cluster)
+
+
+def test_bind_refused_when_all_bound_falls_back_to_frames(cluster, tiny_target_dir, tiny_vocab_mapping, reference,
+                                                          caplog):
+    a = RemoteTargetModel(cluster.frontend, **NCCL_KW)
+    try:
+        with RemoteTargetModel(cluster.frontend, **NCCL_KW) as b, \
+                RemoteTargetModel(cluster.frontend, **NCCL_KW) as c:
+            check(a, reference, tiny_target_dir, 6, "dspark")
+            check(b, reference, tiny_target_dir, 7, "dspark")
+            assert {a.bound_worker, b.bound_worker} == {w["id"] for w in workers(cluster, "default")}
+            inputs = sample_batch(tiny_target_dir, 3, 24, seed=8)
+            with caplog.at_level(logging.WARNING, logger="spec_serve.client"):
+                start = time.monotonic()
+                future = c.generate_batch_async(*inputs, kind="dspark")  # binding refused: sent as frames
+                refused_in = time.monotonic() - start
+            lines = [r.getMessage() for r in caplog.records if "client.nccl_fallback" in r.getMessage()]
+            assert len(lines) == 1 and "are bound to other clients" in lines[0], lines
+            assert refused_in < 10, "a refusal must come at once, not after a timeout"
+            assert c.bound_worker is None
+            # No pool worker is left: the frames request waits until a binding ends.
+            a.close()
+            assert_equal_batches(future.result(timeout=120), reference.generate_batch(*inputs, kind="dspark"))
+            assert c.stats.nccl_batches == 0 and c.bound_worker is None
+            assert b.stats.nccl_batches == 1
+            print(f"\nrefused in {refused_in:.3f}s: {lines[0]}")
+    finally:
+        a.close()
+    wait_unbound(cluster)
+
+
+KILLED_CLIENT = textwrap.dedent("""
+    import sys, time
+    from spec_serve.client import RemoteTargetModel
+    from spec_serve.tiny import sample_batch
+    frontend, target = sys.argv[1], sys.argv[2]
+    client = RemoteTargetModel(frontend, enable_nccl=True, timeout=60, heartbeat_interval=0.2, liveness=15)
+    client.generate_batch(*sample_batch(target, 2, 16, seed=0), kind="dspark")
+    print("BOUND", client.bound_worker, client.stats.nccl_batches, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_killed_client_frees_its_worker(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
+    wait_unbound(cluster)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, cluster.frontend, str(tiny_target_dir)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+    try:
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["BOUND"] and line[2] == "1", line
+        worker = line[1]
+        assert list(bound_workers(cluster)) == [worker]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed_at = time.monotonic()
+    wait_unbound(cluster, timeout=30)  # the broker's client expiry (3 s here) released it
+    freed_s = time.monotonic() - killed_at
+    # It serves others again: a new client binds it (the other is taken) and gets correct results.
+    with RemoteTargetModel(cluster.frontend, **NCCL_KW) as hold, RemoteTargetModel(cluster.frontend, **NCCL_KW) as c:
+        check(hold, reference, tiny_target_dir, 9, "dspark")
+        check(c, reference, tiny_target_dir, 10, "dspark")
+        assert worker in (hold.bound_worker, c.bound_worker)
+        assert hold.stats.nccl_batches == c.stats.nccl_batches == 1
+    print(f"\nkilled client's worker {worker} freed in {freed_s:.1f}s")
+    wait_unbound(cluster)
+
+
+def test_failed_send_recovers_over_frames_then_rebinds(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
+    """The "faulty" worker aborts its first pair-group send (SPEC_SERVE_TEST_FAIL_NCCL_SEND=1)."""
+    with RemoteTargetModel(cluster.frontend, service="faulty", **NCCL_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        start = time.monotonic()
+        check(client, reference, tiny_target_dir, 11, "eagle3")  # delivered as frames after the failure
+        recovered_s = time.monotonic() - start
+        stats = client.stats
+        assert stats.nccl_fallbacks == 1 and stats.nccl_batches == 0, stats
+        assert client.bound_worker is None  # broken, released
+        check(client, reference, tiny_target_dir, 12, "eagle3")  # this call binds again
+        check(client, reference, tiny_target_dir, 13, "dspark")
+        assert client.bound_worker is not None
+        assert stats.nccl_batches == 2 and stats.nccl_fallbacks == 1, stats
+    print(f"\nfailed send recovered in {recovered_s:.1f}s; then rebound: {stats}")
+    wait_unbound(cluster, service="faulty")
+    log = worker_logs(cluster, ("worker2",))
+    assert "worker.nccl_send_failed" in log and "SPEC_SERVE_TEST_FAIL_NCCL_SEND" in log
+
+
+# --- GPU: worker on cuda:0, client on cuda:1 (run on the 2-GPU machine) ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_nccl_equals_colocated_and_throughput(tiny_target_dir, tiny_vocab_mapping):
+    from spec_serve.engines.hf import HFTarget
+
+    batch, seq, steps = 8, 512, 20
+    inputs = [sample_batch(tiny_target_dir, batch, seq, seed=s) for s in range(4)]
+    tokens = sum(int(x[1].sum()) for x in inputs) * steps // len(inputs)
+    colocated = HFTarget(tiny_target_dir, device="cuda:1", dtype="bfloat16")
+    colocated.set_vocab_mapping(*tiny_vocab_mapping)
+
+    def rate(run) -> float:
+        torch.cuda.synchronize("cuda:1")
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize("cuda:1")
+        return tokens / (time.perf_counter() - start)
+
+    def remote_run(client):
+        futures = [client.generate_batch_async(*inputs[i % len(inputs)], kind="eagle3") for i in range(steps)]
+        for f in futures:
+            f.result(timeout=300)
+
+    rates = {}
+    with local_cluster(tiny_target_dir, workers=1, worker_args=("--device", "cuda:0", "--dtype", "bfloat16"),
+                       env=ENV) as c:
+        for mode, extra in (("nccl", {"enable_nccl": True}), ("frames", {})):
+            with RemoteTargetModel(c.frontend, device="cuda:1", prefetch_depth=2, timeout=120,
+                                   heartbeat_interval=0.2, liveness=15, **extra) as client:
+                client.set_vocab_mapping(*tiny_vocab_mapping)
+                for x in inputs[:2]:
+                    for kind in ("eagle3", "dspark"):
+                        got = client.generate_batch(*x, kind=kind)
+                        assert all(t.device == torch.device("cuda:1") for t in got.values())
+                        assert_equal_batches(got, colocated.generate_batch(*x, kind=kind))
+                rates[mode] = rate(lambda: remote_run(client))
+                if mode == "nccl":
+                    assert client.bound_worker is not None
+                    assert client.stats.nccl_batches == 4 + steps and client.stats.nccl_fallbacks == 0
+                else:
+                    assert client.stats.nccl_batches == 0
+            wait_unbound(c, timeout=30)
+    rates["colocated"] = rate(lambda: [colocated.generate_batch(*inputs[i % len(inputs)], kind="eagle3")
+                                       for i in range(steps)])
+    print(f"\ndelivered tokens/s, tiny target bf16, batch {batch}x{seq}, {steps} batches: "
+          + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()))
