@@ -254,8 +254,8 @@ class _ClientIO(threading.Thread):
                            pending.payload))
 
     def _retry(self, pending: _Pending, now: float, reason: str, delay: float = 0.0) -> None:
-        if pending.header.get("nccl"):
-            # Whatever went wrong on the bound path (worker lost, group broken, timeout): frames now.
+        if pending.header.get("bound") is not None:
+            # Whatever went wrong on the bound path (worker lost, group broken, timeout): the shared pool now.
             self.nccl_fallback(pending.request_id, reason)
             return
         limit = self.max_retries if pending.max_retries is None else pending.max_retries
@@ -394,10 +394,11 @@ class _ClientIO(threading.Thread):
         """I/O thread: re-send a bound request as a plain one (frames, shared pool) and drop the binding."""
         if self.binding is not None:
             self.binding.mark_broken(reason, prefix)
-        pending = self._pending.get(request_id)
-        if pending is None or not pending.header.get("nccl"):
-            return
         from spec_serve.binding import BOUND_KEYS
+
+        pending = self._pending.get(request_id)
+        if pending is None or not any(k in pending.header for k in BOUND_KEYS):
+            return
 
         pending.header = {k: v for k, v in pending.header.items() if k not in BOUND_KEYS}
         self.stats.nccl_fallbacks += 1
@@ -555,6 +556,9 @@ class RemoteTargetModel:
 
     def _request(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
         header = dict(header, reply_to=self._io.data_endpoint)
+        bound = self._binding.worker if self._binding is not None else None
+        if bound is not None:  # embeddings, lm_head slices: our own worker too (as frames), not the pool
+            header.setdefault("bound", bound)
         if self._vocab_digest is not None:
             header.setdefault("vocab", self._vocab_digest)
         if self._io.data_key:

@@ -197,6 +197,8 @@ def test_failed_send_recovers_over_frames_then_rebinds(cluster, tiny_target_dir,
         check(client, reference, tiny_target_dir, 13, "dspark")
         assert client.bound_worker is not None
         assert stats.nccl_batches == 2 and stats.nccl_fallbacks == 1, stats
+        # Its only worker is bound to it: other requests go to it too (as frames), not to an empty pool.
+        assert torch.equal(client.get_output_embeddings().weight, reference.get_output_embeddings().weight)
     print(f"\nfailed send recovered in {recovered_s:.1f}s; then rebound: {stats}")
     wait_unbound(cluster, service="faulty")
     log = worker_logs(cluster, ("worker2",))
