@@ -70,10 +70,10 @@ class HostBufferPool:
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+                _remove(self._free, buf)
             else:
                 if self._lent + len(self._free) >= self.max_buffers:
-                    self._free.remove(min(self._free, key=lambda b: b.numel()))  # too small: replace it
+                    _remove(self._free, min(self._free, key=lambda b: b.numel()))  # too small: replace it
                 buf = None
             self._lent += 1
         if buf is None:
@@ -126,6 +126,11 @@ def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None) ->
     return out, lease
 
 
+def _remove(buffers: list[torch.Tensor], buf: torch.Tensor) -> None:
+    """Remove ``buf`` by identity: ``list.remove`` compares with ``==``, which on tensors is elementwise."""
+    buffers[:] = [b for b in buffers if b is not buf]
+
+
 def _storage_refs(t: torch.Tensor) -> int | None:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
@@ -165,6 +170,6 @@ class RecyclingAllocator:
                     idle = [b for b in self._buffers if _storage_refs(b) == 1]
                     if not idle:
                         return buf  # all in use: this one is not pooled
-                    self._buffers.remove(idle[0])
+                    _remove(self._buffers, idle[0])
                 self._buffers.append(buf)
             return buf

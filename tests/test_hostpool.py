@@ -1,0 +1,33 @@
+"""Buffer pools: reuse, and removal by identity (``list.remove`` on tensors compares elementwise)."""
+
+import torch
+
+from spec_serve.hostpool import HostBufferPool, RecyclingAllocator
+
+
+def test_recycling_allocator_replaces_an_idle_buffer_when_full():
+    alloc = RecyclingAllocator(max_buffers=2)
+    # Decoded tensors are views of the buffer (as wire.decode makes them): they keep it in use.
+    held = [alloc(100).view(-1), alloc(200).view(-1)]
+    unpooled = alloc(300)  # every pooled buffer is in use: handed out, not pooled
+    assert all(unpooled is not b for b in alloc._buffers)
+    del held
+    fresh = alloc(400)  # the pool is full of idle buffers: one is replaced (this used to raise)
+    assert len(alloc._buffers) == 2 and any(fresh is b for b in alloc._buffers)
+    view = alloc(400).view(torch.int32)
+    del view
+    assert alloc(400) is fresh  # idle and the right size: reused, not reallocated
+    assert alloc.reuses >= 1
+
+
+def test_host_pool_reuses_and_replaces_slabs():
+    pool = HostBufferPool(max_buffers=2)
+    small, big = pool.acquire(10), pool.acquire(1000)
+    small.release()
+    big.release()
+    lease = pool.acquire(500)  # the big slab fits; taken by identity from the free list
+    assert pool.stats()["allocations"] == 2
+    lease.release()
+    bigger = pool.acquire(1 << 20)  # nothing fits and the pool is full: the smallest slab is replaced
+    assert pool.stats()["allocations"] == 3 and pool.stats()["free"] == 1
+    bigger.release()
