@@ -18,8 +18,10 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   frames              the codec path over the same socket pair: wire.encode -> send -> wire.decode
   worker_pool         the worker's hot path in-process (serve, host copy into the pinned pool,
                       encode): pool allocations against messages (flat = no fresh host memory)
-  nccl                hook for the NCCL data plane (RemoteTargetModel bound to a worker):
-                      register a function in SCENARIOS["remote_nccl"] (not built yet)
+  remote_nccl         a client bound to its own worker (enable_nccl=True): metadata over ZeroMQ,
+                      tensors over a private NCCL pair group (gloo on CPU); worker on the first
+                      device, client on the last
+  remote_nccl_compact the same, compact EAGLE-3
 
 Also reported: bytes per token of the full and compact EAGLE-3 replies, measured on the target and
 computed analytically at the Llama-3.1-8B shape.
@@ -154,11 +156,14 @@ def run_colocated(ctx: "Context", compact: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------------- remote
 
 
-def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str) -> dict[str, Any]:
+def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str,
+               nccl: bool = False) -> dict[str, Any]:
     from spec_serve.client import RemoteTargetModel
 
-    with RemoteTargetModel(ctx.cluster.frontend, service=service, device=ctx.device, prefetch_depth=ctx.cfg.prefetch,
-                           num_shards=shards, compact=compact, timeout=600) as client:
+    # The NCCL client sits on the second device: two ranks of one NCCL group cannot share a GPU.
+    device = torch.device(ctx.cfg.devices[-1]) if nccl else ctx.device
+    with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
+                           num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl) as client:
         client.set_vocab_mapping(*ctx.mapping)
         futures, tokens, nbytes, start = [], 0, 0, 0.0
         for i, b in enumerate(ctx.batches):
@@ -171,11 +176,12 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
             out = f.result()
             tokens += n
             nbytes += _nbytes(out)
-        _sync(ctx.device)
+        _sync(device)
         seconds = time.perf_counter() - start
         wire_kind = "eagle3_compact" if compact else "eagle3"
         return _figure(name, tokens, nbytes, seconds, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
-                       retried=client.stats.retried)
+                       retried=client.stats.retried, nccl_batches=client.stats.nccl_batches,
+                       nccl_fallbacks=client.stats.nccl_fallbacks)
 
 
 def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
@@ -515,6 +521,9 @@ class Context:
             for device in (cfg.devices[0], second):
                 cluster.start_worker(self.target, "--device", device, *common, service="w2")
             expected += 2
+        if "nccl" in services:
+            cluster.start_worker(self.target, "--device", cfg.devices[0], *common, service="nccl")
+            expected += 1
         if "batch" in services:
             cluster.start_worker(self.target, "--device", cfg.devices[0], "--max-batch-tokens",
                                  str(cfg.max_batch_tokens), *[a for a in common if a not in ("--capacity", "2")],
@@ -540,8 +549,7 @@ class Context:
 
 # ------------------------------------------------------------------ scenarios
 
-# name -> (services it needs, function). Another data plane (NCCL) plugs in here:
-# SCENARIOS["remote_nccl"] = (set(), lambda ctx: run_remote_nccl(ctx)) returning a _figure(...).
+# name -> (services it needs, function).
 SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "colocated": (set(), lambda c: run_colocated(c, compact=False)),
     "colocated_compact": (set(), lambda c: run_colocated(c, compact=True)),
@@ -549,6 +557,10 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
     "remote_2w": ({"w2"}, lambda c: run_remote(c, "w2", False, 2, "remote_2w")),
     "remote_2w_compact": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact")),
+    # Bound worker on the first device, client on the last, tensors over a private NCCL pair group
+    # (gloo on CPU). Needs two devices on a GPU host.
+    "remote_nccl": ({"nccl"}, lambda c: run_remote(c, "nccl", False, 1, "remote_nccl", nccl=True)),
+    "remote_nccl_compact": ({"nccl"}, lambda c: run_remote(c, "nccl", True, 1, "remote_nccl_compact", nccl=True)),
     "small_unbatched": ({"w1"}, lambda c: run_small(c, "w1", "small_unbatched")),
     "small_batched": ({"batch"}, lambda c: run_small(c, "batch", "small_batched")),
     "broker_null": ({"null"}, run_broker_null),
@@ -565,6 +577,9 @@ RATIOS = [
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
     ("compact / full, remote 1 worker", "remote_1w_compact", "remote_1w", None),
+    ("remote NCCL / colocated", "remote_nccl", "colocated", 0.95),
+    ("remote NCCL / remote frames, 1 worker", "remote_nccl", "remote_1w", None),
+    ("remote NCCL compact / colocated compact", "remote_nccl_compact", "colocated_compact", 0.95),
     ("2 workers / 1 worker", "remote_2w", "remote_1w", 1.9),
     ("2 workers / 1 worker, compact", "remote_2w_compact", "remote_1w_compact", 1.9),
     ("small requests: batched / unbatched", "small_batched", "small_unbatched", None),
