@@ -12,6 +12,8 @@ from typing import Iterable
 
 import torch
 
+from spec_serve.contract import validate_vocab_mapping
+
 
 def build_vocab_mapping(
     input_ids: torch.Tensor,
@@ -69,3 +71,25 @@ def from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_d2t`: ``selected[i] = d2t[i] + i``."""
     d2t = d2t.long()
     return d2t + torch.arange(d2t.numel(), device=d2t.device)
+
+
+class VocabMappingSlot:
+    """The draft-vocab mapping an engine computes EAGLE-3 with: validated, copied privately (the
+    caller may mutate or free its tensors afterwards), and kept on the engine's device too."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        validate_vocab_mapping(selected_token_ids, selected_token_mask, self.vocab_size)
+        ids = selected_token_ids.detach().to("cpu", copy=True)
+        mask = selected_token_mask.detach().to("cpu", copy=True)
+        self._cpu = (ids, mask)
+        self.on_device = (ids.to(self.device), mask.to(self.device))
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of the current ``(selected_token_ids, selected_token_mask)`` on CPU, or ``None``."""
+        return None if self._cpu is None else (self._cpu[0].clone(), self._cpu[1].clone())

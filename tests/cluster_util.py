@@ -104,6 +104,14 @@ class Reference:
             return self._cache[key]
 
 
+def assert_equal_batches(got: dict, want: dict) -> None:
+    """Same names, dtypes, shapes, and bit-equal values (``torch.equal``) as the colocated batch."""
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert torch.equal(got[name].cpu(), want[name].cpu()), f"{name} differs from the colocated forward"
+
+
 def same(got: dict, want: dict) -> bool:
     return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from cluster_util import assert_equal_batches
 
 from spec_serve import wire
 from spec_serve.client import RemoteTargetModel
@@ -33,12 +34,6 @@ def reference(colocated_target):
     return colocated_target()
 
 
-def assert_equal_batches(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        assert got[name].shape == want[name].shape, name
-        assert torch.equal(got[name], want[name]), f"{name} differs from the colocated forward"
 
 
 def run_rank(rank, frontend, tiny_target_dir, mapping, reference, shards, steps=4):

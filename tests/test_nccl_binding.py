@@ -17,8 +17,8 @@ import time
 
 import pytest
 import torch
+from cluster_util import assert_equal_batches, wait_until, workers
 
-from cluster_util import wait_until, workers
 from spec_serve.client import RemoteTargetModel
 from spec_serve.launch import local_cluster
 from spec_serve.tiny import sample_batch
@@ -51,11 +51,6 @@ def reference(colocated_target):
     return colocated_target()
 
 
-def assert_equal_batches(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert torch.equal(got[name].cpu(), want[name].cpu()), f"{name} differs from the colocated forward"
 
 
 def check(client, reference, target_dir, seed: int, kind: str, batch: int = 3, seq: int = 24) -> None:

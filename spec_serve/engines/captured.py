@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from spec_serve import contract
 from spec_serve.compact import eagle3_targets, shift_left
+from spec_serve.vocab import VocabMappingSlot
 from spec_serve.contract import Kind, TargetInfo
 from spec_serve.engines.hf import fingerprint, parse_dtype
 
@@ -108,8 +109,7 @@ class CapturedHead:
         self.lm_head = self.embedding if tied else _Weight(weights["lm_head.weight"].to(self.device, dtype))
         self.norm_weight = weights["model.norm.weight"].to(self.device, dtype)
         self.vocab_size = int(self.lm_head.weight.shape[0])
-        self._mapping: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mapping_on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._vocab = VocabMappingSlot(self.vocab_size, self.device)
 
     def needed_layer_ids(self) -> list[int]:
         """Contract layer ids whose states an engine must capture, ascending.
@@ -126,21 +126,16 @@ class CapturedHead:
         return self.norm_weight * h.to(x.dtype)
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
-        contract.validate_vocab_mapping(selected_token_ids, selected_token_mask, self.vocab_size)
-        # Private CPU copies: the caller may mutate or free its tensors afterwards.
-        ids = selected_token_ids.detach().to("cpu", copy=True)
-        mask = selected_token_mask.detach().to("cpu", copy=True)
-        self._mapping = (ids, mask)
-        self._mapping_on_device = (ids.to(self.device), mask.to(self.device))
+        self._vocab.set(selected_token_ids, selected_token_mask)
 
     def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self._mapping is None else (self._mapping[0].clone(), self._mapping[1].clone())
+        return self._vocab.get()
 
     def check_request(self, input_ids, attention_mask, loss_mask, kind: "str | Kind") -> tuple[Kind, list[int]]:
         """Validate a request; return its kind and each row's true length (right padding required)."""
         kind = Kind.parse(kind)
         contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
-        if kind is Kind.EAGLE3 and self._mapping_on_device is None:
+        if kind is Kind.EAGLE3 and self._vocab.on_device is None:
             raise RuntimeError("EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping() first")
         mask = attention_mask.detach().to("cpu").bool()
         lengths = mask.sum(dim=1)
@@ -200,7 +195,7 @@ class CapturedHead:
                 "input_ids": shifted_ids,
                 "loss_mask": shifted_loss,
             }
-        selected_ids, selected_mask = self._mapping_on_device
+        selected_ids, selected_mask = self._vocab.on_device
         target_probs, position_mask = eagle3_targets(
             logits[:, 1:].index_select(-1, selected_ids), argmax, selected_mask, shifted_loss
         )

@@ -19,6 +19,7 @@ import torch
 
 from spec_serve import contract
 from spec_serve.compact import eagle3_targets, shift_left
+from spec_serve.vocab import VocabMappingSlot
 from spec_serve.contract import Kind, TargetInfo
 
 # Fingerprint reads this much from each end of every weight file (see `fingerprint`).
@@ -150,8 +151,7 @@ class HFTarget:
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(self._lm_head.weight.shape[0])
         self.model_name = model_name or os.path.basename(os.path.normpath(str(self.path))) or config._name_or_path
-        self._mapping: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mapping_on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._vocab = VocabMappingSlot(self.vocab_size, self.device)
         self._fingerprint: str | None = None
         self._captured: dict[int, torch.Tensor] = {}
         self._wanted: frozenset[int] = frozenset()
@@ -214,7 +214,7 @@ class HFTarget:
         """
         kind = Kind.parse(kind)
         contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
-        if kind is Kind.EAGLE3 and self._mapping_on_device is None:
+        if kind is Kind.EAGLE3 and self._vocab.on_device is None:
             raise RuntimeError("EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping() first")
         input_ids = input_ids.to(self.device, torch.int64)
         attention_mask = attention_mask.to(self.device, torch.int64)
@@ -244,7 +244,7 @@ class HFTarget:
                 "input_ids": shifted_ids,
                 "loss_mask": shifted_loss,
             }
-        selected_ids, selected_mask = self._mapping_on_device
+        selected_ids, selected_mask = self._vocab.on_device
         next_draft_logits = logits[:, 1:].index_select(-1, selected_ids)
         del logits  # free the full-vocab buffer before the float32 softmax allocates
         target_probs, position_mask = eagle3_targets(next_draft_logits, argmax, selected_mask, shifted_loss)
@@ -258,16 +258,11 @@ class HFTarget:
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Install the draft-vocab mapping EAGLE-3 batches are computed with (``ValueError`` if invalid)."""
-        contract.validate_vocab_mapping(selected_token_ids, selected_token_mask, self.vocab_size)
-        # Private CPU copies: the caller may mutate or free its tensors afterwards.
-        ids = selected_token_ids.detach().to("cpu", copy=True)
-        mask = selected_token_mask.detach().to("cpu", copy=True)
-        self._mapping = (ids, mask)
-        self._mapping_on_device = (ids.to(self.device), mask.to(self.device))
+        self._vocab.set(selected_token_ids, selected_token_mask)
 
     def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The current ``(selected_token_ids, selected_token_mask)`` on CPU, or ``None`` if unset."""
-        return None if self._mapping is None else (self._mapping[0].clone(), self._mapping[1].clone())
+        return self._vocab.get()
 
     def target_info(self) -> TargetInfo:
         """What this engine serves, as checked by clients at setup."""
