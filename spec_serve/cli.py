@@ -137,13 +137,16 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
 @click.option("--max-batch-tokens", default=0, type=int, envvar="SPEC_SERVE_MAX_BATCH_TOKENS", show_default=True,
               help="Coalesce queued requests of the same kind, vocab and seq length into one forward of up to "
                    "this many (padded) tokens; 0 = off [env SPEC_SERVE_MAX_BATCH_TOKENS].")
+@click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
+              help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
+                   "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
 @log_level_option
 def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           max_batch_tokens, curve_secret_key, curve_server_key, log_level):
+           max_batch_tokens, advertise_host, curve_secret_key, curve_server_key, log_level):
     """Run one worker (one target replica, one GPU) for the broker.
 
     \b
@@ -168,7 +171,7 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     if capacity is None:
         capacity = 8 if max_batch_tokens > 0 else 2
     w = Worker(engine_obj, broker_url, service=service, capacity=capacity, max_batch_tokens=max_batch_tokens,
-               security=_security(curve_secret_key, curve_server_key, None))
+               advertise_host=advertise_host, security=_security(curve_secret_key, curve_server_key, None))
     _serve_until_signal(w.stop)
     w.run()
 
