@@ -644,6 +644,7 @@ class Broker:
                 "ready_workers": sum(1 for w in service.workers if self.workers[w].bound_to is None),
                 "queue_depth": service.queue_depth(),
                 "vocab_mappings": len(service.mappings),
+                "ever_had_workers": service.ever_had_workers,
             }
         workers = [
             {

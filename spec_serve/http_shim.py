@@ -24,9 +24,13 @@ MAX_REQUEST_LINE = 4096
 
 
 def health(snapshot: dict[str, Any]) -> tuple[int, dict]:
-    """200 when every known service has a ready worker (and one exists), else 503."""
+    """200 when every served service has a ready worker (and one exists), else 503.
+
+    A service counts once a worker has registered for it: a name only clients asked for (a typo,
+    or junk) must not turn the health check red.
+    """
     services = snapshot.get("services", {})
-    counts = {name: s["ready_workers"] for name, s in services.items() if s["workers"] or s["queue_depth"]}
+    counts = {name: s["ready_workers"] for name, s in services.items() if s["ever_had_workers"]}
     healthy = bool(counts) and all(n > 0 for n in counts.values())
     body = {"status": "ok" if healthy else "unavailable", "workers": len(snapshot.get("workers", [])),
             "ready_workers": counts}

@@ -208,3 +208,16 @@ def test_http_shim_binds_loopback_by_default():
     out = subprocess.run([sys.executable, "-m", "spec_serve.cli", "broker", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert "127.0.0.1" in out.stdout and "Examples" in out.stdout
+
+
+def test_health_ignores_services_no_worker_ever_served():
+    from spec_serve.http_shim import health
+
+    def svc(ready, ever, queued=0):
+        return {"workers": ready, "ready_workers": ready, "queue_depth": queued, "ever_had_workers": ever}
+
+    snap = {"workers": [{}], "services": {"default": svc(1, True), "typo": svc(0, False, queued=3)}}
+    assert health(snap)[0] == 200  # a name only clients asked for does not turn health red
+    snap["services"]["default"] = svc(0, True)
+    assert health(snap)[0] == 503  # a served service without a ready worker does
+    assert health({"workers": [], "services": {}})[0] == 503
