@@ -7,6 +7,7 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   colocated_compact   the compact kind + expand_compact on the same device (what the client does)
   remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full
   remote_1w_compact   the same with RemoteTargetModel(compact=True)
+  remote_1w*_own_gpu  the same two with the client on the last device (a trainer's own GPU)
   remote_2w           two workers, each batch sharded in two (num_shards=2)
   remote_2w_compact
   small_unbatched     many small requests from several ranks, one worker without batching
@@ -157,11 +158,12 @@ def run_colocated(ctx: "Context", compact: bool) -> dict[str, Any]:
 
 
 def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str,
-               nccl: bool = False) -> dict[str, Any]:
+               nccl: bool = False, own_device: bool = False) -> dict[str, Any]:
     from spec_serve.client import RemoteTargetModel
 
-    # The NCCL client sits on the second device: two ranks of one NCCL group cannot share a GPU.
-    device = torch.device(ctx.cfg.devices[-1]) if nccl else ctx.device
+    # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
+    # NCCL, where it must: two ranks of one NCCL group cannot share a GPU.
+    device = torch.device(ctx.cfg.devices[-1]) if nccl or own_device else ctx.device
     with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl) as client:
         client.set_vocab_mapping(*ctx.mapping)
@@ -555,6 +557,11 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "colocated_compact": (set(), lambda c: run_colocated(c, compact=True)),
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
+    # The same worker, the client (and its H2D copies, compact expansion) on the last device, as a
+    # trainer on a GPU of its own would be; on one device identical to the above.
+    "remote_1w_own_gpu": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_own_gpu", own_device=True)),
+    "remote_1w_compact_own_gpu": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact_own_gpu",
+                                                               own_device=True)),
     "remote_2w": ({"w2"}, lambda c: run_remote(c, "w2", False, 2, "remote_2w")),
     "remote_2w_compact": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact")),
     # Bound worker on the first device, client on the last, tensors over a private NCCL pair group
@@ -576,6 +583,9 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
 RATIOS = [
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
+    ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),
+    ("remote 1 worker compact, client on its own GPU / colocated compact", "remote_1w_compact_own_gpu",
+     "colocated_compact", 0.95),
     ("compact / full, remote 1 worker", "remote_1w_compact", "remote_1w", None),
     ("remote NCCL / colocated", "remote_nccl", "colocated", 0.95),
     ("remote NCCL / remote frames, 1 worker", "remote_nccl", "remote_1w", None),
