@@ -128,9 +128,6 @@ class Message:
     header: dict[str, Any]
     payload: list  # codec frames, zero-copy
 
-    def frames(self, tag: bytes) -> list:
-        return [tag, self.command, self.service.encode(), self.request_id, encode_header(self.header), *self.payload]
-
 
 def control(tag: bytes, command: bytes, service: str = "", request_id: bytes = b"", header: dict | None = None,
             payload: Sequence = ()) -> list:
