@@ -456,9 +456,9 @@ class RemoteTargetModel:
         self.compact = bool(compact)
         self._lm_head_slices: dict[str, torch.Tensor] = {}
         self._selected_mask: torch.Tensor | None = None
-        # Finishing a batch (concatenating shards, the copy to `device`, compact expansion) runs off
-        # the I/O thread: a 1 GB host-to-device copy or a [B*S,H]x[H,Vd] GEMM must not stall sockets.
-        self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-finish")
+        # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
+        self._expander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand") \
+            if self.compact else None
         # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
         # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
         self._binding = None
@@ -519,7 +519,7 @@ class RemoteTargetModel:
         except BaseException:
             self._credits.release()
             raise
-        result = _gather(shards, self.device, self._finisher)
+        result = _gather(shards, self.device)
         if expand:
             result = self._expand_later(result, self._vocab_digest)
         result.add_done_callback(lambda _: self._credits.release())
@@ -539,7 +539,7 @@ class RemoteTargetModel:
             except BaseException as e:
                 out.set_exception(e)
 
-        compact.add_done_callback(lambda _: _run_on(self._finisher, run))
+        compact.add_done_callback(lambda _: self._expander.submit(run))
         return out
 
     def lm_head_slice(self) -> torch.Tensor:
@@ -642,7 +642,8 @@ class RemoteTargetModel:
             if self._binding is not None:
                 self._binding.close()  # RELEASE goes out before the DISCONNECT
             self._io.close()
-            self._finisher.shutdown(wait=False)
+            if self._expander is not None:
+                self._expander.shutdown(wait=False)
 
     def __enter__(self) -> "RemoteTargetModel":
         return self
@@ -651,10 +652,8 @@ class RemoteTargetModel:
         self.close()
 
 
-def _gather(shards: list[concurrent.futures.Future], device: torch.device,
-            finisher: concurrent.futures.Executor) -> concurrent.futures.Future:
-    """One future for the shard futures: tensors concatenated along dim 0, in order, on ``device``;
-    the merge runs on ``finisher`` once the last shard is in."""
+def _gather(shards: list[concurrent.futures.Future], device: torch.device) -> concurrent.futures.Future:
+    """One future for the shard futures: tensors concatenated along dim 0, in order."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     remaining = [len(shards)]
     lock = threading.Lock()
@@ -664,9 +663,6 @@ def _gather(shards: list[concurrent.futures.Future], device: torch.device,
             remaining[0] -= 1
             if remaining[0]:
                 return
-        _run_on(finisher, merge)
-
-    def merge():
         try:
             parts = [f.result() for f in shards]
             if len(parts) == 1:
@@ -680,14 +676,6 @@ def _gather(shards: list[concurrent.futures.Future], device: torch.device,
     for f in shards:
         f.add_done_callback(done)
     return out
-
-
-def _run_on(executor: concurrent.futures.Executor, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on ``executor``, or here once the client closed it, so no future is left hanging."""
-    try:
-        executor.submit(fn)
-    except RuntimeError:
-        fn()
 
 
 def _mismatch_message(title: str, diff: dict, ours: str, theirs: str) -> str:
