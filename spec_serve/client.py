@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import ipaddress
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 import types
 import uuid
 from typing import Any, Callable, Mapping, Sequence
-from urllib.parse import urlsplit
 
 import torch
 import zmq
 
 from spec_serve import wire
-from spec_serve.contract import Kind, TargetInfo, validate_request, validate_vocab_mapping
+from spec_serve.contract import (
+    Kind,
+    TargetInfo,
+    validate_request,
+    validate_vocab_mapping,
+)
 from spec_serve.hostpool import RecyclingAllocator
 from spec_serve.logs import event
 from spec_serve.protocol import (
@@ -44,7 +46,13 @@ from spec_serve.protocol import (
     parse_control,
     parse_data,
 )
-from spec_serve.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, bound_endpoint, make_socket
+from spec_serve.sockets import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Security,
+    bound_endpoint,
+    make_socket,
+    route_address,
+)
 
 log = logging.getLogger("spec_serve.client")
 
@@ -86,24 +94,6 @@ class ClientStats:
     nccl_fallbacks: int = 0  # bound requests re-sent as frames through the shared pool after a failure
 
 
-def _advertise_host(broker_url: str) -> str:
-    """The local address workers can reach us at: the interface that routes to the broker."""
-    host = urlsplit(broker_url).hostname or "127.0.0.1"
-    if host in ("localhost", "*"):
-        return "127.0.0.1"
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
-        return probe.getsockname()[0]
-    finally:
-        probe.close()
-
-
 class _ClientIO(threading.Thread):
     """Owns the sockets; every other thread goes through ``submit``."""
 
@@ -133,7 +123,7 @@ class _ClientIO(threading.Thread):
         if broker_url.startswith("ipc://"):
             data_bind = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/spec-serve-{uuid.uuid4().hex}.sock"
         else:
-            data_bind = f"tcp://{advertise_host or _advertise_host(broker_url)}:*"
+            data_bind = f"tcp://{advertise_host or route_address(broker_url)}:*"
         self.data = make_socket(self.ctx, zmq.PULL, bind=data_bind, security=security, curve_server=True)
         self.data_endpoint = bound_endpoint(self.data)
         self.data_key = security.keypair()[0].decode() if security else None

@@ -17,9 +17,12 @@ Options and why:
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
@@ -145,3 +148,22 @@ def keygen(directory: Path, name: str) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(str(directory), name)
     return Path(public), Path(secret)
+
+
+def route_address(broker_url: str) -> str:
+    """The local address peers can reach us at: the interface that routes to the broker
+    (a client's data socket, a worker's NCCL rendezvous)."""
+    host = urlsplit(broker_url).hostname or "127.0.0.1"
+    if host in ("localhost", "*"):
+        return "127.0.0.1"
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
+        return probe.getsockname()[0]
+    finally:
+        probe.close()

@@ -41,7 +41,12 @@ from spec_serve.protocol import (
     data_message,
     parse_control,
 )
-from spec_serve.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, make_socket
+from spec_serve.sockets import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Security,
+    make_socket,
+    route_address,
+)
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -549,9 +554,7 @@ class Worker:
             return
         try:
             if self.advertise_host is None:
-                from spec_serve.client import _advertise_host
-
-                self.advertise_host = _advertise_host(self.broker_url)
+                self.advertise_host = route_address(self.broker_url)
             store, port = PairGroup.host_store(self.advertise_host, 0, timeout)
         except Exception as e:
             self._post(Result(job, Status.ERROR, {"worker": self.name, "code": ErrorCode.UNAVAILABLE.value,

@@ -18,7 +18,6 @@ vLLM engine. sglang is imported only inside :class:`SGLangTarget`.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +25,7 @@ import torch
 
 from spec_serve.contract import Kind
 from spec_serve.engines.captured import CapturedTarget
+from spec_serve.launch import free_port
 
 
 class _KeepHiddenStates(torch.nn.Module):
@@ -46,12 +46,6 @@ class _KeepHiddenStates(torch.nn.Module):
 class _NoLogits:
     next_token_logits = None
     hidden_states = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SGLangTarget(CapturedTarget):
@@ -99,7 +93,7 @@ class SGLangTarget(CapturedTarget):
             pp_rank=0,
             pp_size=1,
             server_args=self.server_args,
-            nccl_port=_free_port(),
+            nccl_port=free_port(),
         )
         model = self.runner.model
         # Contract ids go in as they are (SGLang adds one, see the module docstring); -1 is
@@ -114,7 +108,10 @@ class SGLangTarget(CapturedTarget):
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from sglang.srt.model_executor.forward_batch_info import (
+            CaptureHiddenMode,
+            ForwardBatch,
+        )
         from sglang.srt.sampling.sampling_params import SamplingParams
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
