@@ -24,6 +24,12 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       device, client on the last
   remote_nccl_compact the same, compact EAGLE-3
 
+Remote scenarios report steady-state throughput: batches go back to back with ``prefetch`` in
+flight, timed from the completion of the last warm-up batch to that of the last batch (a training
+run of thousands of steps never drains the pipeline; an 8-batch run that counted the drain would
+charge one reply transfer, about 5%, to every figure). ``--repeat N`` runs N rounds in alternating
+order and reports medians of per-round ratios.
+
 Also reported: bytes per token of the full and compact EAGLE-3 replies, measured on the target and
 computed analytically at the Llama-3.1-8B shape.
 """
@@ -95,6 +101,7 @@ class BenchConfig:
     transport_seq: int = 256  # transport scenarios send 1 x this many tokens of 8B-shaped EAGLE-3 replies
     only: tuple[str, ...] = ()
     log_dir: str | None = None
+    repeat: int = 1  # rounds over the scenarios, alternating their order; figures are per-round medians
 
 
 def bytes_per_token(hidden: int, draft_vocab: int, dtype_bytes: int = 2, mask_bytes: int = 8) -> dict[str, int]:
@@ -159,27 +166,32 @@ def run_colocated(ctx: "Context", compact: bool) -> dict[str, Any]:
 
 def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str,
                nccl: bool = False, own_device: bool = False) -> dict[str, Any]:
+    """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
+    flight) and the clock runs from the completion of the last warm-up batch to that of the last
+    batch, so the figure excludes filling and draining the pipeline, as a long training run would."""
     from spec_serve.client import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
     # NCCL, where it must: two ranks of one NCCL group cannot share a GPU.
     device = torch.device(ctx.cfg.devices[-1]) if nccl or own_device else ctx.device
+    warmup = max(ctx.cfg.warmup, 1)
     with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl) as client:
         client.set_vocab_mapping(*ctx.mapping)
-        futures, tokens, nbytes, start = [], 0, 0, 0.0
-        for i, b in enumerate(ctx.batches):
-            if i == ctx.cfg.warmup:
-                for _, f in futures:
-                    f.result()
-                futures, start = [], time.perf_counter()
-            futures.append((int(b[1].sum()), client.generate_batch_async(*b, kind="eagle3")))
-        for n, f in futures:
+        done_at: dict[int, float] = {}
+        futures = []
+        for i, b in enumerate(ctx.batches[: warmup + ctx.cfg.steps]):
+            future = client.generate_batch_async(*b, kind="eagle3")
+            future.add_done_callback(lambda _, i=i: done_at.setdefault(i, time.perf_counter()))
+            futures.append((int(b[1].sum()), future))
+        tokens = nbytes = 0
+        for i, (n, f) in enumerate(futures):
             out = f.result()
-            tokens += n
-            nbytes += _nbytes(out)
+            if i >= warmup:
+                tokens += n
+                nbytes += _nbytes(out)
         _sync(device)
-        seconds = time.perf_counter() - start
+        seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
         wire_kind = "eagle3_compact" if compact else "eagle3"
         return _figure(name, tokens, nbytes, seconds, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
                        retried=client.stats.retried, nccl_batches=client.stats.nccl_batches,
@@ -474,7 +486,7 @@ class Context:
         self.config = json.loads((Path(self.target) / "config.json").read_text())
         vocab = int(self.config["vocab_size"])
         self.info = {"vocab_size": vocab, "hidden_size": int(self.config["hidden_size"])}
-        self.batches = [make_batch(cfg.batch, cfg.seq, vocab, seed=s) for s in range(cfg.warmup + cfg.steps)]
+        self.batches = [make_batch(cfg.batch, cfg.seq, vocab, seed=s) for s in range(max(cfg.warmup, 1) + cfg.steps)]
         ids = torch.cat([b[0] for b in self.batches[:4]])
         loss = torch.cat([b[2] for b in self.batches[:4]])
         self.mapping = build_vocab_mapping(ids, loss, vocab, min(cfg.draft_vocab, vocab))
@@ -600,11 +612,19 @@ RATIOS = [
 
 
 def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
-    """Run the chosen scenarios; return the JSON-ready report (figures, ratios, bytes per token)."""
+    """Run the chosen scenarios ``cfg.repeat`` times; return the JSON-ready report.
+
+    Rounds alternate the scenario order (forward, backward, ...) so slow drift of a shared machine
+    (clocks, other jobs) does not favour the scenarios that run first. Each ratio is computed within
+    a round, from figures measured minutes apart at most, and reported as the median over rounds with
+    its range; each figure is the round with the median rate.
+    """
     names = [n for n in SCENARIOS if not cfg.only or n in cfg.only]
     unknown = set(cfg.only) - set(SCENARIOS)
     if unknown:
         raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
+    if cfg.repeat < 1:
+        raise ValueError("repeat must be >= 1")
     with tempfile.TemporaryDirectory(prefix="spec-serve-bench-") as tmp:
         ctx = Context(cfg, tmp)
         try:
@@ -612,19 +632,26 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
             if services:
                 progress("start cluster")
                 ctx.start_cluster(services)
-            figures = {}
-            for name in names:
-                progress(name)
-                figures[name] = SCENARIOS[name][1](ctx)
+            rounds: list[dict[str, dict]] = []
+            for r in range(cfg.repeat):
+                figures = {}
+                for name in names if r % 2 == 0 else names[::-1]:
+                    progress(name if cfg.repeat == 1 else f"{name} ({r + 1}/{cfg.repeat})")
+                    figures[name] = SCENARIOS[name][1](ctx)
+                rounds.append(figures)
         finally:
             ctx.close()
+        figures = {name: _median_figure([rd[name] for rd in rounds]) for name in names}
         ratios = []
         for label, a, b, goal in RATIOS:
             if a in figures and b in figures:
-                key = "tokens_per_s" if figures[a]["tokens"] and figures[b]["tokens"] else "gb_per_s"
-                value = figures[a][key] / figures[b][key] if figures[b][key] else None
-                ratios.append({"ratio": label, "of": key, "value": round(value, 3) if value else None,
-                               "h200_target": goal})
+                key = _rate_key(figures[a], figures[b])
+                values = sorted(rd[a][key] / rd[b][key] for rd in rounds if rd[a][key] and rd[b][key])
+                ratio = {"ratio": label, "of": key, "value": round(_median(values), 3) if values else None,
+                         "h200_target": goal}
+                if len(values) > 1:
+                    ratio["rounds"] = [round(v, 3) for v in values]
+                ratios.append(ratio)
         report = {
             "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -645,6 +672,25 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
     return report
 
 
+def _rate_key(a: dict[str, Any], b: dict[str, Any]) -> str:
+    return "tokens_per_s" if a["tokens"] and b["tokens"] else "gb_per_s"
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _median_figure(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figure of the median round (by rate), with every round's rate listed when there are several."""
+    if len(figures) == 1:
+        return figures[0]
+    key = _rate_key(figures[0], figures[0])
+    ranked = sorted(figures, key=lambda f: f[key] or 0)
+    return dict(ranked[(len(ranked) - 1) // 2], rounds=[f[key] for f in figures])
+
+
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{'scenario':<20}{'tokens/s':>14}{'GB/s':>10}{'seconds':>10}  notes"]
     for name, f in report["figures"].items():
@@ -653,10 +699,11 @@ def format_table(report: dict[str, Any]) -> str:
         tps = f"{f['tokens_per_s']:,.0f}" if f["tokens"] and f["tokens_per_s"] else "-"
         lines.append(f"{name:<20}{tps:>14}{f['gb_per_s'] or 0:>10.3f}{f['seconds']:>10.3f}  {notes}")
     lines.append("")
-    lines.append(f"{'ratio':<48}{'value':>8}{'H200 target':>13}")
+    lines.append(f"{'ratio':<48}{'value':>8}{'H200 target':>13}  rounds")
     for r in report["ratios"]:
         goal = f">= {r['h200_target']}" if r["h200_target"] else "-"
-        lines.append(f"{r['ratio']:<48}{r['value'] if r['value'] is not None else '-':>8}{goal:>13}")
+        spread = " ".join(map(str, r.get("rounds", ())))
+        lines.append(f"{r['ratio']:<48}{r['value'] if r['value'] is not None else '-':>8}{goal:>13}  {spread}")
     bpt = report["bytes_per_token"]
     full, comp = bpt["llama_8b_shape_vd32000_bf16"]["eagle3"], bpt["llama_8b_shape_vd32000_bf16"]["eagle3_compact"]
     lines.append("")
@@ -680,17 +727,18 @@ def _parse_args(argv: list[str]) -> tuple[BenchConfig, str | None]:
                           ("max-batch-tokens", None), ("transport-messages", 8), ("transport-seq", None)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--only", default="")
+    p.add_argument("--repeat", type=int, default=1, help="rounds, alternating the scenario order; medians reported")
     p.add_argument("--json", default=None)
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
     return make_config(a.target, a.gpu_8b, a.devices, a.dtype, a.batch, a.seq, a.steps, a.warmup, a.prefetch,
                        a.draft_vocab, a.small_ranks, a.small_requests, a.small_seq, a.max_batch_tokens,
-                       a.transport_messages, a.only, a.log_dir, a.transport_seq), a.json
+                       a.transport_messages, a.only, a.log_dir, a.transport_seq, a.repeat), a.json
 
 
 def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
                 small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
-                transport_seq=None) -> BenchConfig:
+                transport_seq=None, repeat=1) -> BenchConfig:
     """Defaults per mode: the tiny target on CPU, or the 8B shape on the GPUs (4 x 2048, Vd 32000)."""
     if gpu_8b:
         n = torch.cuda.device_count()
@@ -711,7 +759,8 @@ def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefe
                        draft_vocab=draft_vocab, small_ranks=small_ranks, small_requests=small_requests,
                        small_seq=small_seq, max_batch_tokens=max_batch_tokens,
                        transport_messages=transport_messages, transport_seq=transport_seq,
-                       only=tuple(s.strip() for s in only.split(",") if s.strip()), log_dir=log_dir)
+                       only=tuple(s.strip() for s in only.split(",") if s.strip()), log_dir=log_dir,
+                       repeat=repeat)
 
 
 def main(argv: list[str] | None = None) -> None:

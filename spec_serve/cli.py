@@ -304,10 +304,12 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
               help="Tokens per transport-only message (8B-shaped replies, 149 KiB a token) [256; 1024].")
 @click.option("--transport-messages", default=8, show_default=True, help="Messages per transport scenario.")
 @click.option("--only", default="", help="Comma-separated scenarios (see below); default: all.")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Rounds over the scenarios, alternating their order; reports per-round medians.")
 @click.option("--json", "json_out", default="bench.json", show_default=True, help="Where to write the report.")
 @click.option("--log-dir", default=None, help="Keep broker and worker logs here.")
 def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, max_batch_tokens,
-          transport_seq, transport_messages, only, json_out, log_dir):
+          transport_seq, transport_messages, only, repeat, json_out, log_dir):
     """Measure remote supervision against the colocated forward, in one run.
 
     Colocated versus remote, broker path versus a direct socket for the same bytes, 1 versus 2
@@ -322,12 +324,13 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --only colocated,remote_1w --steps 4 --json out.json
       spec-serve bench --only zmq_raw,frames,broker_null,direct_null --transport-seq 512
       spec-serve bench --gpu-8b --devices cuda:0,cuda:1 --json h200.json
+      spec-serve bench --only colocated,remote_1w --repeat 3  # medians of 3 alternating rounds
     """
     from spec_serve.bench import SCENARIOS, format_table, make_config, run
 
     try:
         cfg = make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, 4, 12,
-                          None, max_batch_tokens, transport_messages, only, log_dir, transport_seq)
+                          None, max_batch_tokens, transport_messages, only, log_dir, transport_seq, repeat)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     names = [n for n in SCENARIOS if not cfg.only or n in cfg.only]
@@ -336,7 +339,7 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
         raise click.BadParameter(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}",
                                  param_hint="--only")
     needs_cluster = any(SCENARIOS[n][0] for n in names)
-    with click.progressbar(length=len(names) + needs_cluster, label="bench", show_pos=True,
+    with click.progressbar(length=len(names) * repeat + needs_cluster, label="bench", show_pos=True,
                            item_show_func=lambda s: s, file=sys.stderr) as bar:
         started: list[str] = []
 

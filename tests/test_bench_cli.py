@@ -42,3 +42,16 @@ def test_bench_runs_and_writes_json(tmp_path):
     assert report["figures"]["remote_1w_compact"]["wire_bytes_per_token"] < \
         report["figures"]["remote_1w"]["wire_bytes_per_token"]
     assert "remote 1 worker / colocated" in result.output
+
+
+def test_bench_repeat_reports_medians_of_rounds(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", "--only", "colocated,remote_1w", "--steps", "2", "--warmup", "1",
+                                       "--batch", "2", "--seq", "32", "--repeat", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for figure in report["figures"].values():
+        rates = figure["rounds"]
+        assert len(rates) == 3 and figure["tokens_per_s"] == sorted(rates)[1]
+    (ratio,) = [r for r in report["ratios"] if r["ratio"] == "remote 1 worker / colocated"]
+    assert len(ratio["rounds"]) == 3 and ratio["value"] == sorted(ratio["rounds"])[1]
