@@ -10,6 +10,7 @@ User threads talk to it through a queue and a wake-up pipe.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -50,6 +51,8 @@ from spec_serve.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
     bound_endpoint,
+    local_host_key,
+    local_ipc_enabled,
     make_socket,
     route_address,
 )
@@ -59,6 +62,10 @@ log = logging.getLogger("spec_serve.client")
 # Delay before retrying a request the broker could not place (e.g. its queue
 # for us was full): short, so a transient condition costs little.
 RETRY_BACKOFF_S = 0.2
+
+
+def _ipc_endpoint() -> str:
+    return f"ipc://{os.environ.get('TMPDIR', '/tmp')}/spec-serve-{uuid.uuid4().hex}.sock"
 
 
 class RemoteError(RuntimeError):
@@ -92,13 +99,15 @@ class ClientStats:
     batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
     nccl_batches: int = 0  # replies whose tensors came over the bound worker's pair group (no payload frames)
     nccl_fallbacks: int = 0  # bound requests re-sent as frames through the shared pool after a failure
+    local_replies: int = 0  # data messages a same-host worker sent over our ipc endpoint (worker's "via")
 
 
 class _ClientIO(threading.Thread):
     """Owns the sockets; every other thread goes through ``submit``."""
 
     def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
-                 max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int):
+                 max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
+                 local_ipc: bool = True):
         super().__init__(name="spec-serve-client-io", daemon=True)
         self.ctx = zmq.Context.instance()
         self.broker_url = broker_url
@@ -121,17 +130,33 @@ class _ClientIO(threading.Thread):
         # Re-sent first after a broker restart, so requests naming it still resolve.
         self.vocab_registration: tuple[str, list] | None = None
         if broker_url.startswith("ipc://"):
-            data_bind = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/spec-serve-{uuid.uuid4().hex}.sock"
+            data_bind = _ipc_endpoint()
         else:
             data_bind = f"tcp://{advertise_host or route_address(broker_url)}:*"
         self.data = make_socket(self.ctx, zmq.PULL, bind=data_bind, security=security, curve_server=True)
         self.data_endpoint = bound_endpoint(self.data)
+        self._ipc_files = [data_bind[len("ipc://"):]] if data_bind.startswith("ipc://") else []
+        # Sent as "reply_local": a worker on our host replies over ipc instead (faster than tcp loopback).
+        self.reply_local: dict[str, str] | None = None
+        if local_ipc and local_ipc_enabled() and data_bind.startswith("tcp://"):
+            self._bind_local()
         self.data_key = security.keypair()[0].decode() if security else None
         self.dealer = self._connect()
 
     def _connect(self) -> zmq.Socket:
         return make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
                            security=self.security)
+
+    def _bind_local(self) -> None:
+        """Bind the data socket to an ipc endpoint too (same socket: same CURVE server settings)."""
+        endpoint = _ipc_endpoint()
+        try:
+            self.data.bind(endpoint)
+        except zmq.ZMQError as e:  # e.g. a TMPDIR too long for a unix socket path: tcp only
+            event(log, logging.WARNING, "client.local_ipc_unavailable", endpoint=endpoint, error=e)
+            return
+        self._ipc_files.append(endpoint[len("ipc://"):])
+        self.reply_local = {"endpoint": endpoint, "host": local_host_key()}
 
     # ------------------------------------------------------ user-side entry
 
@@ -212,6 +237,9 @@ class _ClientIO(threading.Thread):
             self._pending.clear()
             self.dealer.close(linger=500)  # let a final DISCONNECT leave
             self.data.close(0)
+            for path in self._ipc_files:  # libzmq leaves a named ipc socket's file behind
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(64):
@@ -332,6 +360,8 @@ class _ClientIO(threading.Thread):
 
     def _on_data(self, frames: list) -> None:
         status, request_id, header, payload = parse_data(frames)
+        if header.get("via") == "ipc":
+            self.stats.local_replies += 1
         if status is Status.OK and header.get("nccl"):
             # Tensors follow on the pair group: receive them even for a request already answered,
             # or the worker's send (and the group) stalls. No live binding: re-send as frames.
@@ -425,6 +455,7 @@ class RemoteTargetModel:
         enable_nccl: bool = False,
         nccl_timeout: float = 30.0,
         nccl_retry_s: float = 30.0,
+        local_ipc: bool = True,
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
@@ -436,7 +467,7 @@ class RemoteTargetModel:
         self._credits = threading.BoundedSemaphore(prefetch_depth)
         self._io = _ClientIO(broker_url, security=security, advertise_host=advertise_host, max_retries=max_retries,
                              heartbeat_interval=heartbeat_interval, liveness=liveness,
-                             max_message_bytes=max_message_bytes)
+                             max_message_bytes=max_message_bytes, local_ipc=local_ipc)
         self._io.start()
         self._vocab_digest: str | None = None
         self._info: TargetInfo | None = None
@@ -553,6 +584,8 @@ class RemoteTargetModel:
             header.setdefault("vocab", self._vocab_digest)
         if self._io.data_key:
             header["data_key"] = self._io.data_key
+        if self._io.reply_local:
+            header["reply_local"] = self._io.reply_local
         return self._io.submit(ClientCommand.REQUEST, self.service, header, payload, self.timeout)
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:

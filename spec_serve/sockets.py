@@ -17,6 +17,7 @@ Options and why:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import os
 import socket
@@ -167,3 +168,23 @@ def route_address(broker_url: str) -> str:
         return probe.getsockname()[0]
     finally:
         probe.close()
+
+
+@functools.cache
+def local_host_key() -> str:
+    """Who may reach our ipc endpoints: same kernel boot, network and mount namespace.
+
+    Peers with equal keys share a host and filesystem view, so a client's ``ipc://`` socket file
+    is the one the worker sees. The hostname stands in where /proc is absent.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}:{os.stat('/proc/self/ns/mnt').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
+def local_ipc_enabled() -> bool:
+    """Same-host replies over ipc unless ``SPEC_SERVE_LOCAL_IPC=0`` (client and worker)."""
+    return os.environ.get("SPEC_SERVE_LOCAL_IPC", "1") != "0"

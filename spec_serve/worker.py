@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -44,6 +45,8 @@ from spec_serve.protocol import (
 from spec_serve.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
+    local_host_key,
+    local_ipc_enabled,
     make_socket,
     route_address,
 )
@@ -55,6 +58,26 @@ MAX_DATA_SOCKETS = 64
 DATA_SOCKET_IDLE_S = 120.0
 # Draft-vocab mappings a worker keeps (content-addressed by the broker).
 MAX_MAPPINGS = 16
+
+
+def local_reply_endpoint(header: dict, host_key: str | None) -> str | None:
+    """The client's ``reply_local`` ipc endpoint if it is on our host (same ``host_key``), else None.
+
+    The header is a peer's: anything malformed means None (reply to ``reply_to``), never an error.
+    The socket file must exist and be writable, or a PUSH to it would queue the reply forever.
+    """
+    local = header.get("reply_local")
+    if host_key is None or not isinstance(local, dict):
+        return None
+    endpoint, host = local.get("endpoint"), local.get("host")
+    if host != host_key or not isinstance(endpoint, str) or not endpoint.startswith("ipc:///") \
+            or len(endpoint) > 512:
+        return None
+    path = endpoint[len("ipc://"):]
+    try:
+        return endpoint if stat.S_ISSOCK(os.stat(path).st_mode) and os.access(path, os.W_OK) else None
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
 
 
 class RequestError(Exception):
@@ -131,6 +154,10 @@ class Worker:
         self._stop = threading.Event()
         self._notify_endpoint = f"inproc://spec-serve-worker-{self.name}"
         self.served = 0
+        # Replies to a client on our host go to its ipc endpoint (faster than tcp loopback); None: never.
+        self.host_key = local_host_key() if local_ipc_enabled() else None
+        self.replies_ipc = 0
+        self.replies_tcp = 0
         # Dynamic batching: queued generate jobs with the same kind, vocab, seq length and dtypes are
         # coalesced into one forward of at most this many (padded) tokens; 0 = one job per forward.
         self.max_batch_tokens = int(max_batch_tokens)
@@ -196,7 +223,9 @@ class Worker:
                             result = self._results.get_nowait()
                         except queue.Empty:
                             break
-                        endpoint = result.job.header["reply_to"]
+                        endpoint = local_reply_endpoint(result.job.header, self.host_key) \
+                            or result.job.header["reply_to"]
+                        result.header["via"] = "ipc" if endpoint.startswith("ipc://") else "tcp"
                         try:
                             sock = self._data_socket(data_sockets, endpoint, result.job.header, now)
                         except Exception as e:  # a reply_to or data_key no socket takes: no one to answer
@@ -226,7 +255,8 @@ class Worker:
             wake.close(0)
             for sock, _ in data_sockets.values():
                 sock.close(0)
-            event(log, logging.INFO, "worker.stop", served=self.served)
+            event(log, logging.INFO, "worker.stop", served=self.served, replies_ipc=self.replies_ipc,
+                  replies_tcp=self.replies_tcp)
 
     def stop(self) -> None:
         self._stop.set()
@@ -326,6 +356,10 @@ class Worker:
                 else:
                     sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 status = "ok" if result.status is Status.OK else "error"
+                if result.header["via"] == "ipc":
+                    self.replies_ipc += 1
+                else:
+                    self.replies_tcp += 1
             except zmq.Again:
                 if now < deadline:
                     outbox.append((sock, result, deadline))
@@ -335,7 +369,8 @@ class Worker:
                 status = "undeliverable"
             nbytes = sum(len(memoryview(f)) for f in result.frames)
             broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, result.job.request_id,
-                                          {"status": status, "tokens": result.tokens, "bytes": nbytes}))
+                                          {"status": status, "tokens": result.tokens, "bytes": nbytes,
+                                           "via": result.header["via"]}))
             self.served += 1
 
     # -------------------------------------------------------------- compute
