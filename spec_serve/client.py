@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
@@ -118,7 +119,7 @@ class _ClientIO(threading.Thread):
         self.max_message_bytes = max_message_bytes
         self.identity = uuid.uuid4().bytes
         self.stats = ClientStats()
-        # Tensors spanning frames are assembled into reused buffers (fresh ones fault on every page).
+        # CPU results spanning frames are assembled into reused buffers (fresh ones fault on every page).
         self.recv_alloc = RecyclingAllocator()
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -385,12 +386,13 @@ class _ClientIO(threading.Thread):
             else:
                 self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S)
             return
-        tensors = wire.decode(payload, max_bytes=self.max_message_bytes, alloc=self.recv_alloc)
+        # Checked here; the bytes stay in the frames until copied to where the caller wants them (_assemble).
+        spans, _ = wire.parse(payload, max_bytes=self.max_message_bytes)
         self._pending.pop(request_id)
         self.stats.completed += 1
         if int(header.get("batched", 1)) > 1:
             self.stats.batched += 1
-        pending.future.set_result(tensors)
+        pending.future.set_result(spans)
 
     def _disconnect(self) -> None:
         self._send(control(CLIENT_TAG, ClientCommand.DISCONNECT.value))
@@ -540,7 +542,7 @@ class RemoteTargetModel:
         except BaseException:
             self._credits.release()
             raise
-        result = _gather(shards, self.device)
+        result = _assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc)
         if expand:
             result = self._expand_later(result, self._vocab_digest)
         result.add_done_callback(lambda _: self._credits.release())
@@ -571,8 +573,8 @@ class RemoteTargetModel:
             raise RuntimeError("call set_vocab_mapping first")
         weight = self._lm_head_slices.get(digest)
         if weight is None:
-            tensors = self._request({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout}, ()).result()
-            weight = self._lm_head_slices[digest] = tensors["weight"].to(self.device)
+            reply = self._request({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout}, ()).result()
+            weight = self._lm_head_slices[digest] = _materialize(reply, self.device)["weight"]
         return weight
 
     def _request(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
@@ -653,8 +655,8 @@ class RemoteTargetModel:
 
     def _embeddings(self, which: str) -> types.SimpleNamespace:
         header = {"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout}
-        tensors = self._request(header, ()).result()
-        return types.SimpleNamespace(weight=tensors["weight"].to(self.device))
+        reply = self._request(header, ()).result()
+        return types.SimpleNamespace(weight=_materialize(reply, self.device)["weight"])
 
     # ------------------------------------------------------------- lifecycle
 
@@ -675,30 +677,91 @@ class RemoteTargetModel:
         self.close()
 
 
-def _gather(shards: list[concurrent.futures.Future], device: torch.device) -> concurrent.futures.Future:
-    """One future for the shard futures: tensors concatenated along dim 0, in order."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    remaining = [len(shards)]
-    lock = threading.Lock()
+Reply = Mapping[str, "wire.TensorSpan | torch.Tensor"]  # frames replies: spans; NCCL replies: device tensors
 
-    def done(_):
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        try:
-            parts = [f.result() for f in shards]
-            if len(parts) == 1:
-                merged = {k: v.to(device) for k, v in parts[0].items()}
-            else:
-                merged = {k: torch.cat([p[k] for p in parts], dim=0).to(device) for k in parts[0]}
-            out.set_result(merged)
-        except BaseException as e:
-            out.set_exception(e)
 
-    for f in shards:
-        f.add_done_callback(done)
+def _materialize(reply: Reply, device: torch.device, alloc: Callable[[int], torch.Tensor] | None = None,
+                 ) -> dict[str, torch.Tensor]:
+    """A reply's tensors on ``device``: a frame's bytes go straight there (no host staging copy); a
+    single-frame CPU tensor stays a zero-copy view of its frame."""
+    out = {}
+    for name, part in reply.items():
+        if isinstance(part, torch.Tensor):
+            out[name] = part.to(device)
+            continue
+        t = part.view() if device.type == "cpu" else None
+        if t is None:
+            buf = alloc(part.nbytes) if alloc is not None and device.type == "cpu" else \
+                torch.empty(part.nbytes, dtype=torch.uint8, device=device)
+            t = part.copy_into(buf)
+        out[name] = t
     return out
+
+
+def _assemble(shards: list[concurrent.futures.Future], rows: list[int], device: torch.device,
+              alloc: Callable[[int], torch.Tensor]) -> concurrent.futures.Future:
+    """One future for a batch sent as ``len(shards)`` row ranges of ``rows`` rows each.
+
+    As each shard's reply arrives (on the I/O thread, while ZeroMQ keeps receiving the others) its
+    bytes are copied into its rows of tensors allocated once, on ``device``: no per-shard host
+    tensors and no concatenation. A shard whose tensors do not fit the others' fails the batch.
+    """
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    starts = [sum(rows[:k]) for k in range(len(rows))]
+    lock = threading.Lock()
+    state: dict[str, Any] = {"tensors": None, "left": len(shards)}
+
+    def arrived(k: int, future: concurrent.futures.Future) -> None:
+        with lock:
+            if out.done():
+                return
+            try:
+                reply = future.result()
+                if len(shards) == 1:
+                    out.set_result(_materialize(reply, device, alloc))
+                    return
+                if state["tensors"] is None:
+                    state["tensors"] = _allocate_rows(reply, sum(rows), device, alloc)
+                _copy_rows(reply, state["tensors"], starts[k], rows[k], device)
+                state["left"] -= 1
+                if not state["left"]:
+                    out.set_result(state["tensors"])
+            except BaseException as e:
+                out.set_exception(e)
+
+    for k, f in enumerate(shards):
+        f.add_done_callback(lambda f, k=k: arrived(k, f))
+    return out
+
+
+def _allocate_rows(reply: Reply, total_rows: int, device: torch.device,
+                   alloc: Callable[[int], torch.Tensor]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, part in reply.items():
+        shape = (total_rows, *part.shape[1:])
+        if len(part.shape) == 0:
+            raise RemoteError(f"sharded reply tensor {name!r} has no batch dimension")
+        if device.type == "cpu":
+            nbytes = math.prod(shape) * part.dtype.itemsize
+            tensors[name] = alloc(nbytes).view(part.dtype).view(shape)
+        else:
+            tensors[name] = torch.empty(shape, dtype=part.dtype, device=device)
+    return tensors
+
+
+def _copy_rows(reply: Reply, tensors: dict[str, torch.Tensor], lo: int, n: int, device: torch.device) -> None:
+    if reply.keys() != tensors.keys():
+        raise RemoteError(f"shards disagree on reply tensors: {sorted(reply)} vs {sorted(tensors)}")
+    for name, part in reply.items():
+        dst = tensors[name]
+        if part.dtype != dst.dtype or tuple(part.shape) != (n, *dst.shape[1:]):
+            raise RemoteError(f"shard tensor {name!r} is {part.dtype}{list(part.shape)}, expected "
+                              f"{dst.dtype}{[n, *dst.shape[1:]]}")
+        rows = dst[lo : lo + n]
+        if isinstance(part, torch.Tensor):
+            rows.copy_(part)
+        else:
+            part.copy_into(rows.view(-1).view(torch.uint8))
 
 
 def _mismatch_message(title: str, diff: dict, ours: str, theirs: str) -> str:

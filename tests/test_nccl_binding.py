@@ -229,7 +229,8 @@ def test_gpu_nccl_equals_colocated_and_throughput(tiny_target_dir, tiny_vocab_ma
     rates = {}
     with local_cluster(tiny_target_dir, workers=1, worker_args=("--device", "cuda:0", "--dtype", "bfloat16"),
                        env=ENV) as c:
-        for mode, extra in (("nccl", {"enable_nccl": True}), ("frames", {})):
+        # frames_2_shards: both shards' bytes are copied host->cuda:1 straight into rows of one tensor.
+        for mode, extra in (("nccl", {"enable_nccl": True}), ("frames", {}), ("frames_2_shards", {"num_shards": 2})):
             with RemoteTargetModel(c.frontend, device="cuda:1", prefetch_depth=2, timeout=120,
                                    heartbeat_interval=0.2, liveness=15, **extra) as client:
                 client.set_vocab_mapping(*tiny_vocab_mapping)
