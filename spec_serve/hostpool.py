@@ -12,6 +12,7 @@ forward's slab is shared by several replies and is released after the last. The 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Mapping
 
@@ -99,31 +100,49 @@ class HostBufferPool:
                     "free": len(self._free)}
 
 
-def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None) -> tuple[dict, Lease | None]:
+def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None,
+            copy_stream: "torch.cuda.Stream | None" = None) -> tuple[dict, Lease | None, "torch.cuda.Event | None"]:
     """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU, else unchanged.
 
-    Returns ``(tensors, lease)``; release the lease once the views are no longer read (sent).
+    Returns ``(tensors, lease, ready)``; release the lease once the views are no longer read (sent).
+    Without ``copy_stream`` the copies are complete on return and ``ready`` is None. With one (a CUDA
+    stream on the tensors' device) the copies are queued on it behind the work that produces the
+    tensors and this returns at once, so the next forward overlaps this one's device->host copy: read
+    the views only once ``ready`` (an event on that stream) has completed.
     """
     if pool is None or all(t.device.type == "cpu" for t in tensors.values()):
-        return {k: v.to("cpu") for k, v in tensors.items()}, None
+        return {k: v.to("cpu") for k, v in tensors.items()}, None, None
+    if copy_stream is not None and any(t.device not in (copy_stream.device, torch.device("cpu"))
+                                       for t in tensors.values()):
+        copy_stream = None  # outputs on several GPUs: copy synchronously
     sizes = {k: _aligned(t.numel() * t.element_size()) for k, t in tensors.items()}
     lease = pool.acquire(sum(sizes.values()))
     out, offset, devices = {}, 0, set()
     try:
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            dst = lease.buffer[offset : offset + nbytes].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=True)
-            if t.device.type == "cuda":
-                devices.add(t.device)
-            out[name] = dst
-            offset += sizes[name]
+        with contextlib.ExitStack() as on_stream:
+            if copy_stream is not None:
+                copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
+                on_stream.enter_context(torch.cuda.stream(copy_stream))
+            for name, t in tensors.items():
+                nbytes = t.numel() * t.element_size()
+                dst = lease.buffer[offset : offset + nbytes].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=True)
+                if t.device.type == "cuda":
+                    devices.add(t.device)
+                    if copy_stream is not None:
+                        t.record_stream(copy_stream)  # the allocator must not reuse it before the copy ran
+                out[name] = dst
+                offset += sizes[name]
+            if copy_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(copy_stream)
+                return out, lease, ready
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
     except BaseException:
         lease.release()
         raise
-    return out, lease
+    return out, lease, None
 
 
 def _remove(buffers: list[torch.Tensor], buf: torch.Tensor) -> None:

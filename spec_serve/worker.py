@@ -106,6 +106,7 @@ class Result:
     frames: list
     tokens: int = 0
     lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
+    ready: "torch.cuda.Event | None" = None  # the frames' device->host copy; sent only once it completed
     send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
 
 
@@ -164,11 +165,14 @@ class Worker:
         self.batches = 0  # forwards run for coalesced jobs (2 or more)
         # GPU outputs are copied into pooled pinned slabs, reused once ZeroMQ has sent them.
         self.host_pool = HostBufferPool(max_buffers=capacity + 2)
+        self.device = torch.device(getattr(engine, "device", "cpu"))
+        # The device->host copy of a reply runs on its own stream, so the next forward starts at once
+        # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._tracked: list = []  # (MessageTracker, Lease) of replies still borrowing a slab
         # NCCL data plane (docs/nccl.md): at most one client bound at a time. The pair is used only
         # on the compute thread; the I/O thread only records released prefixes.
         self.advertise_host = advertise_host  # where the bound client reaches our rendezvous store
-        self.device = torch.device(getattr(engine, "device", "cpu"))
         self._pair = None
         self._pair_client: str | None = None
         self._pair_prefix: str | None = None
@@ -348,6 +352,9 @@ class Worker:
             self._tracked = still
         for _ in range(len(outbox)):
             sock, result, deadline = outbox.popleft()
+            if result.ready is not None and not result.ready.query():
+                outbox.append((sock, result, deadline))  # its device->host copy is still running
+                continue
             frames = data_message(result.status, result.job.request_id, result.header, result.frames)
             try:
                 if result.lease is not None:
@@ -425,7 +432,7 @@ class Worker:
                 header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
                           "pair": self._pair_prefix, "specs": encode_specs(tensors)}
                 return Result(job, Status.OK, header, [], tokens, send=tensors)
-            host, lease = to_host(tensors, self.host_pool)
+            host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
             try:
                 frames = wire.encode(host)
             except BaseException:
@@ -433,7 +440,7 @@ class Worker:
                     lease.release()
                 raise
             header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6)}
-            return Result(job, Status.OK, header, frames, tokens, lease)
+            return Result(job, Status.OK, header, frames, tokens, lease, ready)
         except RequestError as e:
             code, message = e.code, str(e)
         except (ValueError, wire.WireError) as e:
@@ -547,14 +554,14 @@ class Worker:
             merged = {n: torch.cat([p[n] for p in parts], dim=0) for n in REQUEST_TENSORS}
             out = self.engine.generate_batch(merged["input_ids"], merged["attention_mask"], merged["loss_mask"],
                                              kind=kind.value)
-            host, lease = to_host(out, self.host_pool)
+            host, lease, ready = to_host(out, self.host_pool, self._copy_stream)
             results, lo = [], 0
             elapsed = round(time.perf_counter() - start, 6)
             for job, part in zip(jobs, parts):
                 hi = lo + part["input_ids"].shape[0]
                 frames = wire.encode({k: v[lo:hi] for k, v in host.items()})
                 header = {"worker": self.name, "compute_s": elapsed, "batched": len(jobs)}
-                results.append(Result(job, Status.OK, header, frames, int(part["attention_mask"].sum()), lease))
+                results.append(Result(job, Status.OK, header, frames, int(part["attention_mask"].sum()), lease, ready))
                 lo = hi
             if lease is not None:
                 lease.retain(len(jobs) - 1)  # one release per reply sent
