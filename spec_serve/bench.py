@@ -17,6 +17,7 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
   zmq_raw             raw ZeroMQ PUSH->PULL over loopback: pre-built 16 MiB frames, same bytes
   frames              the codec path over the same socket pair: wire.encode -> send -> wire.decode
+  zmq_raw_ipc, frames_ipc   the same two over ipc:// (what same-host replies use)
   worker_pool         the worker's hot path in-process (serve, host copy into the pinned pool,
                       encode): pool allocations against messages (flat = no fresh host memory)
   remote_nccl         a client bound to its own worker (enable_nccl=True): metadata over ZeroMQ,
@@ -337,7 +338,7 @@ def _spawn_helper(kind: str, *args: str) -> subprocess.Popen:
                             env=os.environ.copy(), start_new_session=True)
 
 
-def run_push(ctx: "Context", mode: str) -> dict[str, Any]:
+def run_push(ctx: "Context", mode: str, transport: str = "tcp") -> dict[str, Any]:
     import zmq
 
     from spec_serve import wire
@@ -348,7 +349,8 @@ def run_push(ctx: "Context", mode: str) -> dict[str, Any]:
     cfg = ctx.cfg
     alloc = RecyclingAllocator()  # as the client's I/O thread decodes
     zctx = zmq.Context.instance()
-    pull = make_socket(zctx, zmq.PULL, bind="tcp://127.0.0.1:*", hwm=4)
+    bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{ctx.tmp}/push.sock"
+    pull = make_socket(zctx, zmq.PULL, bind=bind, hwm=4)
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     count = cfg.transport_messages + 1
     proc = _spawn_helper("_push_sender", endpoint, mode, count, T_HIDDEN, T_VD, 1, cfg.transport_seq)
@@ -368,8 +370,8 @@ def run_push(ctx: "Context", mode: str) -> dict[str, Any]:
     finally:
         proc.wait(30)
         pull.close(0)
-    return _figure("zmq_raw" if mode == "raw" else "frames", 0, nbytes, seconds,
-                   messages=cfg.transport_messages)
+    name = ("zmq_raw" if mode == "raw" else "frames") + ("" if transport == "tcp" else f"_{transport}")
+    return _figure(name, 0, nbytes, seconds, messages=cfg.transport_messages)
 
 
 def run_direct(ctx: "Context") -> dict[str, Any]:
@@ -448,6 +450,8 @@ def run_worker_pool(ctx: "Context") -> dict[str, Any]:
     start = time.perf_counter()
     for i in range(n):
         result = worker.serve(Job(bytes(16), header, wire.encode(batch), time.monotonic()))
+        if result.ready is not None:
+            result.ready.synchronize()  # the I/O thread sends only once the device->host copy is done
         if result.lease is not None:
             result.lease.release()  # what the I/O thread does once ZeroMQ has sent the frames
     seconds = time.perf_counter() - start
@@ -586,6 +590,9 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "direct_null": (set(), run_direct),
     "zmq_raw": (set(), lambda c: run_push(c, "raw")),
     "frames": (set(), lambda c: run_push(c, "wire")),
+    # The same over ipc://, the transport a client and a worker on one host use for replies.
+    "zmq_raw_ipc": (set(), lambda c: run_push(c, "raw", "ipc")),
+    "frames_ipc": (set(), lambda c: run_push(c, "wire", "ipc")),
     # Before/after of the receive-buffer recycling (hostpool.RecyclingAllocator) on the same bytes.
     "frames_fresh": (set(), lambda c: dict(_fresh(c), scenario="frames_fresh")),
     "worker_pool": (set(), run_worker_pool),
@@ -607,6 +614,8 @@ RATIOS = [
     ("small requests: batched / unbatched", "small_batched", "small_unbatched", None),
     ("broker path / direct socket (same bytes)", "broker_null", "direct_null", None),
     ("frames / raw ZeroMQ (same bytes)", "frames", "zmq_raw", 0.9),
+    ("frames / raw ZeroMQ, ipc (same bytes)", "frames_ipc", "zmq_raw_ipc", 0.9),
+    ("raw ZeroMQ: ipc / tcp loopback", "zmq_raw_ipc", "zmq_raw", None),
     ("frames: recycled / fresh receive buffers", "frames", "frames_fresh", None),
 ]
 

@@ -315,8 +315,9 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     Colocated versus remote, broker path versus a direct socket for the same bytes, 1 versus 2
     workers, EAGLE-3 full versus compact, batched versus unbatched small requests, the frames codec
     versus raw ZeroMQ. Prints a table of figures and ratios and writes JSON. Scenarios: colocated,
-    colocated_compact, remote_1w, remote_1w_compact, remote_2w, remote_2w_compact, small_unbatched,
-    small_batched, broker_null, direct_null, zmq_raw, frames, worker_pool.
+    colocated_compact, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
+    remote_2w, remote_2w_compact, remote_nccl, remote_nccl_compact, small_unbatched, small_batched,
+    broker_null, direct_null, zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
 
     \b
     Examples:
