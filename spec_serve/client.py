@@ -480,8 +480,11 @@ class RemoteTargetModel:
         self._lm_head_slices: dict[str, torch.Tensor] = {}
         self._selected_mask: torch.Tensor | None = None
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
-        self._expander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand") \
-            if self.compact else None
+        # Its thread makes `device` current, as the caller's thread would (else cuBLAS warns of no context).
+        self._expander = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="spec-serve-expand",
+            initializer=torch.cuda.set_device if self.device.type == "cuda" else None,
+            initargs=(self.device,) if self.device.type == "cuda" else ()) if self.compact else None
         # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
         # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
         self._binding = None
