@@ -7,6 +7,8 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   colocated_compact   the compact kind + expand_compact on the same device (what the client does)
   remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full
   remote_1w_compact   the same with RemoteTargetModel(compact=True)
+  remote_*_ipc        remote_1w, remote_1w_compact, remote_2w_compact with same-host replies over
+                      ipc (local_ipc=True) instead of tcp loopback, the default
   remote_1w*_own_gpu  the same two with the client on the last device (a trainer's own GPU)
   remote_2w           two workers, each batch sharded in two (num_shards=2)
   remote_2w_compact
@@ -166,7 +168,7 @@ def run_colocated(ctx: "Context", compact: bool) -> dict[str, Any]:
 
 
 def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str,
-               nccl: bool = False, own_device: bool = False) -> dict[str, Any]:
+               nccl: bool = False, own_device: bool = False, local_ipc: bool | None = None) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
     flight) and the clock runs from the completion of the last warm-up batch to that of the last
     batch, so the figure excludes filling and draining the pipeline, as a long training run would."""
@@ -177,7 +179,8 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
     device = torch.device(ctx.cfg.devices[-1]) if nccl or own_device else ctx.device
     warmup = max(ctx.cfg.warmup, 1)
     with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
-                           num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl) as client:
+                           num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl,
+                           local_ipc=local_ipc) as client:
         client.set_vocab_mapping(*ctx.mapping)
         done_at: dict[int, float] = {}
         futures = []
@@ -196,7 +199,7 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
         wire_kind = "eagle3_compact" if compact else "eagle3"
         return _figure(name, tokens, nbytes, seconds, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
                        retried=client.stats.retried, nccl_batches=client.stats.nccl_batches,
-                       nccl_fallbacks=client.stats.nccl_fallbacks)
+                       nccl_fallbacks=client.stats.nccl_fallbacks, local_replies=client.stats.local_replies)
 
 
 def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
@@ -573,6 +576,10 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "colocated_compact": (set(), lambda c: run_colocated(c, compact=True)),
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
+    # Same-host replies over ipc (opt-in) instead of tcp loopback.
+    "remote_1w_ipc": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_ipc", local_ipc=True)),
+    "remote_1w_compact_ipc": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact_ipc",
+                                                           local_ipc=True)),
     # The same worker, the client (and its H2D copies, compact expansion) on the last device, as a
     # trainer on a GPU of its own would be; on one device identical to the above.
     "remote_1w_own_gpu": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_own_gpu", own_device=True)),
@@ -580,6 +587,8 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
                                                                own_device=True)),
     "remote_2w": ({"w2"}, lambda c: run_remote(c, "w2", False, 2, "remote_2w")),
     "remote_2w_compact": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact")),
+    "remote_2w_compact_ipc": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact_ipc",
+                                                           local_ipc=True)),
     # Bound worker on the first device, client on the last, tensors over a private NCCL pair group
     # (gloo on CPU). Needs two devices on a GPU host.
     "remote_nccl": ({"nccl"}, lambda c: run_remote(c, "nccl", False, 1, "remote_nccl", nccl=True)),
@@ -606,6 +615,9 @@ RATIOS = [
     ("remote 1 worker compact, client on its own GPU / colocated compact", "remote_1w_compact_own_gpu",
      "colocated_compact", 0.95),
     ("compact / full, remote 1 worker", "remote_1w_compact", "remote_1w", None),
+    ("same-host replies: ipc / tcp, remote 1 worker", "remote_1w_ipc", "remote_1w", None),
+    ("same-host replies: ipc / tcp, remote 1 worker compact", "remote_1w_compact_ipc", "remote_1w_compact", None),
+    ("same-host replies: ipc / tcp, 2 workers compact", "remote_2w_compact_ipc", "remote_2w_compact", None),
     ("remote NCCL / colocated", "remote_nccl", "colocated", 0.95),
     ("remote NCCL / remote frames, 1 worker", "remote_nccl", "remote_1w", None),
     ("remote NCCL compact / colocated compact", "remote_nccl_compact", "colocated_compact", 0.95),

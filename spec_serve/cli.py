@@ -316,8 +316,9 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     workers, EAGLE-3 full versus compact, batched versus unbatched small requests, the frames codec
     versus raw ZeroMQ. Prints a table of figures and ratios and writes JSON. Scenarios: colocated,
     colocated_compact, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
-    remote_2w, remote_2w_compact, remote_nccl, remote_nccl_compact, small_unbatched, small_batched,
-    broker_null, direct_null, zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
+    remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
+    remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
+    zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
 
     \b
     Examples:

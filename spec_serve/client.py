@@ -108,7 +108,7 @@ class _ClientIO(threading.Thread):
 
     def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
                  max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
-                 local_ipc: bool = True):
+                 local_ipc: bool | None = None):
         super().__init__(name="spec-serve-client-io", daemon=True)
         self.ctx = zmq.Context.instance()
         self.broker_url = broker_url
@@ -139,7 +139,7 @@ class _ClientIO(threading.Thread):
         self._ipc_files = [data_bind[len("ipc://"):]] if data_bind.startswith("ipc://") else []
         # Sent as "reply_local": a worker on our host replies over ipc instead (faster than tcp loopback).
         self.reply_local: dict[str, str] | None = None
-        if local_ipc and local_ipc_enabled() and data_bind.startswith("tcp://"):
+        if (local_ipc_enabled(False) if local_ipc is None else local_ipc) and data_bind.startswith("tcp://"):
             self._bind_local()
         self.data_key = security.keypair()[0].decode() if security else None
         self.dealer = self._connect()
@@ -457,7 +457,7 @@ class RemoteTargetModel:
         enable_nccl: bool = False,
         nccl_timeout: float = 30.0,
         nccl_retry_s: float = 30.0,
-        local_ipc: bool = True,
+        local_ipc: bool | None = None,
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")

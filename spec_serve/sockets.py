@@ -185,6 +185,12 @@ def local_host_key() -> str:
         return socket.gethostname()
 
 
-def local_ipc_enabled() -> bool:
-    """Same-host replies over ipc unless ``SPEC_SERVE_LOCAL_IPC=0`` (client and worker)."""
-    return os.environ.get("SPEC_SERVE_LOCAL_IPC", "1") != "0"
+def local_ipc_enabled(default: bool) -> bool:
+    """``SPEC_SERVE_LOCAL_IPC`` (``1``: on, ``0``: off) or ``default`` when unset.
+
+    Clients default to off: on the H200 machine ipc replies were as fast as tcp for compact replies
+    but had slow outlier rounds (a 2-worker round at 0.65x, full EAGLE-3 at 0.53-1.2x of tcp), while
+    tcp loopback was steady (BENCHMARKS.md). Workers default to on: the client's choice decides.
+    """
+    value = os.environ.get("SPEC_SERVE_LOCAL_IPC")
+    return default if value is None else value != "0"

@@ -156,7 +156,7 @@ class Worker:
         self._notify_endpoint = f"inproc://spec-serve-worker-{self.name}"
         self.served = 0
         # Replies to a client on our host go to its ipc endpoint (faster than tcp loopback); None: never.
-        self.host_key = local_host_key() if local_ipc_enabled() else None
+        self.host_key = local_host_key() if local_ipc_enabled(True) else None
         self.replies_ipc = 0
         self.replies_tcp = 0
         # Dynamic batching: queued generate jobs with the same kind, vocab, seq length and dtypes are

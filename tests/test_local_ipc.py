@@ -49,7 +49,7 @@ def _generate_both_kinds(client, tiny_target_dir, tiny_vocab_mapping, reference)
 
 
 def test_same_host_replies_come_over_ipc(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
-    with RemoteTargetModel(cluster.frontend, timeout=60, max_retries=0) as client:
+    with RemoteTargetModel(cluster.frontend, timeout=60, max_retries=0, local_ipc=True) as client:
         local = client._io.reply_local
         assert local == {"endpoint": local["endpoint"], "host": local_host_key()}
         path = local["endpoint"].removeprefix("ipc://")
@@ -70,15 +70,21 @@ def test_same_host_replies_come_over_ipc(cluster, tiny_target_dir, tiny_vocab_ma
 
 
 def test_local_ipc_off_replies_over_tcp(cluster, tiny_target_dir, tiny_vocab_mapping, reference, monkeypatch):
-    with RemoteTargetModel(cluster.frontend, timeout=60, local_ipc=False) as client:
+    monkeypatch.delenv("SPEC_SERVE_LOCAL_IPC", raising=False)
+    with RemoteTargetModel(cluster.frontend, timeout=60) as client:  # off by default
         assert client._io.reply_local is None
         _generate_both_kinds(client, tiny_target_dir, tiny_vocab_mapping, reference)
         assert client.stats.completed >= 2 and client.stats.local_replies == 0
     monkeypatch.setenv("SPEC_SERVE_LOCAL_IPC", "0")
-    with RemoteTargetModel(cluster.frontend, timeout=60) as client:
+    with RemoteTargetModel(cluster.frontend, timeout=60, local_ipc=None) as client:
         assert client._io.reply_local is None
         _generate_both_kinds(client, tiny_target_dir, tiny_vocab_mapping, reference)
         assert client.stats.local_replies == 0
+    monkeypatch.setenv("SPEC_SERVE_LOCAL_IPC", "1")  # the environment turns it on
+    with RemoteTargetModel(cluster.frontend, timeout=60) as client:
+        assert client._io.reply_local is not None
+        _generate_both_kinds(client, tiny_target_dir, tiny_vocab_mapping, reference)
+        assert client.stats.local_replies == 2
 
 
 def test_worker_endpoint_choice(tmp_path, colocated_target, monkeypatch):
@@ -123,7 +129,8 @@ def test_ipc_endpoint_is_curve_protected_like_tcp(tmp_path):
     security = Security(client_secret, server_key_file=broker_public)
     ctx = zmq.Context.instance()
     # No broker behind this address: only the client's data socket is exercised.
-    with RemoteTargetModel(f"tcp://127.0.0.1:{free_port()}", security=security, timeout=5) as client:
+    with RemoteTargetModel(f"tcp://127.0.0.1:{free_port()}", security=security, timeout=5,
+                           local_ipc=True) as client:
         endpoint = client._io.reply_local["endpoint"]
         forged = data_message(Status.OK, os.urandom(16), {"via": "ipc"})
         plain = make_socket(ctx, zmq.PUSH, connect=endpoint)
