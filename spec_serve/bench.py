@@ -13,7 +13,8 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   remote_2w           two workers, each batch sharded in two (num_shards=2)
   remote_2w_compact
   small_unbatched     many small requests from several ranks, one worker without batching
-  small_batched       the same against a worker started with --max-batch-tokens
+  small_batched       the same against a worker started with --max-batch-tokens (on a GPU also
+                      --inexact-batching: there batched rows are not bit-equal to unbatched ones)
   broker_null         transport only: a worker whose engine returns ready tensors of the EAGLE-3
                       reply size, through the broker (request via broker, reply straight back)
   direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
@@ -546,9 +547,11 @@ class Context:
             cluster.start_worker(self.target, "--device", cfg.devices[0], *common, service="nccl")
             expected += 1
         if "batch" in services:
+            inexact = ["--inexact-batching"] if cfg.devices[0] != "cpu" else []  # GPU batching is not bit-exact
             cluster.start_worker(self.target, "--device", cfg.devices[0], "--max-batch-tokens",
-                                 str(cfg.max_batch_tokens), *[a for a in common if a not in ("--capacity", "2")],
-                                 "--capacity", "8", service="batch")
+                                 str(cfg.max_batch_tokens), *inexact,
+                                 *[a for a in common if a not in ("--capacity", "2")], "--capacity", "8",
+                                 service="batch")
             expected += 1
         if "null" in services:
             from spec_serve.contract import default_aux_layer_ids, default_dspark_layer_ids

@@ -136,7 +136,11 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
                    "--max-batch-tokens (batching needs several queued) [env SPEC_SERVE_CAPACITY].")
 @click.option("--max-batch-tokens", default=0, type=int, envvar="SPEC_SERVE_MAX_BATCH_TOKENS", show_default=True,
               help="Coalesce queued requests of the same kind, vocab and seq length into one forward of up to "
-                   "this many (padded) tokens; 0 = off [env SPEC_SERVE_MAX_BATCH_TOKENS].")
+                   "this many (padded) tokens; 0 = off. Bit-exact on CPU only; on a GPU it needs "
+                   "--inexact-batching [env SPEC_SERVE_MAX_BATCH_TOKENS].")
+@click.option("--inexact-batching", is_flag=True, envvar="SPEC_SERVE_INEXACT_BATCHING",
+              help="Allow --max-batch-tokens on a GPU, where a batched row differs in low bits from the row "
+                   "alone (kernels are picked by shape) [env SPEC_SERVE_INEXACT_BATCHING].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
                    "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")
@@ -146,7 +150,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
 @log_level_option
 def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           max_batch_tokens, advertise_host, curve_secret_key, curve_server_key, log_level):
+           max_batch_tokens, inexact_batching, advertise_host, curve_secret_key, curve_server_key, log_level):
     """Run one worker (one target replica, one GPU) for the broker.
 
     \b
@@ -170,8 +174,12 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
         sys.exit(2)
     if capacity is None:
         capacity = 8 if max_batch_tokens > 0 else 2
-    w = Worker(engine_obj, broker_url, service=service, capacity=capacity, max_batch_tokens=max_batch_tokens,
-               advertise_host=advertise_host, security=_security(curve_secret_key, curve_server_key, None))
+    try:
+        w = Worker(engine_obj, broker_url, service=service, capacity=capacity, max_batch_tokens=max_batch_tokens,
+                   advertise_host=advertise_host, security=_security(curve_secret_key, curve_server_key, None),
+                   inexact_batching=inexact_batching)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     _serve_until_signal(w.stop)
     w.run()
 

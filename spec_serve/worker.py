@@ -128,11 +128,19 @@ class Worker:
         context: zmq.Context | None = None,
         max_batch_tokens: int = 0,
         advertise_host: str | None = None,
+        inexact_batching: bool = False,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if max_batch_tokens < 0:
             raise ValueError("max_batch_tokens must be >= 0 (0 turns batching off)")
+        device = torch.device(getattr(engine, "device", "cpu"))
+        if max_batch_tokens and device.type != "cpu" and not inexact_batching:
+            # Measured on an H200 (tests/test_batching.py, bf16): GPU GEMMs are picked by shape, so a row
+            # batched with others differs in low bits from the same row alone. Bit-equality is the contract.
+            raise ValueError(f"batching on {device} is not bit-exact (a row batched with others differs in low "
+                             f"bits from the row alone); pass inexact_batching=True (--inexact-batching) to "
+                             f"batch anyway, or leave batching off")
         self.engine = engine
         self.broker_url = broker_url
         self.service = service
@@ -165,7 +173,7 @@ class Worker:
         self.batches = 0  # forwards run for coalesced jobs (2 or more)
         # GPU outputs are copied into pooled pinned slabs, reused once ZeroMQ has sent them.
         self.host_pool = HostBufferPool(max_buffers=capacity + 2)
-        self.device = torch.device(getattr(engine, "device", "cpu"))
+        self.device = device
         # The device->host copy of a reply runs on its own stream, so the next forward starts at once
         # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

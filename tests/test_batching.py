@@ -11,6 +11,7 @@ import collections
 import concurrent.futures
 import time
 
+import pytest
 import torch
 
 from spec_serve import wire
@@ -86,3 +87,47 @@ def test_concurrent_ranks_coalesce_and_stay_bit_equal(tiny_target_dir, tiny_voca
                 assert torch.equal(got[name], want[name]), (kind, name)
     # 18 requests from 3 ranks with 4 in flight each against one worker: some must have shared a forward.
     assert batched > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_batching_is_refused_unless_inexact_allowed(tiny_target_dir, tiny_vocab_mapping):
+    """On a GPU, cuBLAS picks kernels by shape, so a row batched with others (a larger M) does not get
+    the bits it gets alone (found on an H200, bf16): batching there must be asked for knowingly, and
+    then stays close to unbatched."""
+    from spec_serve.engines.hf import HFTarget
+
+    engine = HFTarget(tiny_target_dir, device="cuda:0", dtype="bfloat16")
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    with pytest.raises(ValueError, match="not bit-exact"):
+        Worker(engine, "tcp://127.0.0.1:1", max_batch_tokens=4096)
+    worker = Worker(engine, "tcp://127.0.0.1:1", max_batch_tokens=1 << 20, inexact_batching=True)
+    worker._mappings["v0"] = tiny_vocab_mapping
+    exact = inexact = 0
+    worst = 0.0
+    for seq, rows in ((64, (1, 3, 2)), (512, (1, 4, 3, 8))):
+        batches = [sample_batch(tiny_target_dir, n, seq, seed=s) for s, n in enumerate(rows)]
+        for kind in KINDS:
+            results = worker.serve_group([_job(b, kind) for b in batches])
+            for b, result in zip(batches, results):
+                assert result.status is Status.OK and result.header["batched"] == len(rows)
+                result.ready.synchronize()  # the device->host copy runs on the worker's copy stream
+                got = wire.decode(result.frames)
+                want = {k: v.cpu() for k, v in engine.generate_batch(*b, kind=kind).items()}
+                assert got.keys() == want.keys()
+                for k in want:
+                    if torch.equal(got[k], want[k]):
+                        exact += 1
+                        continue
+                    inexact += 1
+                    g, w = got[k].float(), want[k].float()
+                    if want[k].is_floating_point():
+                        # Low-bit differences (bf16 eps is 7.8e-3; softmax over bf16 logits amplifies them to
+                        # 1.4% on the H200), where a mixed-up row would be off by ~100%.
+                        error = float((g - w).norm() / w.norm().clamp_min(1e-12))
+                        worst = max(worst, error)
+                        assert error < 5e-2, (kind, k, error)
+                    else:  # a near-tie argmax may flip: rare
+                        assert (g != w).float().mean() < 0.01, (kind, k)
+    print(f"\nGPU batching, bf16: {exact} tensors bit-equal to unbatched, {inexact} only close "
+          f"(worst relative error {worst:.2e})")
