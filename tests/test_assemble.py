@@ -1,0 +1,91 @@
+"""The client's reply assembly: shards copied straight into rows of one batch, and clear errors.
+
+Cluster tests cover the end to end path (``torch.equal`` to colocated, 1 and 2 shards); these pin
+down what they cannot reach: shards arriving out of order, multi-frame tensors, NCCL-style device
+tensors mixed in, and shards that do not fit together.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from spec_serve import wire
+from spec_serve.client import RemoteError, _assemble
+from spec_serve.hostpool import RecyclingAllocator
+
+
+def _reply(tensors: dict[str, torch.Tensor]) -> dict[str, wire.TensorSpan]:
+    return wire.parse(wire.encode(tensors))[0]
+
+
+def _batch(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        # 1 x 1100 x 4096 float32 spans several 16 MiB frames: the multi-part copy path.
+        "big": torch.randn(rows, 1100, 4096, generator=gen),
+        "mask": torch.rand(rows, 7, 1, generator=gen) > 0.5,
+        "ids": torch.randint(0, 100, (rows, 7), generator=gen),
+    }
+
+
+def test_shards_arriving_out_of_order_fill_their_rows():
+    parts = [_batch(1, 0), _batch(2, 1), _batch(1, 2)]
+    futures = [concurrent.futures.Future() for _ in parts]
+    out = _assemble(futures, [1, 2, 1], torch.device("cpu"), RecyclingAllocator())
+    for k in (2, 0, 1):
+        assert not out.done()
+        futures[k].set_result(_reply(parts[k]))
+    got = out.result(timeout=5)
+    for name in parts[0]:
+        assert torch.equal(got[name], torch.cat([p[name] for p in parts]))
+        assert got[name].dtype == parts[0][name].dtype
+
+
+def test_single_shard_keeps_single_frame_tensors_as_views():
+    batch = {"small": torch.arange(6.0).view(2, 3)}
+    future = concurrent.futures.Future()
+    out = _assemble([future], [2], torch.device("cpu"), RecyclingAllocator())
+    reply = _reply(batch)
+    future.set_result(reply)
+    got = out.result(timeout=5)["small"]
+    assert torch.equal(got, batch["small"])
+    assert got.data_ptr() == torch.frombuffer(reply["small"].parts[0], dtype=torch.uint8).data_ptr()
+
+
+def test_device_tensor_shards_mix_with_frame_shards():
+    """A shard that came over the pair group (tensors, not spans) merges like any other."""
+    parts = [_batch(1, 3), _batch(1, 4)]
+    futures = [concurrent.futures.Future() for _ in parts]
+    out = _assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
+    futures[0].set_result(parts[0])
+    futures[1].set_result(_reply(parts[1]))
+    got = out.result(timeout=5)
+    assert all(torch.equal(got[n], torch.cat([p[n] for p in parts])) for n in parts[0])
+
+
+@pytest.mark.parametrize("bad", [
+    {"big": torch.zeros(1, 1100, 4096, dtype=torch.float64)},  # dtype
+    {"big": torch.zeros(1, 1100, 8)},  # trailing shape
+    {"big": torch.zeros(2, 1100, 4096)},  # more rows than the shard sent
+    {"other": torch.zeros(1, 1100, 4096)},  # names
+])
+def test_mismatched_shard_fails_the_batch(bad):
+    good = _batch(1, 5)
+    futures = [concurrent.futures.Future(), concurrent.futures.Future()]
+    out = _assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
+    futures[0].set_result(_reply(good))
+    futures[1].set_result(_reply({**{k: v for k, v in good.items() if k != "big"}, **bad}))
+    with pytest.raises(RemoteError):
+        out.result(timeout=5)
+
+
+def test_failed_shard_fails_the_batch_once():
+    futures = [concurrent.futures.Future(), concurrent.futures.Future()]
+    out = _assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
+    futures[1].set_exception(TimeoutError("worker gone"))
+    futures[0].set_result(_reply(_batch(1, 6)))  # arrives after the failure: ignored
+    with pytest.raises(TimeoutError, match="worker gone"):
+        out.result(timeout=5)
