@@ -163,7 +163,7 @@ class Worker:
         self._stop = threading.Event()
         self._notify_endpoint = f"inproc://spec-serve-worker-{self.name}"
         self.served = 0
-        # Replies to a client on our host go to its ipc endpoint (faster than tcp loopback); None: never.
+        # A client on our host that asks for it (reply_local, opt-in) gets replies over ipc; None: never.
         self.host_key = local_host_key() if local_ipc_enabled(True) else None
         self.replies_ipc = 0
         self.replies_tcp = 0
