@@ -694,9 +694,7 @@ def _materialize(reply: Reply, device: torch.device, alloc: Callable[[int], torc
             continue
         t = part.view() if device.type == "cpu" else None
         if t is None:
-            buf = alloc(part.nbytes) if alloc is not None and device.type == "cpu" else \
-                torch.empty(part.nbytes, dtype=torch.uint8, device=device)
-            t = part.copy_into(buf)
+            t = part.copy_into(_byte_buffer(part.nbytes, device, alloc))
         out[name] = t
     return out
 
@@ -741,15 +739,20 @@ def _allocate_rows(reply: Reply, total_rows: int, device: torch.device,
                    alloc: Callable[[int], torch.Tensor]) -> dict[str, torch.Tensor]:
     tensors = {}
     for name, part in reply.items():
-        shape = (total_rows, *part.shape[1:])
         if len(part.shape) == 0:
             raise RemoteError(f"sharded reply tensor {name!r} has no batch dimension")
-        if device.type == "cpu":
-            nbytes = math.prod(shape) * part.dtype.itemsize
-            tensors[name] = alloc(nbytes).view(part.dtype).view(shape)
-        else:
-            tensors[name] = torch.empty(shape, dtype=part.dtype, device=device)
+        shape = (total_rows, *part.shape[1:])
+        nbytes = math.prod(shape) * part.dtype.itemsize
+        tensors[name] = _byte_buffer(nbytes, device, alloc).view(part.dtype).view(shape)
     return tensors
+
+
+def _byte_buffer(nbytes: int, device: torch.device, alloc: Callable[[int], torch.Tensor] | None) -> torch.Tensor:
+    """``nbytes`` uint8 on ``device`` for a reply tensor: recycled on the CPU (fresh large buffers fault
+    on every page), from the caching allocator on a GPU."""
+    if device.type == "cpu" and alloc is not None:
+        return alloc(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _copy_rows(reply: Reply, tensors: dict[str, torch.Tensor], lo: int, n: int, device: torch.device) -> None:
