@@ -1,7 +1,7 @@
 """The ``spec-serve`` command line: broker, worker, status, demo, bench, and tools.
 
 Every flag can also be set through the ``SPEC_SERVE_*`` environment variable
-named in its help.
+named in its help, or in a YAML file given with ``--config`` (see cli_config.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from spec_serve import logs
+from spec_serve.cli_config import ConfigGroup
 
 
 def _ids(value: str | None) -> list[int] | None:
@@ -49,7 +50,7 @@ log_level_option = click.option("--log-level", default="WARNING", envvar="SPEC_S
                                  help="Log verbosity [env SPEC_SERVE_LOG_LEVEL].")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=ConfigGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="spec-serve")
 def main() -> None:
     """spec-serve: frozen-target supervision for speculative-decoding draft training.
@@ -61,6 +62,8 @@ def main() -> None:
       spec-serve broker --frontend tcp://*:5555 --backend tcp://*:5556
       spec-serve worker --target /models/llama --broker tcp://BROKER:5556 --device cuda:0
       # in training: RemoteTargetModel("tcp://BROKER:5555")
+    Any command's flags can come from a YAML file (command-line flags win):
+      spec-serve worker --config worker.yaml --device cuda:1
     """
 
 
