@@ -1,6 +1,6 @@
 """End-to-end benchmark: remote supervision against the colocated forward, measured in one run.
 
-Same as ``spec-serve bench`` but needs no click (runs on the GPU machine with PYTHONPATH set):
+The ``spec-serve bench`` command, runnable from a checkout without installing (PYTHONPATH set):
 
     python benchmarks/bench_e2e.py --json cpu.json                                   # tiny target, CPU
     python benchmarks/bench_e2e.py --gpu-8b --devices cuda:0 --json h200.json        # 1 x H200

@@ -40,7 +40,6 @@ computed analytically at the Llama-3.1-8B shape.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -739,27 +738,6 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _parse_args(argv: list[str]) -> tuple[BenchConfig, str | None]:
-    p = argparse.ArgumentParser(prog="python -m spec_serve.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target")
-    p.add_argument("--gpu-8b", action="store_true", help="Llama-3.1-8B shape, random bf16 weights on the GPU")
-    p.add_argument("--devices", default=None, help="comma-separated worker devices, e.g. cuda:0,cuda:1")
-    p.add_argument("--dtype", default=None)
-    for name, default in (("batch", None), ("seq", None), ("steps", None), ("warmup", 2), ("prefetch", 2),
-                          ("draft-vocab", None), ("small-ranks", 4), ("small-requests", 12), ("small-seq", None),
-                          ("max-batch-tokens", None), ("transport-messages", 8), ("transport-seq", None)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--only", default="")
-    p.add_argument("--repeat", type=int, default=1, help="rounds, alternating the scenario order; medians reported")
-    p.add_argument("--json", default=None)
-    p.add_argument("--log-dir", default=None)
-    a = p.parse_args(argv)
-    return make_config(a.target, a.gpu_8b, a.devices, a.dtype, a.batch, a.seq, a.steps, a.warmup, a.prefetch,
-                       a.draft_vocab, a.small_ranks, a.small_requests, a.small_seq, a.max_batch_tokens,
-                       a.transport_messages, a.only, a.log_dir, a.transport_seq, a.repeat), a.json
-
-
 def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
                 small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
                 transport_seq=None, repeat=1) -> BenchConfig:
@@ -788,17 +766,15 @@ def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefe
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m spec_serve.bench``: the ``spec-serve bench`` command (one parser), or a helper process."""
     argv = sys.argv[1:] if argv is None else argv
     helpers = {"_null_worker": _null_worker, "_direct_server": _direct_server, "_push_sender": _push_sender}
     if argv and argv[0] in helpers:
         helpers[argv[0]](argv[1:])
         return
-    cfg, json_out = _parse_args(argv)
-    report = run(cfg, progress=lambda name: print(f"[bench] {name} ...", file=sys.stderr, flush=True))
-    print(format_table(report))
-    if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {json_out}")
+    from spec_serve.cli import bench
+
+    bench.main(args=argv, prog_name="python -m spec_serve.bench")
 
 
 if __name__ == "__main__":

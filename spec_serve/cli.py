@@ -6,6 +6,7 @@ named in its help, or in a YAML file given with ``--config`` (see cli_config.py)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -310,6 +311,9 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
 @click.option("--warmup", default=2, show_default=True, help="Untimed batches first.")
 @click.option("--prefetch", default=2, show_default=True, help="Client prefetch depth.")
 @click.option("--draft-vocab", default=None, type=int, help="Draft vocab size [256; 32000 with --gpu-8b].")
+@click.option("--small-ranks", default=4, show_default=True, help="Client ranks in the small_* scenarios.")
+@click.option("--small-requests", default=12, show_default=True, help="Requests per rank in the small_* scenarios.")
+@click.option("--small-seq", default=None, type=int, help="Tokens per small request [64; 512 with --gpu-8b].")
 @click.option("--max-batch-tokens", default=None, type=int, help="Batching worker's token budget [4096; 8192].")
 @click.option("--transport-seq", default=None, type=int,
               help="Tokens per transport-only message (8B-shaped replies, 149 KiB a token) [256; 1024].")
@@ -318,9 +322,13 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
               help="Rounds over the scenarios, alternating their order; reports per-round medians.")
 @click.option("--json", "json_out", default="bench.json", show_default=True, help="Where to write the report.")
+@click.option("--plot", "plot_out", default=None, type=click.Path(dir_okay=False),
+              help="Also draw each ratio's value per round into this PNG (needs matplotlib: "
+                   "pip install 'spec-serve[plot]').")
 @click.option("--log-dir", default=None, help="Keep broker and worker logs here.")
-def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, max_batch_tokens,
-          transport_seq, transport_messages, only, repeat, json_out, log_dir):
+def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
+          small_requests, small_seq, max_batch_tokens, transport_seq, transport_messages, only, repeat, json_out,
+          plot_out, log_dir):
     """Measure remote supervision against the colocated forward, in one run.
 
     Colocated versus remote, broker path versus a direct socket for the same bytes, 1 versus 2
@@ -330,6 +338,8 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
     zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
+    Progress goes to stderr: a bar on a terminal, otherwise one line per scenario.
+    `python -m spec_serve.bench` is this same command.
 
     \b
     Examples:
@@ -337,13 +347,14 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --only colocated,remote_1w --steps 4 --json out.json
       spec-serve bench --only zmq_raw,frames,broker_null,direct_null --transport-seq 512
       spec-serve bench --gpu-8b --devices cuda:0,cuda:1 --json h200.json
-      spec-serve bench --only colocated,remote_1w --repeat 3  # medians of 3 alternating rounds
+      spec-serve bench --only colocated,remote_1w --repeat 3 --plot ratios.png  # 3 alternating rounds
     """
     from spec_serve.bench import SCENARIOS, format_table, make_config, run
 
     try:
-        cfg = make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, 4, 12,
-                          None, max_batch_tokens, transport_messages, only, log_dir, transport_seq, repeat)
+        cfg = make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab,
+                          small_ranks, small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
+                          transport_seq, repeat)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     names = [n for n in SCENARIOS if not cfg.only or n in cfg.only]
@@ -351,20 +362,51 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     if unknown:
         raise click.BadParameter(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}",
                                  param_hint="--only")
-    needs_cluster = any(SCENARIOS[n][0] for n in names)
-    with click.progressbar(length=len(names) * repeat + needs_cluster, label="bench", show_pos=True,
-                           item_show_func=lambda s: s, file=sys.stderr) as bar:
-        started: list[str] = []
-
-        def progress(name: str) -> None:  # a step is counted when the next one starts
-            bar.update(1 if started else 0, name)
-            started.append(name)
-
+    if plot_out:
+        _require_matplotlib()
+    steps_total = len(names) * repeat + any(SCENARIOS[n][0] for n in names)
+    with _bench_progress(steps_total) as progress:
         report = run(cfg, progress=progress)
-        bar.update(1, "done")
     click.echo(format_table(report))
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     click.echo(f"wrote {json_out}")
+    if plot_out:
+        from spec_serve.bench_plot import plot_ratios
+
+        plot_ratios(report, plot_out)
+        click.echo(f"wrote {plot_out}")
+
+
+def _require_matplotlib() -> None:
+    """Fail before the (long) run, not after it, when the plot cannot be drawn."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib: pip install 'spec-serve[plot]' (or pip install matplotlib)")
+
+
+@contextlib.contextmanager
+def _bench_progress(total: int):
+    """A progress callback: a bar on a terminal; otherwise one stderr line per scenario (logs, CI)."""
+    if not sys.stderr.isatty():
+        count = [0]
+
+        def line(name: str) -> None:
+            count[0] += 1
+            click.echo(f"[bench] {count[0]}/{total} {name}", err=True)
+
+        yield line
+        return
+    with click.progressbar(length=total, label="bench", show_pos=True, item_show_func=lambda s: s,
+                           file=sys.stderr) as bar:
+        started: list[str] = []
+
+        def advance(name: str) -> None:  # a step is counted when the next one starts
+            bar.update(1 if started else 0, name)
+            started.append(name)
+
+        yield advance
+        bar.update(1, "done")
 
 
 if __name__ == "__main__":
