@@ -127,7 +127,8 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
 @click.option("--service", default="default", envvar="SPEC_SERVE_SERVICE", show_default=True,
               help="Service (target) name this worker serves [env SPEC_SERVE_SERVICE].")
 @click.option("--device", default="cpu", envvar="SPEC_SERVE_DEVICE", show_default=True,
-              help="Torch device, e.g. cuda:0 [env SPEC_SERVE_DEVICE].")
+              help="Torch device, e.g. cuda:0; with --engine hf a list (cuda:0,cuda:1) spreads one target's "
+                   "layers over several GPUs [env SPEC_SERVE_DEVICE].")
 @click.option("--dtype", default=None, envvar="SPEC_SERVE_DTYPE",
               type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Model dtype; default: the checkpoint's [env SPEC_SERVE_DTYPE].")
@@ -163,6 +164,7 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
       spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556
       spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
       spec-serve worker --target ./tiny --max-batch-tokens 4096   # many small requests: one forward
+      spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
     """
     logs.setup(log_level)
     logs.quiet_transformers()

@@ -42,6 +42,64 @@ def parse_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype | str":
     return value
 
 
+def parse_devices(device: "str | torch.device | Sequence[str | torch.device]") -> list[torch.device]:
+    """``"cuda:0,cuda:1"`` or a list -> the devices one target is spread over; one device -> ``[it]``."""
+    items = device.split(",") if isinstance(device, str) else [device] if isinstance(device, torch.device) else device
+    devices = [torch.device(d.strip() if isinstance(d, str) else d) for d in items if not isinstance(d, str) or d.strip()]
+    if not devices:
+        raise ValueError(f"no device in {device!r}")
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(f"devices of one target must be of one type, got {[str(d) for d in devices]}")
+    return devices
+
+
+def layer_devices(num_layers: int, devices: Sequence[torch.device]) -> list[torch.device]:
+    """A balanced split of the decoder layers: contiguous runs, sizes differing by at most one."""
+    if num_layers < len(devices):
+        raise ValueError(f"{num_layers} decoder layers cannot be spread over {len(devices)} devices")
+    runs = torch.arange(num_layers).tensor_split(len(devices))
+    return [devices[d] for d, run in enumerate(runs) for _ in run]
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _inputs_to(module: torch.nn.Module, device: torch.device) -> None:
+    """Move every tensor a module is called with to ``device`` (copies are exact, so values are kept)."""
+    module.register_forward_pre_hook(lambda _, args, kwargs: (_to_device(args, device), _to_device(kwargs, device)),
+                                     with_kwargs=True)
+
+
+def spread_model(model, devices: Sequence[torch.device]) -> None:
+    """Place one causal LM over ``devices``: embeddings (and all else) on the first, the decoder layers
+    split evenly in order, the final norm and lm_head on the last. Each placed module moves its inputs
+    to its own device, so activations hop between devices between layers."""
+    base = model.base_model
+    first, last = devices[0], devices[-1]
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    for name, child in base.named_children():
+        if name == "layers":
+            for layer, device in zip(child, layer_devices(len(child), devices)):
+                layer.to(device)
+                _inputs_to(layer, device)
+        elif name != "norm":
+            child.to(first)
+    base.norm.to(last)
+    _inputs_to(base.norm, last)
+    if tied:  # a copy of the embedding on the last device; the values are the same
+        head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().to(last), requires_grad=False)
+    head.to(last)
+    _inputs_to(base, first)
+
+
 def fingerprint(path: str | Path) -> str:
     """A 32-hex-digit sha256 identity of a checkpoint directory's config and weights.
 
@@ -107,7 +165,12 @@ def _random_init_model(config, marker: Path, dtype, device: torch.device):
 
 
 class HFTarget:
-    """A frozen local causal LM serving the supervision contract (engine "hf")."""
+    """A frozen local causal LM serving the supervision contract (engine "hf").
+
+    ``device`` may list several devices (``"cuda:0,cuda:1"``) for a target bigger than one: the
+    layers are spread over them in order (:func:`spread_model`) and the outputs are on the last.
+    Every module computes what it computes on one device; only exact copies are added between them.
+    """
 
     engine = "hf"
 
@@ -123,7 +186,9 @@ class HFTarget:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(path)
-        self.device = torch.device(device)
+        # Several devices: one target spread over them (spread_model); outputs live on the last.
+        self.devices = parse_devices(device)
+        self.device = self.devices[-1]
         config = AutoConfig.from_pretrained(str(self.path))
         for key in ("final_logit_softcapping", "logit_scale"):
             # Such models post-process lm_head's output; our logits would not equal HF's.
@@ -140,10 +205,14 @@ class HFTarget:
         )
         # `dtype=` replaced `torch_dtype=` in transformers 4.56; both 4.57 and 5.x accept it.
         if (self.path / RANDOM_INIT_FILE).exists():
-            model = _random_init_model(config, self.path / RANDOM_INIT_FILE, parse_dtype(dtype), self.device)
+            model = _random_init_model(config, self.path / RANDOM_INIT_FILE, parse_dtype(dtype), self.devices[0])
         else:
             model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype))
-        model.to(self.device).eval().requires_grad_(False)
+        if len(self.devices) > 1:
+            spread_model(model, self.devices)
+        else:
+            model.to(self.device)
+        model.eval().requires_grad_(False)
         self.model = model
         self._base = model.base_model
         self._layers = self._base.layers
@@ -195,7 +264,8 @@ class HFTarget:
                 self._captured = {}
         # HF's hidden_states[N] is the final-norm output, so layer N-1 means that (see DESIGN.md).
         captured[self.num_layers - 1] = last
-        return last, {i: captured[i] for i in layer_ids}
+        # Spread over devices, a layer's output is on its own device (.to is a no-op on one device).
+        return last, {i: captured[i].to(self.device) for i in layer_ids}
 
     # -- public API ------------------------------------------------------------------------------
 
