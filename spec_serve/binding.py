@@ -171,10 +171,10 @@ class ClientBinding:
         except ValueError as e:
             self.mark_broken(str(e), state.prefix)
             return False
-        self._pair_thread.submit(self._receive, state, request_id, specs)
+        self._pair_thread.submit(self._receive, state, request_id, specs, header)
         return True
 
-    def _receive(self, state: _Bound, request_id: bytes, specs) -> None:
+    def _receive(self, state: _Bound, request_id: bytes, specs, header: dict) -> None:
         if state.broken is not None:
             tensors, error = None, state.broken
         else:
@@ -185,7 +185,7 @@ class ClientBinding:
                 self.mark_broken(error, state.prefix)
         try:
             if tensors is not None:
-                self.io.call(lambda: self.io.nccl_resolve(request_id, tensors))
+                self.io.call(lambda: self.io.nccl_resolve(request_id, tensors, header))
             else:
                 self.io.call(lambda: self.io.nccl_fallback(request_id, error))
         except RuntimeError:

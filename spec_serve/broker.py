@@ -102,6 +102,9 @@ class ClientState:
     identity: bytes
     expiry: float
     requests: set = dataclasses.field(default_factory=set)
+    # service -> target fingerprint this client set up with (from its requests); a worker serving
+    # another target may not join that service while the client is known.
+    fingerprints: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -267,6 +270,10 @@ class Broker:
             raise ProtocolError("REQUEST header needs reply_to, a tcp://host:port or ipc:// endpoint")
         if not isinstance(msg.header.get("vocab", ""), str):
             raise ProtocolError("REQUEST header 'vocab' must be a digest string")
+        if not isinstance(msg.header.get("avoid", ""), str):
+            raise ProtocolError("REQUEST header 'avoid' must be a worker id string")
+        if not self.pin_target(client, msg):
+            return
         size = sum(len(memoryview(f)) for f in msg.payload)
         if size > self.max_message_bytes:
             self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
@@ -367,6 +374,8 @@ class Broker:
             self.dispatch(self.services[worker.service])
 
     def register_mapping(self, client: ClientState, msg: Message) -> None:
+        if not self.pin_target(client, msg):
+            return
         try:
             tensors = wire.decode(msg.payload, max_bytes=self.max_message_bytes)
             ids, mask = tensors["selected_token_ids"], tensors["selected_token_mask"]
@@ -453,13 +462,17 @@ class Broker:
         if not isinstance(info, dict) or not isinstance(capacity, int) or capacity < 1:
             raise ProtocolError("READY needs target_info and a positive capacity")
         try:
-            TargetInfo.from_dict(info)  # clients check it at setup: refuse junk here
+            target = TargetInfo.from_dict(info)  # clients check it at setup: refuse junk here
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"READY with invalid target_info: {e}") from None
+        service = self.service(msg.service, now)
+        conflict = self.target_conflict(service, target)
+        if conflict is not None:
+            self.refuse_worker(identity, service, conflict)
+            return
         worker = WorkerState(identity, msg.service, info, capacity, now + self.heartbeat_interval * self.liveness,
                              time.time(), idle_since=now)
         self.workers[identity] = worker
-        service = self.service(msg.service, now)
         service.workers.append(identity)
         service.ever_had_workers = True
         if service.vocab_size is None and isinstance(info.get("vocab_size"), int):
@@ -469,6 +482,54 @@ class Broker:
               engine=info.get("engine"), capacity=capacity)
         self.update_snapshot()
         self.dispatch(service)
+
+    def target_conflict(self, service: ServiceState, info: TargetInfo) -> str | None:
+        """Why a worker serving ``info`` may not join ``service``, or None.
+
+        The service's target is what its workers serve (they must agree on everything but the engine)
+        and, while the service has no worker, the fingerprint every known client of it set up with:
+        the target cannot change under a client (docs/failure-semantics.md)."""
+        if service.workers:
+            first = self.workers[service.workers[0]]
+            diff = TargetInfo.from_dict(first.info).mismatches(info, ignore=("engine",))
+            if not diff:
+                return None
+            fields = "; ".join(f"{k}: serving={a!r} new={b!r}" for k, (a, b) in diff.items())
+            return f"service {service.name!r} is served by another target (worker {first.name}): {fields}"
+        pinned = sorted({c.fingerprints[service.name] for c in self.clients.values()
+                         if c.fingerprints.get(service.name, info.fingerprint) != info.fingerprint})
+        if not pinned:
+            return None
+        users = sum(1 for c in self.clients.values() if c.fingerprints.get(service.name) in pinned)
+        return (f"{users} connected client(s) of service {service.name!r} set up with target fingerprint "
+                f"{', '.join(pinned)}; this worker serves {info.fingerprint}")
+
+    def refuse_worker(self, identity: bytes, service: ServiceState, reason: str) -> None:
+        message = (f"{reason}. Serve this checkpoint under another --service, or stop every worker and client "
+                   f"of {service.name!r} first")
+        self.metrics.refused_workers.labels(service=service.name).inc()
+        event(log, logging.ERROR, "broker.worker_refused", worker=identity.hex()[:12], service=service.name,
+              reason=message)
+        self._send(self.backend, identity, control(WORKER_TAG, WorkerCommand.REFUSED.value, service.name,
+                                                   header={"error": message}))
+
+    def pin_target(self, client: ClientState, msg: Message) -> bool:
+        """Note the target fingerprint a client's message names (the one it set up with); False, after
+        answering ``target_changed``, if the service's workers now serve another."""
+        fingerprint = msg.header.get("fingerprint")
+        if fingerprint is None:
+            return True
+        if not isinstance(fingerprint, str) or len(fingerprint) > 128:
+            raise ProtocolError("header 'fingerprint' must be a target fingerprint string")
+        service = self.services.get(msg.service)
+        serving = self.workers[service.workers[0]].info.get("fingerprint") if service and service.workers else None
+        if serving is not None and serving != fingerprint:
+            self.send_error(client.identity, msg.request_id, ErrorCode.TARGET_CHANGED,
+                            f"service {msg.service!r} now serves target fingerprint {serving}, but this client set "
+                            f"up with {fingerprint}: start a new client to use the new target")
+            return False
+        client.fingerprints[msg.service] = fingerprint
+        return True
 
     def delete_worker(self, worker: WorkerState, now: float, reason: str = "re-registered") -> None:
         """Remove a worker; its in-flight requests go back to the front of their queues."""
@@ -532,17 +593,42 @@ class Broker:
                           if self.workers[w].free > 0 and self.workers[w].bound_to is None]
             if not candidates:
                 return
-            worker = min(candidates, key=lambda w: (len(w.inflight) / w.capacity, w.idle_since))
-            client_id, queue = next(iter(service.queues.items()))
-            request_id = queue.popleft()
-            if queue:
-                service.queues.move_to_end(client_id)
-            else:
-                del service.queues[client_id]
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
+            picked = self._next_request(service, candidates)
+            if picked is None:
+                return
+            request, eligible = picked
+            worker = min(eligible, key=lambda w: (len(w.inflight) / w.capacity, w.idle_since))
             self.send_request(service, worker, request)
+
+    def _next_request(self, service: ServiceState, candidates: list) -> tuple[Request, list] | None:
+        """The first queued request (clients in round-robin order) some candidate may take, taken off its
+        queue, with those candidates; None if none may. A request retried after a digest mismatch names
+        the worker that produced it (``avoid``), which takes it only when no other unbound worker exists."""
+        for client_id, queue in list(service.queues.items()):
+            for request_id in list(queue):
+                request = self.requests.get(request_id)
+                if request is None:  # forgotten meanwhile (its client left, or it timed out)
+                    queue.remove(request_id)
+                    continue
+                eligible = self._eligible(service, request, candidates)
+                if not eligible:
+                    continue
+                queue.remove(request_id)
+                if queue:
+                    service.queues.move_to_end(client_id)
+                else:
+                    del service.queues[client_id]
+                return request, eligible
+            if not queue:
+                del service.queues[client_id]
+        return None
+
+    def _eligible(self, service: ServiceState, request: Request, candidates: list) -> list:
+        avoid = request.header.get("avoid")
+        if avoid is None or not any(self.workers[w].name != avoid and self.workers[w].bound_to is None
+                                    for w in service.workers):
+            return candidates
+        return [w for w in candidates if w.name != avoid]
 
     def send_request(self, service: ServiceState, worker: WorkerState, request: Request) -> None:
         vocab = request.header.get("vocab")

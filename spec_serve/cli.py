@@ -169,7 +169,7 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     logs.setup(log_level)
     logs.quiet_transformers()
     from spec_serve.engines import EngineUnavailable, load_engine
-    from spec_serve.worker import Worker
+    from spec_serve.worker import Worker, WorkerRefused
 
     kwargs = {"device": device, "dtype": dtype, "aux_layer_ids": _ids(aux_layer_ids),
               "dspark_layer_ids": _ids(dspark_layer_ids)}
@@ -187,7 +187,10 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _serve_until_signal(w.stop)
-    w.run()
+    try:
+        w.run()
+    except WorkerRefused as e:  # logged at ERROR by the worker; exit 1 with the one-line reason
+        raise click.ClickException(f"the broker refused this worker: {e}") from None
 
 
 @main.command()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import zmq
 
-from spec_serve import wire
+from spec_serve import digest, wire
 from spec_serve.contract import (
     Kind,
     TargetInfo,
@@ -34,6 +34,7 @@ from spec_serve.contract import (
 )
 from spec_serve.hostpool import RecyclingAllocator
 from spec_serve.logs import event
+from spec_serve.metrics import CLIENT_INTEGRITY_FAILURES
 from spec_serve.protocol import (
     CLIENT_TAG,
     HEARTBEAT_INTERVAL,
@@ -73,6 +74,25 @@ class RemoteError(RuntimeError):
     """A worker or the broker failed a request after all retries."""
 
 
+class IntegrityError(RemoteError):
+    """A reply's bytes, as landed here, differed from the worker's digest twice (two attempts, two workers
+    where the service has two)."""
+
+
+class TargetChangedError(RemoteError):
+    """The service now serves another target (fingerprint) than this client set up with."""
+
+
+class _Received(dict):
+    """A reply's tensors by name (frames: ``wire.TensorSpan``; NCCL: device tensors) with the worker's
+    data-message header (``worker``, ``fingerprint``, ``digests``) and the request id."""
+
+    def __init__(self, tensors: Mapping, header: dict, request_id: bytes):
+        super().__init__(tensors)
+        self.header = header
+        self.request_id = request_id
+
+
 @dataclasses.dataclass
 class _Pending:
     request_id: bytes
@@ -101,6 +121,9 @@ class ClientStats:
     nccl_batches: int = 0  # replies whose tensors came over the bound worker's pair group (no payload frames)
     nccl_fallbacks: int = 0  # bound requests re-sent as frames through the shared pool after a failure
     local_replies: int = 0  # data messages a same-host worker sent over our ipc endpoint (worker's "via")
+    digest_checks: int = 0  # replies whose landed bytes were checked against the worker's digests (verify=)
+    digest_mismatches: int = 0  # of those, replies that differed: never returned, retried once on another worker
+    target_mismatches: int = 0  # replies (or broker refusals) from another target than we set up with: failed
 
 
 class _ClientIO(threading.Thread):
@@ -352,6 +375,8 @@ class _ClientIO(threading.Thread):
                 self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
             elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
                 self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
+            elif code == ErrorCode.TARGET_CHANGED.value:
+                self._target_changed(pending, error, worker=None)
             else:
                 self._fail(pending, ValueError(error))
             return
@@ -386,13 +411,33 @@ class _ClientIO(threading.Thread):
             else:
                 self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S)
             return
+        if not self._same_target(pending, header):
+            return
         # Checked here; the bytes stay in the frames until copied to where the caller wants them (_assemble).
         spans, _ = wire.parse(payload, max_bytes=self.max_message_bytes)
         self._pending.pop(request_id)
         self.stats.completed += 1
         if int(header.get("batched", 1)) > 1:
             self.stats.batched += 1
-        pending.future.set_result(spans)
+        pending.future.set_result(_Received(spans, header, request_id))
+
+    def _same_target(self, pending: _Pending, header: dict) -> bool:
+        """True if the reply comes from the target the request was pinned to (its ``fingerprint``);
+        else the request fails and the reply is dropped."""
+        expected, got = pending.header.get("fingerprint"), header.get("fingerprint")
+        if expected is None or got == expected:
+            return True
+        self._target_changed(pending, f"worker {header.get('worker')} of service {pending.service!r} serves target "
+                             f"fingerprint {got}, but this client set up with {expected}: its reply was discarded; "
+                             f"start a new client to use the new target", worker=header.get("worker"))
+        return False
+
+    def _target_changed(self, pending: _Pending, message: str, worker) -> None:
+        self.stats.target_mismatches += 1
+        CLIENT_INTEGRITY_FAILURES.labels(service=pending.service, check="fingerprint").inc()
+        event(log, logging.ERROR, "client.target_changed", request=pending.request_id.hex()[:12], worker=worker,
+              error=message)
+        self._fail(pending, TargetChangedError(message))
 
     def _disconnect(self) -> None:
         self._send(control(CLIENT_TAG, ClientCommand.DISCONNECT.value))
@@ -402,15 +447,19 @@ class _ClientIO(threading.Thread):
     def send_control(self, frames: list) -> None:
         self._send(frames)
 
-    def nccl_resolve(self, request_id: bytes, tensors: dict) -> None:
-        """I/O thread: the pair thread received a bound request's tensors."""
-        pending = self._pending.pop(request_id, None)
+    def nccl_resolve(self, request_id: bytes, tensors: dict, header: dict) -> None:
+        """I/O thread: the pair thread received a bound request's tensors (``header``: its metadata message)."""
+        pending = self._pending.get(request_id)
         if pending is None or pending.future.done():
+            self._pending.pop(request_id, None)
             self.stats.duplicates += 1
             return
+        if not self._same_target(pending, header):
+            return
+        self._pending.pop(request_id)
         self.stats.completed += 1
         self.stats.nccl_batches += 1
-        pending.future.set_result(tensors)
+        pending.future.set_result(_Received(tensors, header, request_id))
 
     def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
         """I/O thread: re-send a bound request as a plain one (frames, shared pool) and drop the binding."""
@@ -458,9 +507,12 @@ class RemoteTargetModel:
         nccl_timeout: float = 30.0,
         nccl_retry_s: float = 30.0,
         local_ipc: bool | None = None,
+        verify: str | None = None,
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
+        # End-to-end check of reply bytes (spec_serve/digest.py): "all" (default), "sampled", "off".
+        self._sampler = digest.Sampler(digest.parse_verify(verify))
         self.service = service
         self.device = torch.device(device)
         self.timeout = float(timeout)
@@ -473,6 +525,7 @@ class RemoteTargetModel:
         self._io.start()
         self._vocab_digest: str | None = None
         self._info: TargetInfo | None = None
+        self._fingerprint: str | None = None  # of the target we set up with; every reply must match it
         self._closed = False
         # Compact EAGLE-3: workers ship last hidden state + argmax; target_probs and position_mask
         # are rebuilt here from the draft-vocab lm_head slice, cached per mapping digest on `device`.
@@ -497,6 +550,11 @@ class RemoteTargetModel:
     @property
     def stats(self) -> ClientStats:
         return self._io.stats
+
+    @property
+    def verify(self) -> str:
+        """How replies are checked end to end: "all", "sampled" (1 request in ``digest.SAMPLE_EVERY``) or "off"."""
+        return self._sampler.mode
 
     @property
     def bound_worker(self) -> str | None:
@@ -530,7 +588,7 @@ class RemoteTargetModel:
         try:
             rows = input_ids.shape[0]
             bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(self.num_shards, rows))]
-            shards = []
+            requests = []
             for lo, hi in bounds:
                 payload = wire.encode({
                     "input_ids": input_ids[lo:hi].to("cpu"),
@@ -541,11 +599,13 @@ class RemoteTargetModel:
                           "tokens": int(attention_mask[lo:hi].sum())}
                 if bound is not None:  # every shard to our bound worker; tensors over the pair group
                     header.update(bound=bound, nccl=True)
-                shards.append(self._request(header, payload))
+                requests.append((self._prepare(header), payload))
+            shards = [self._submit(header, payload) for header, payload in requests]
         except BaseException:
             self._credits.release()
             raise
-        result = _assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc)
+        result = _assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
+                           self._checker(requests))
         if expand:
             result = self._expand_later(result, self._vocab_digest)
         result.add_done_callback(lambda _: self._credits.release())
@@ -576,12 +636,22 @@ class RemoteTargetModel:
             raise RuntimeError("call set_vocab_mapping first")
         weight = self._lm_head_slices.get(digest)
         if weight is None:
-            reply = self._request({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout}, ()).result()
-            weight = self._lm_head_slices[digest] = _materialize(reply, self.device)["weight"]
+            reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout})
+            weight = self._lm_head_slices[digest] = reply["weight"]
         return weight
 
-    def _request(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
+    def _fetch(self, header: dict) -> dict[str, torch.Tensor]:
+        """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
+        self.target_info()  # pins the target every reply must come from
+        requests = [(self._prepare(header), [])]
+        return _assemble([self._submit(*requests[0])], [0], self.device, None, self._checker(requests)).result()
+
+    def _prepare(self, header: dict) -> dict:
+        """``header`` with what every request carries: where to reply, the vocab mapping, the target we set
+        up with (``fingerprint``, once ``target_info`` ran), whether to digest the reply (``verify``)."""
         header = dict(header, reply_to=self._io.data_endpoint)
+        if self._fingerprint is not None:
+            header["fingerprint"] = self._fingerprint
         bound = self._binding.worker if self._binding is not None else None
         if bound is not None:  # embeddings, lm_head slices: our own worker too (as frames), not the pool
             header.setdefault("bound", bound)
@@ -591,7 +661,49 @@ class RemoteTargetModel:
             header["data_key"] = self._io.data_key
         if self._io.reply_local:
             header["reply_local"] = self._io.reply_local
+        if self._sampler.wants():
+            header["verify"] = True
+        return header
+
+    def _submit(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
         return self._io.submit(ClientCommand.REQUEST, self.service, header, payload, self.timeout)
+
+    def _checker(self, requests: list[tuple[dict, Sequence]]) -> Callable:
+        """``check(k, reply, landed)`` for ``_assemble``: None accepts request ``k``'s landed tensors; a
+        mismatch with the worker's digests returns the future of one retry on another worker (the
+        worker is named in ``avoid``; a bound request goes back to the pool as frames), and a second
+        mismatch raises ``IntegrityError``. Runs on the I/O thread."""
+        retried: set[int] = set()
+
+        def check(k: int, reply: _Received, landed: Mapping[str, torch.Tensor]):
+            header, payload = requests[k]
+            if not header.get("verify"):
+                return None
+            self._io.stats.digest_checks += 1
+            bad = digest.mismatches(reply.header.get("digests"), landed)
+            if not bad:
+                return None
+            worker = str(reply.header.get("worker"))
+            self._io.stats.digest_mismatches += 1
+            CLIENT_INTEGRITY_FAILURES.labels(service=self.service, check="digest").inc()
+            event(log, logging.ERROR, "client.digest_mismatch", request=reply.request_id.hex()[:12], worker=worker,
+                  tensors=",".join(bad), retry=k not in retried)
+            if k in retried:
+                raise IntegrityError(f"reply to request {reply.request_id.hex()[:12]} from worker {worker} differs "
+                                     f"from the worker's digest in {', '.join(bad)}, on the retry too: the bytes "
+                                     f"change between the worker's device and ours; see the ERROR log lines "
+                                     f"client.digest_mismatch for the workers involved")
+            retried.add(k)
+            if header.get("nccl") and self._binding is not None:
+                self._binding.mark_broken(f"digest mismatch in a reply from worker {worker}")
+            from spec_serve.binding import BOUND_KEYS
+
+            retry = {key: v for key, v in header.items() if key not in BOUND_KEYS}
+            retry["avoid"] = worker
+            requests[k] = (retry, payload)
+            return self._submit(retry, payload)
+
+        return check
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Register the draft vocab; every later EAGLE-3 request is served with exactly it."""
@@ -599,7 +711,8 @@ class RemoteTargetModel:
         mask = selected_token_mask.to("cpu", torch.bool).contiguous()
         validate_vocab_mapping(ids, mask, self.target_info().vocab_size)
         payload = wire.encode({"selected_token_ids": ids, "selected_token_mask": mask})
-        reply = self._io.submit(ClientCommand.SET_VOCAB, self.service, {}, payload, self.timeout).result()
+        reply = self._io.submit(ClientCommand.SET_VOCAB, self.service, {"fingerprint": self._fingerprint}, payload,
+                                self.timeout).result()
         digest = reply.header["digest"]
         payload = [bytes(memoryview(f)) for f in payload]
         self._io.call(lambda: setattr(self._io, "vocab_registration", (self.service, payload)))
@@ -635,6 +748,11 @@ class RemoteTargetModel:
                 if diff:
                     raise ValueError(_mismatch_message(f"workers {first_id} and {worker} of service "
                                                        f"{self.service!r} disagree", diff, "first", "other"))
+            if self._fingerprint not in (None, reference.fingerprint):
+                raise TargetChangedError(f"service {self.service!r} now serves target fingerprint "
+                                         f"{reference.fingerprint} (worker {first_id}), but this client set up with "
+                                         f"{self._fingerprint}: start a new client to use the new target")
+            self._fingerprint = reference.fingerprint
             self._info = reference
         return self._info
 
@@ -657,9 +775,8 @@ class RemoteTargetModel:
         return self._embeddings("output")
 
     def _embeddings(self, which: str) -> types.SimpleNamespace:
-        header = {"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout}
-        reply = self._request(header, ()).result()
-        return types.SimpleNamespace(weight=_materialize(reply, self.device)["weight"])
+        reply = self._fetch({"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout})
+        return types.SimpleNamespace(weight=reply["weight"])
 
     # ------------------------------------------------------------- lifecycle
 
@@ -700,35 +817,45 @@ def _materialize(reply: Reply, device: torch.device, alloc: Callable[[int], torc
 
 
 def _assemble(shards: list[concurrent.futures.Future], rows: list[int], device: torch.device,
-              alloc: Callable[[int], torch.Tensor]) -> concurrent.futures.Future:
+              alloc: Callable[[int], torch.Tensor] | None, check: Callable | None = None) -> concurrent.futures.Future:
     """One future for a batch sent as ``len(shards)`` row ranges of ``rows`` rows each.
 
     As each shard's reply arrives (on the I/O thread, while ZeroMQ keeps receiving the others) its
     bytes are copied into its rows of tensors allocated once, on ``device``: no per-shard host
     tensors and no concatenation. A shard whose tensors do not fit the others' fails the batch.
+    ``check(k, reply, landed)`` then sees shard ``k``'s tensors as landed: None accepts them, a future
+    (a retry) is waited for instead and lands on the same rows, an exception fails the batch.
     """
     out: concurrent.futures.Future = concurrent.futures.Future()
     starts = [sum(rows[:k]) for k in range(len(rows))]
     lock = threading.Lock()
     state: dict[str, Any] = {"tensors": None, "left": len(shards)}
 
+    def land(k: int, reply: Reply) -> dict[str, torch.Tensor]:
+        if len(shards) == 1:
+            return _materialize(reply, device, alloc)
+        if state["tensors"] is None:
+            state["tensors"] = _allocate_rows(reply, sum(rows), device, alloc)
+        _copy_rows(reply, state["tensors"], starts[k], rows[k], device)
+        return {name: t[starts[k] : starts[k] + rows[k]] for name, t in state["tensors"].items()}
+
     def arrived(k: int, future: concurrent.futures.Future) -> None:
+        retry = None
         with lock:
             if out.done():
                 return
             try:
                 reply = future.result()
-                if len(shards) == 1:
-                    out.set_result(_materialize(reply, device, alloc))
-                    return
-                if state["tensors"] is None:
-                    state["tensors"] = _allocate_rows(reply, sum(rows), device, alloc)
-                _copy_rows(reply, state["tensors"], starts[k], rows[k], device)
-                state["left"] -= 1
-                if not state["left"]:
-                    out.set_result(state["tensors"])
+                landed = land(k, reply)
+                retry = check(k, reply, landed) if check is not None else None
+                if retry is None:
+                    state["left"] -= 1
+                    if not state["left"]:
+                        out.set_result(landed if len(shards) == 1 else state["tensors"])
             except BaseException as e:
                 out.set_exception(e)
+        if retry is not None:
+            retry.add_done_callback(lambda f: arrived(k, f))
 
     for k, f in enumerate(shards):
         f.add_done_callback(lambda f, k=k: arrived(k, f))

@@ -1,8 +1,15 @@
-"""Prometheus metrics of the broker, in a private registry (one per broker)."""
+"""Prometheus metrics: the broker's, in a private registry (one per broker); the client's, process-local."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Client side, in prometheus_client's default registry: a trainer exposes it with its own exporter
+# (e.g. prometheus_client.start_http_server). check: "digest" (bytes changed between the worker's
+# device and ours) or "fingerprint" (a reply or refusal from another target than we set up with).
+CLIENT_INTEGRITY_FAILURES = Counter("spec_serve_client_integrity_failures",
+                                    "Replies a client discarded: digest mismatch or another target",
+                                    ["service", "check"])
 
 
 class BrokerMetrics:
@@ -33,6 +40,9 @@ class BrokerMetrics:
                                           registry=r)
         self.bad_messages = Counter("spec_serve_bad_messages", "Malformed messages dropped or refused", registry=r)
         self.errors = Counter("spec_serve_errors", "Error replies sent by the broker", ["code"], registry=r)
+        self.refused_workers = Counter("spec_serve_refused_workers",
+                                       "Workers refused: their target differs from the service's", ["service"],
+                                       registry=r)
 
     def set_worker_states(self, workers: list[dict]) -> None:
         """Replace the per-worker gauge with the current set of workers."""

@@ -64,6 +64,7 @@ class WorkerCommand(bytes, enum.Enum):
     SET_VOCAB = b"\x06"  # broker -> worker: a mapping the next requests will name
     BIND = b"\x07"  # broker -> worker: pair with this client
     RELEASE = b"\x08"  # broker -> worker: the binding ended
+    REFUSED = b"\x09"  # broker -> worker: registration refused (header: error); the worker exits
 
 
 class Status(bytes, enum.Enum):
@@ -81,6 +82,7 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"  # no worker took it before its deadline
     INTERNAL = "internal"  # the engine failed; retried
     UNAVAILABLE = "unavailable"  # e.g. no worker free to bind
+    TARGET_CHANGED = "target_changed"  # never retried: the service serves another target than the client set up with
 
 
 class Op(str, enum.Enum):

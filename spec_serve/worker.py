@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import zmq
 
-from spec_serve import wire
+from spec_serve import digest, wire
 from spec_serve.contract import REQUEST_TENSORS, Kind
 from spec_serve.hostpool import HostBufferPool, Lease, to_host
 from spec_serve.logs import event
@@ -78,6 +79,10 @@ def local_reply_endpoint(header: dict, host_key: str | None) -> str | None:
         return endpoint if stat.S_ISSOCK(os.stat(path).st_mode) and os.access(path, os.W_OK) else None
     except (OSError, ValueError):  # ValueError: a NUL in the path
         return None
+
+
+class WorkerRefused(RuntimeError):
+    """The broker refused to register this worker (its target differs from the service's)."""
 
 
 class RequestError(Exception):
@@ -188,6 +193,9 @@ class Worker:
         self.nccl_sent = 0
         # Test-only fault injection: abort the pair instead of the next N sends (tests/test_nccl_binding.py).
         self._test_fail_sends = int(os.environ.get("SPEC_SERVE_TEST_FAIL_NCCL_SEND", "0") or 0)
+        # Test-only fault injection: flip one bit of the next N generate replies after their digests were
+        # taken, as a reused buffer or a bad link would (tests/test_integrity.py).
+        self._test_corrupt = int(os.environ.get("SPEC_SERVE_TEST_CORRUPT_REPLIES", "0") or 0)
 
     # ------------------------------------------------------------------ I/O
 
@@ -261,6 +269,9 @@ class Worker:
                     broker = self._connect()
                     poller.register(broker, zmq.POLLIN)
                     broker_expiry = now + self.heartbeat_interval * self.liveness
+        except WorkerRefused as e:
+            event(log, logging.ERROR, "worker.refused", worker=self.name, service=self.service, error=e)
+            raise
         finally:
             self._jobs.put(None)
             broker.close(0)
@@ -311,6 +322,8 @@ class Worker:
             self._store_mapping(msg)
         elif command is WorkerCommand.DISCONNECT:
             return True
+        elif command is WorkerCommand.REFUSED:
+            raise WorkerRefused(str(msg.header.get("error") or "no reason given"))
         return False
 
     def _store_mapping(self, msg: Message) -> None:
@@ -434,12 +447,13 @@ class Worker:
             if nccl:
                 self._check_pair(job)
             tensors, tokens = self._execute(job)
+            integrity = self._integrity([job], [tensors])[0]
             if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
                 from spec_serve.binding import encode_specs
 
                 header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
-                          "pair": self._pair_prefix, "specs": encode_specs(tensors)}
-                return Result(job, Status.OK, header, [], tokens, send=tensors)
+                          "pair": self._pair_prefix, "specs": encode_specs(tensors), **integrity}
+                return Result(job, Status.OK, header, [], tokens, send=self._test_corrupt_tensors(job, tensors))
             host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
             try:
                 frames = wire.encode(host)
@@ -447,7 +461,8 @@ class Worker:
                 if lease is not None:
                     lease.release()
                 raise
-            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6)}
+            self._test_corrupt_frames(job, frames, ready)
+            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), **integrity}
             return Result(job, Status.OK, header, frames, tokens, lease, ready)
         except RequestError as e:
             code, message = e.code, str(e)
@@ -458,6 +473,37 @@ class Worker:
             code, message = ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
         event(log, logging.INFO, "worker.request_failed", code=code.value, error=message)
         return Result(job, Status.ERROR, {"worker": self.name, "code": code.value, "error": message}, [])
+
+    def _integrity(self, jobs: list[Job], outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Per job, the reply header fields its client checks: the fingerprint of the target that computed
+        it and, when the request asked (``verify``), a digest of each output tensor, taken here on our
+        device before any copy (spec_serve/digest.py); one host transfer for all of them."""
+        fingerprint = self.engine.target_info().fingerprint
+        wanted = [i for i, job in enumerate(jobs) if job.header.get("verify")]
+        fields: list[dict[str, Any]] = [{"fingerprint": fingerprint} for _ in jobs]
+        for i, sums in zip(wanted, digest.digests([outputs[i] for i in wanted])):
+            fields[i]["digests"] = sums
+        return fields
+
+    def _test_corrupt_frames(self, job: Job, frames: list, ready) -> None:
+        """Test-only (SPEC_SERVE_TEST_CORRUPT_REPLIES): flip the low bit of a generate reply's first data byte."""
+        if self._test_corrupt <= 0 or job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value:
+            return
+        self._test_corrupt -= 1
+        if ready is not None:
+            ready.synchronize()  # the device->host copy must not overwrite the flip
+        data = next(memoryview(f) for f in frames[1:] if len(memoryview(f)))
+        data[0] ^= 1
+
+    def _test_corrupt_tensors(self, job: Job, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Test-only (SPEC_SERVE_TEST_CORRUPT_REPLIES): the NCCL reply with one bit of its largest tensor flipped."""
+        if self._test_corrupt <= 0:
+            return tensors
+        self._test_corrupt -= 1
+        name = max(tensors, key=lambda n: tensors[n].numel())
+        bad = tensors[name].contiguous().clone()
+        bad.view(-1).view(torch.uint8)[0] ^= 1
+        return {**tensors, name: bad}
 
     def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
         op = job.header.get("op", Op.GENERATE.value)
@@ -562,15 +608,16 @@ class Worker:
             merged = {n: torch.cat([p[n] for p in parts], dim=0) for n in REQUEST_TENSORS}
             out = self.engine.generate_batch(merged["input_ids"], merged["attention_mask"], merged["loss_mask"],
                                              kind=kind.value)
+            bounds = list(itertools.accumulate((p["input_ids"].shape[0] for p in parts), initial=0))
+            integrity = self._integrity(jobs, [{k: v[lo:hi] for k, v in out.items()}
+                                               for lo, hi in zip(bounds, bounds[1:])])
             host, lease, ready = to_host(out, self.host_pool, self._copy_stream)
-            results, lo = [], 0
+            results = []
             elapsed = round(time.perf_counter() - start, 6)
-            for job, part in zip(jobs, parts):
-                hi = lo + part["input_ids"].shape[0]
+            for job, part, lo, hi, checks in zip(jobs, parts, bounds, bounds[1:], integrity):
                 frames = wire.encode({k: v[lo:hi] for k, v in host.items()})
-                header = {"worker": self.name, "compute_s": elapsed, "batched": len(jobs)}
+                header = {"worker": self.name, "compute_s": elapsed, "batched": len(jobs), **checks}
                 results.append(Result(job, Status.OK, header, frames, int(part["attention_mask"].sum()), lease, ready))
-                lo = hi
             if lease is not None:
                 lease.retain(len(jobs) - 1)  # one release per reply sent
             self.batches += 1

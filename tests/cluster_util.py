@@ -1,8 +1,9 @@
 """Helpers for the fault, load and security tests: real broker and worker subprocesses.
 
-Also a test-only entry point (``python tests/cluster_util.py slow-worker ...``) that
-serves the hf engine with an artificial delay before every forward, so the
-slow-worker test needs no knob in the production worker.
+Also test-only entry points, so these tests need no knob in the production worker:
+``python tests/cluster_util.py slow-worker ...`` serves the hf engine with an artificial delay
+before every forward; ``swap-worker ...`` replaces its checkpoint in place after N forwards (a
+target reloaded under a running worker, which the broker still knows by its registration).
 """
 
 from __future__ import annotations
@@ -69,6 +70,21 @@ def start_slow_worker(cluster, target, delay: float, *extra: str) -> subprocess.
     proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "slow-worker", "--delay", str(delay),
                              "--target", str(target), "--broker", cluster.backend, *extra],
                             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    cluster.workers.append(proc)
+    return proc
+
+
+def start_swap_worker(cluster, target, swap_to, after: int, service: str) -> subprocess.Popen:
+    """A worker that serves ``target`` for ``after`` forwards, then ``swap_to`` (test-only entry point)."""
+    env = {**os.environ, **cluster.env}
+    out = subprocess.DEVNULL
+    if cluster.log_dir is not None:
+        cluster.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(cluster.log_dir / f"swap-worker{len(cluster.workers)}.log", "ab")
+    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "swap-worker", "--target", str(target),
+                             "--swap-to", str(swap_to), "--after", str(after), "--broker", cluster.backend,
+                             "--service", service], env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     cluster.workers.append(proc)
     return proc
 
@@ -188,8 +204,44 @@ def _slow_worker_main(argv: list[str]) -> None:
     worker.run()
 
 
+def _swap_worker_main(argv: list[str]) -> None:
+    import argparse
+
+    from spec_serve import logs
+    from spec_serve.engines import load_engine
+    from spec_serve.worker import Worker
+
+    p = argparse.ArgumentParser(prog="cluster_util.py swap-worker")
+    p.add_argument("--target", required=True)
+    p.add_argument("--swap-to", required=True)
+    p.add_argument("--after", type=int, required=True)
+    p.add_argument("--broker", required=True)
+    p.add_argument("--service", default="default")
+    args = p.parse_args(argv)
+    logs.setup(os.environ.get("SPEC_SERVE_LOG_LEVEL", "INFO"))
+    engine, other = load_engine("hf", args.target), load_engine("hf", args.swap_to)
+    worker = Worker(engine, args.broker, service=args.service)
+    inner, calls = engine.generate_batch, [0]
+
+    def generate_batch(*a, **kw):
+        calls[0] += 1
+        if calls[0] <= args.after:
+            return inner(*a, **kw)
+        mapping = engine.vocab_mapping()
+        if mapping is not None:
+            other.set_vocab_mapping(*mapping)
+        worker.engine = other  # from now on the worker serves (and reports) the other checkpoint
+        return other.generate_batch(*a, **kw)
+
+    engine.generate_batch = generate_batch
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    worker.run()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "slow-worker":
-        _slow_worker_main(sys.argv[2:])
-    else:
-        sys.exit("usage: cluster_util.py slow-worker --delay S --target DIR --broker URL")
+    entry = {"slow-worker": _slow_worker_main, "swap-worker": _swap_worker_main}.get(sys.argv[1] if len(sys.argv) > 1
+                                                                                   else "")
+    if entry is None:
+        sys.exit("usage: cluster_util.py slow-worker --delay S --target DIR --broker URL\n"
+                 "       cluster_util.py swap-worker --target DIR --swap-to DIR --after N --broker URL")
+    entry(sys.argv[2:])

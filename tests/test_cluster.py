@@ -97,7 +97,7 @@ def test_unknown_service_is_a_clear_error(cluster, tiny_target_dir):
             target.target_info()
         # A raw request (bypassing the info lookup) gets the broker's error reply.
         target._info = None
-        future = target._request({"op": "generate", "kind": "dspark", "timeout": 3}, [])
+        future = target._submit(target._prepare({"op": "generate", "kind": "dspark", "timeout": 3}), [])
         with pytest.raises((ValueError, TimeoutError), match="no-such-target|no worker"):
             future.result(timeout=30)
     del inputs
@@ -113,8 +113,8 @@ def test_bad_request_is_refused_and_worker_keeps_serving(cluster, tiny_target_di
         with pytest.raises(ValueError, match="shape"):
             target.generate_batch(ids, attn[:, :4], loss, kind="dspark")
         # Past the client's own checks: the worker refuses a request with a foreign tensor set.
-        future = target._request({"op": "generate", "kind": "dspark", "timeout": 60},
-                                 wire.encode({"input_ids": ids, "labels": ids}))
+        future = target._submit(target._prepare({"op": "generate", "kind": "dspark", "timeout": 60}),
+                                wire.encode({"input_ids": ids, "labels": ids}))
         with pytest.raises(ValueError, match="request must hold"):
             future.result(timeout=60)
         assert_equal_batches(target.generate_batch(ids, attn, loss, kind="dspark"),
