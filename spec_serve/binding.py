@@ -11,8 +11,9 @@ Message sequence (control on ZeroMQ, tensor bytes on a private PairGroup):
    {bind: {store_host, store_port, prefix, worker, timeout}}; then both sides ``PairGroup.create``
    (worker rank 0 on its compute thread, client rank 1 on its pair thread).
 4. requests carry {bound: <worker id>, nccl: true}; the broker routes them to that worker only.
-   The worker replies with a data message {nccl: true, pair: prefix, specs: [...]} and no payload
-   frames, then ``send_tensors``; the client's pair thread ``recv_tensors`` onto its device.
+   The worker replies with a data message {nccl: true, pair: prefix, specs: [...], fingerprint,
+   digests?} and no payload frames, then ``send_tensors``; the client's pair thread ``recv_tensors``
+   onto its device, and the I/O thread checks fingerprint and digests (spec_serve/digest.py).
 5. release: client ``RELEASE`` {prefix} (close, or a broken binding), client expiry, or worker
    death (the broker tells the client ``BOUND`` {ok: false, lost: worker, prefix}).
 

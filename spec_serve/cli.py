@@ -165,6 +165,9 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
       spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
       spec-serve worker --target ./tiny --max-batch-tokens 4096   # many small requests: one forward
       spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
+
+    The broker refuses a worker whose target (checkpoint fingerprint, layers, dtype, ...) differs
+    from the service's: the worker then exits with status 1 and the reason.
     """
     logs.setup(log_level)
     logs.quiet_transformers()
