@@ -673,7 +673,7 @@ class RemoteTargetModel:
         mismatch with the worker's digests returns the future of one retry on another worker (the
         worker is named in ``avoid``; a bound request goes back to the pool as frames), and a second
         mismatch raises ``IntegrityError``. Runs on the I/O thread."""
-        retried: set[int] = set()
+        retried: dict[int, str] = {}  # request index -> the worker whose reply mismatched first
 
         def check(k: int, reply: _Received, landed: Mapping[str, torch.Tensor]):
             header, payload = requests[k]
@@ -689,11 +689,11 @@ class RemoteTargetModel:
             event(log, logging.ERROR, "client.digest_mismatch", request=reply.request_id.hex()[:12], worker=worker,
                   tensors=",".join(bad), retry=k not in retried)
             if k in retried:
-                raise IntegrityError(f"reply to request {reply.request_id.hex()[:12]} from worker {worker} differs "
-                                     f"from the worker's digest in {', '.join(bad)}, on the retry too: the bytes "
-                                     f"change between the worker's device and ours; see the ERROR log lines "
-                                     f"client.digest_mismatch for the workers involved")
-            retried.add(k)
+                raise IntegrityError(f"reply to request {reply.request_id.hex()[:12]} differs from its worker's "
+                                     f"digest in {', '.join(bad)} on the retry too (first from worker {retried[k]}, "
+                                     f"then from worker {worker}): the bytes change between the worker's device "
+                                     f"and ours; see the ERROR lines client.digest_mismatch")
+            retried[k] = worker
             if header.get("nccl") and self._binding is not None:
                 self._binding.mark_broken(f"digest mismatch in a reply from worker {worker}")
             from spec_serve.binding import BOUND_KEYS
