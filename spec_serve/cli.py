@@ -17,6 +17,10 @@ import click
 from spec_serve import logs
 from spec_serve.cli_config import ConfigGroup
 
+# A packing worker's default budget of real tokens a packed forward takes from several requests: four
+# rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
+DEFAULT_PACKED_TOKENS = 8192
+
 
 def _ids(value: str | None) -> list[int] | None:
     if value is None or value == "":
@@ -138,14 +142,17 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
               help="DSpark layers, strictly increasing, -1 = embeddings [env SPEC_SERVE_DSPARK_LAYER_IDS].")
 @click.option("--capacity", default=None, type=int, envvar="SPEC_SERVE_CAPACITY",
               help="Requests held at once: one computing while the last reply is sent; default 2, or 8 with "
-                   "--max-batch-tokens (batching needs several queued) [env SPEC_SERVE_CAPACITY].")
-@click.option("--max-batch-tokens", default=0, type=int, envvar="SPEC_SERVE_MAX_BATCH_TOKENS", show_default=True,
-              help="Coalesce queued requests of the same kind, vocab and seq length into one forward of up to "
-                   "this many (padded) tokens; 0 = off. Bit-exact on CPU only; on a GPU it needs "
-                   "--inexact-batching [env SPEC_SERVE_MAX_BATCH_TOKENS].")
-@click.option("--inexact-batching", is_flag=True, envvar="SPEC_SERVE_INEXACT_BATCHING",
-              help="Allow --max-batch-tokens on a GPU, where a batched row differs in low bits from the row "
-                   "alone (kernels are picked by shape) [env SPEC_SERVE_INEXACT_BATCHING].")
+                   "--packing (requests share a packed forward only when several are queued) "
+                   "[env SPEC_SERVE_CAPACITY].")
+@click.option("--packing", is_flag=True, envvar="SPEC_SERVE_PACKING",
+              help="Run each request without its padding, queued requests of the same kind and vocab together "
+                   "in one packed sequence, attention confined to each row (hf engine; docs/packing.md). "
+                   "Results match the padded forward within a stated tolerance, not bit for bit "
+                   "[env SPEC_SERVE_PACKING].")
+@click.option("--max-batch-tokens", default=None, type=click.IntRange(min=0), envvar="SPEC_SERVE_MAX_BATCH_TOKENS",
+              help=f"With --packing: the most real tokens one packed forward takes from several queued requests "
+                   f"(a larger request runs alone; 0: every request alone) [{DEFAULT_PACKED_TOKENS}] "
+                   f"[env SPEC_SERVE_MAX_BATCH_TOKENS].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
                    "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")
@@ -155,7 +162,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
 @log_level_option
 def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           max_batch_tokens, inexact_batching, advertise_host, curve_secret_key, curve_server_key, log_level):
+           packing, max_batch_tokens, advertise_host, curve_secret_key, curve_server_key, log_level):
     """Run one worker (one target replica, one GPU) for the broker.
 
     \b
@@ -163,12 +170,14 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
       spec-serve worker --target /models/llama-3.1-8b --device cuda:0 --dtype bfloat16
       spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556
       spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
-      spec-serve worker --target ./tiny --max-batch-tokens 4096   # many small requests: one forward
+      spec-serve worker --target /models/llama --device cuda:0 --packing   # skip padding, pack requests
       spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
 
     The broker refuses a worker whose target (checkpoint fingerprint, layers, dtype, ...) differs
     from the service's: the worker then exits with status 1 and the reason.
     """
+    if max_batch_tokens is not None and not packing:
+        raise click.UsageError("--max-batch-tokens is the token budget of --packing: add --packing, or drop it")
     logs.setup(log_level)
     logs.quiet_transformers()
     from spec_serve.engines import EngineUnavailable, load_engine
@@ -182,11 +191,13 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     if capacity is None:
-        capacity = 8 if max_batch_tokens > 0 else 2
+        capacity = 8 if packing else 2
+    if max_batch_tokens is None:
+        max_batch_tokens = DEFAULT_PACKED_TOKENS if packing else 0
     try:
         w = Worker(engine_obj, broker_url, service=service, capacity=capacity, max_batch_tokens=max_batch_tokens,
                    advertise_host=advertise_host, security=_security(curve_secret_key, curve_server_key, None),
-                   inexact_batching=inexact_batching)
+                   packing=packing)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _serve_until_signal(w.stop)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import os
 import queue
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 import zmq
 
-from spec_serve import digest, wire
+from spec_serve import digest, packing, wire
 from spec_serve.contract import REQUEST_TENSORS, Kind
 from spec_serve.hostpool import HostBufferPool, Lease, to_host
 from spec_serve.logs import event
@@ -85,6 +84,16 @@ class WorkerRefused(RuntimeError):
     """The broker refused to register this worker (its target differs from the service's)."""
 
 
+def _check_packing(engine) -> None:
+    """``ValueError`` unless ``engine`` can run packed forwards (the hf engine, on a model that allows it)."""
+    if not hasattr(engine, "generate_packed"):
+        raise ValueError(f"packing needs the hf engine; engine {getattr(engine, 'engine', type(engine).__name__)!r} "
+                         f"has no packed forward (leave --packing off)")
+    reason = engine.packing_unsupported()
+    if reason is not None:
+        raise ValueError(f"packing is not possible for this model: {reason} (leave --packing off)")
+
+
 class RequestError(Exception):
     """A request the engine refused; ``code`` tells the client whether to retry."""
 
@@ -133,19 +142,18 @@ class Worker:
         context: zmq.Context | None = None,
         max_batch_tokens: int = 0,
         advertise_host: str | None = None,
-        inexact_batching: bool = False,
+        packing: bool = False,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if max_batch_tokens < 0:
-            raise ValueError("max_batch_tokens must be >= 0 (0 turns batching off)")
+            raise ValueError("max_batch_tokens must be >= 0 (0: each request packed alone)")
+        if max_batch_tokens and not packing:
+            raise ValueError("max_batch_tokens is the token budget of packed forwards: turn packing on "
+                             "(--packing) or leave it at 0")
+        if packing:
+            _check_packing(engine)
         device = torch.device(getattr(engine, "device", "cpu"))
-        if max_batch_tokens and device.type != "cpu" and not inexact_batching:
-            # Measured on an H200 (tests/test_batching.py, bf16): GPU GEMMs are picked by shape, so a row
-            # batched with others differs in low bits from the same row alone. Bit-equality is the contract.
-            raise ValueError(f"batching on {device} is not bit-exact (a row batched with others differs in low "
-                             f"bits from the row alone); pass inexact_batching=True (--inexact-batching) to "
-                             f"batch anyway, or leave batching off")
         self.engine = engine
         self.broker_url = broker_url
         self.service = service
@@ -172,10 +180,12 @@ class Worker:
         self.host_key = local_host_key() if local_ipc_enabled(True) else None
         self.replies_ipc = 0
         self.replies_tcp = 0
-        # Dynamic batching: queued generate jobs with the same kind, vocab, seq length and dtypes are
-        # coalesced into one forward of at most this many (padded) tokens; 0 = one job per forward.
+        # Packing (docs/packing.md): each generate request runs without its padding, and queued ones of
+        # the same kind and vocab share one packed forward of at most max_batch_tokens real tokens
+        # (0: each request alone). Off: every request runs padded, bit-equal to the colocated forward.
+        self.packing = bool(packing)
         self.max_batch_tokens = int(max_batch_tokens)
-        self.batches = 0  # forwards run for coalesced jobs (2 or more)
+        self.batches = 0  # packed forwards run for several requests
         # GPU outputs are copied into pooled pinned slabs, reused once ZeroMQ has sent them.
         self.host_pool = HostBufferPool(max_buffers=capacity + 2)
         self.device = device
@@ -417,13 +427,13 @@ class Worker:
                 if backlog[0].control is not None:  # bind/release, in order with the jobs before it
                     self._pair_control(backlog.popleft(), wake)
                     continue
-                if self.max_batch_tokens <= 0:
+                if not self.packing or self.max_batch_tokens <= 0:
                     result = self.serve(backlog.popleft())
                     self._results.put(result)
                     wake.send(b"")
                     self._pair_send([result])
                     continue
-                while True:  # everything queued now is a batching candidate
+                while True:  # everything queued now may share the packed forward
                     try:
                         job = self._jobs.get_nowait()
                     except queue.Empty:
@@ -528,8 +538,11 @@ class Worker:
         kind = Kind.parse(job.header.get("kind", Kind.EAGLE3.value))
         tensors = self._request_tensors(job)
         self._select_mapping(kind, job)
-        out = self.engine.generate_batch(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"],
-                                         kind=kind.value)
+        request = tuple(tensors[n] for n in REQUEST_TENSORS)
+        if self.packing and packing.row_lengths(tensors["attention_mask"], tensors["loss_mask"]) is not None:
+            out = self.engine.generate_packed([request], kind=kind.value)[0]
+        else:  # not packing, or a request packing cannot take (left padding, loss on padding): padded
+            out = self.engine.generate_batch(*request, kind=kind.value)
         tokens = int(tensors["attention_mask"].sum())
         return out, tokens
 
@@ -552,16 +565,11 @@ class Worker:
                 self.engine.set_vocab_mapping(*self._mapping(digest))
                 self._current_mapping = digest
 
-    # ------------------------------------------------------ dynamic batching
+    # ------------------------------------------------------------- packing
 
-    def _batch_key(self, job: Job):
-        """What must match for two jobs to share a forward, and the job's padded tokens; None if unbatchable.
-
-        Only generate jobs of the same kind, vocab mapping, sequence length and request dtypes coalesce:
-        rows are concatenated along the batch dimension and nothing is re-padded, so every row sees
-        exactly the shapes it would alone. (On CPU, fp32 and bf16, a row's outputs were checked
-        bit-identical batched and alone; see BENCHMARKS.md.)
-        """
+    def _pack_key(self, job: Job):
+        """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
+        job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
         if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value or job.header.get("nccl") \
                 or job.control is not None:
             return None
@@ -570,33 +578,35 @@ class Worker:
             ids = tensors["input_ids"]
             if ids.dim() != 2 or any(t.shape != ids.shape for t in tensors.values()):
                 return None
+            lengths = packing.row_lengths(tensors["attention_mask"], tensors["loss_mask"])
         except (RequestError, wire.WireError, ValueError):
             return None  # served alone, which reports the error
-        key = (job.header.get("kind", Kind.EAGLE3.value), job.header.get("vocab"), ids.shape[1],
-               tuple(str(tensors[n].dtype) for n in REQUEST_TENSORS))
-        return key, ids.shape[0] * ids.shape[1]
+        if lengths is None:
+            return None
+        return (job.header.get("kind", Kind.EAGLE3.value), job.header.get("vocab")), sum(lengths)
 
     def _take_group(self, backlog: collections.deque) -> list[Job]:
-        """Pop the oldest job and every later compatible one that fits the token budget (order kept)."""
+        """Pop the oldest job and every later one that can share its packed forward within the token
+        budget (order kept). The scan stops at a bind/release, which must run in order."""
         first = backlog.popleft()
-        head = self._batch_key(first)
+        head = self._pack_key(first)
         if head is None or head[1] >= self.max_batch_tokens:
             return [first]
         key, tokens = head
         group, rest = [first], collections.deque()
-        while backlog:
+        while backlog and backlog[0].control is None:
             job = backlog.popleft()
-            other = self._batch_key(job)
+            other = self._pack_key(job)
             if other is not None and other[0] == key and tokens + other[1] <= self.max_batch_tokens:
                 group.append(job)
                 tokens += other[1]
             else:
                 rest.append(job)
-        backlog.extend(rest)
+        backlog.extendleft(reversed(rest))
         return group
 
     def serve_group(self, jobs: list[Job]) -> list[Result]:
-        """Serve compatible jobs with one forward and split the result per job; one job: ``serve``."""
+        """Serve jobs with one packed forward and split the result per job; one job: ``serve``."""
         if len(jobs) == 1:
             return [self.serve(jobs[0])]
         start = time.perf_counter()
@@ -605,17 +615,15 @@ class Worker:
             kind = Kind.parse(jobs[0].header.get("kind", Kind.EAGLE3.value))
             parts = [self._request_tensors(job) for job in jobs]
             self._select_mapping(kind, jobs[0])
-            merged = {n: torch.cat([p[n] for p in parts], dim=0) for n in REQUEST_TENSORS}
-            out = self.engine.generate_batch(merged["input_ids"], merged["attention_mask"], merged["loss_mask"],
-                                             kind=kind.value)
-            bounds = list(itertools.accumulate((p["input_ids"].shape[0] for p in parts), initial=0))
-            integrity = self._integrity(jobs, [{k: v[lo:hi] for k, v in out.items()}
-                                               for lo, hi in zip(bounds, bounds[1:])])
-            host, lease, ready = to_host(out, self.host_pool, self._copy_stream)
-            results = []
+            outs = self.engine.generate_packed([tuple(p[n] for n in REQUEST_TENSORS) for p in parts], kind=kind.value)
+            integrity = self._integrity(jobs, outs)
+            # One host slab for the whole forward, as for one reply; each reply releases it once.
+            host, lease, ready = to_host({(i, k): v for i, out in enumerate(outs) for k, v in out.items()},
+                                         self.host_pool, self._copy_stream)
             elapsed = round(time.perf_counter() - start, 6)
-            for job, part, lo, hi, checks in zip(jobs, parts, bounds, bounds[1:], integrity):
-                frames = wire.encode({k: v[lo:hi] for k, v in host.items()})
+            results = []
+            for i, (job, part, checks) in enumerate(zip(jobs, parts, integrity)):
+                frames = wire.encode({k: host[(i, k)] for k in outs[i]})
                 header = {"worker": self.name, "compute_s": elapsed, "batched": len(jobs), **checks}
                 results.append(Result(job, Status.OK, header, frames, int(part["attention_mask"].sum()), lease, ready))
             if lease is not None:

@@ -8,6 +8,7 @@ computes them. Only the draft-vocab slice is ever softmaxed in float32.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from spec_serve import contract
+from spec_serve import contract, packing
 from spec_serve.compact import eagle3_targets, shift_left
 from spec_serve.vocab import VocabMappingSlot
 from spec_serve.contract import Kind, TargetInfo
@@ -250,13 +251,16 @@ class HFTarget:
 
         return capture_output
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: Sequence[int]):
-        """Final-norm output ``[B,S,H]`` and ``{layer_id: HF hidden_states[layer_id+1]}`` for ``layer_ids``."""
+    def _forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int], **model_kwargs):
+        """Final-norm output and ``{layer_id: HF hidden_states[layer_id+1]}`` for ``layer_ids``, shaped like
+        ``input_ids`` plus a hidden dimension. ``model_kwargs``: attention_mask, or the packed inputs."""
         with self._forward_lock:
             self._wanted = frozenset(layer_ids)
             self._captured = {}
             try:
-                out = self._base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
+                with packing.row_attention(self.model) if packing.SEGMENTS_KWARG in model_kwargs \
+                        else contextlib.nullcontext():
+                    out = self._base(input_ids=input_ids, use_cache=False, return_dict=True, **model_kwargs)
                 last = out.last_hidden_state
                 captured = dict(self._captured)
             finally:
@@ -266,6 +270,58 @@ class HFTarget:
         captured[self.num_layers - 1] = last
         # Spread over devices, a layer's output is on its own device (.to is a no-op on one device).
         return last, {i: captured[i].to(self.device) for i in layer_ids}
+
+    def _per_token(self, kind: Kind, mapping, input_ids: torch.Tensor, **model_kwargs) -> dict[str, torch.Tensor]:
+        """The forward's outputs for each token of ``input_ids``, before the contract shifts anything.
+
+        Logits are computed and reduced here (full-vocab argmax; draft-vocab slice for EAGLE-3), so
+        the full-vocab buffer never outlives this call and a packed forward never spends lm_head on
+        padding. Zeros at a position mean "no token": argmax 0, uniform draft probabilities.
+        """
+        if kind is Kind.DSPARK:
+            last, layers = self._forward(input_ids, self.dspark_layer_ids, **model_kwargs)
+            return {"target_hidden_states": torch.cat([layers[i] for i in self.dspark_layer_ids], dim=-1),
+                    "target_last_hidden_states": last}
+        last, layers = self._forward(input_ids, self.aux_layer_ids, **model_kwargs)
+        out = {"aux_hidden_states": torch.cat([layers[i] for i in self.aux_layer_ids], dim=-1)}
+        # Same op on the same tensor as LlamaForCausalLM.forward, so equal to model(...).logits.
+        # Full-vocab logits stay in the model dtype: at V=152k, fp32 would double the largest buffer.
+        logits = self._lm_head(last)
+        out["argmax"] = logits.argmax(dim=-1)
+        if kind is Kind.EAGLE3_COMPACT:
+            out["last_hidden_states"] = last
+        else:
+            out["draft_logits"] = logits.index_select(-1, mapping[0])
+        return out
+
+    def _contract(self, kind: Kind, mapping, per_token: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                  loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The contract tensors of one padded ``[B,S]`` request from its per-token outputs (``_per_token``).
+
+        ``mapping``: the draft-vocab mapping on the device, read once per call so that a concurrent
+        ``set_vocab_mapping`` cannot mix two mappings into one answer.
+        """
+        if kind is Kind.DSPARK:
+            return {**per_token, "input_ids": input_ids, "loss_mask": loss_mask}
+        argmax = shift_left(per_token["argmax"])
+        shifted_ids, shifted_loss = shift_left(input_ids), shift_left(loss_mask)
+        if kind is Kind.EAGLE3_COMPACT:
+            return {
+                "aux_hidden_states": per_token["aux_hidden_states"],
+                "last_hidden_states": per_token["last_hidden_states"],
+                "argmax_ids": argmax.to(torch.int32),
+                "input_ids": shifted_ids,
+                "loss_mask": shifted_loss,
+            }
+        target_probs, position_mask = eagle3_targets(per_token["draft_logits"][:, 1:], argmax, mapping[1],
+                                                     shifted_loss)
+        return {
+            "aux_hidden_states": per_token["aux_hidden_states"],
+            "target_probs": target_probs,
+            "position_mask": position_mask,
+            "input_ids": shifted_ids,
+            "loss_mask": shifted_loss,
+        }
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -282,49 +338,56 @@ class HFTarget:
         Inputs may live on any device; outputs are on the engine's device. ``ValueError`` for an
         invalid request, ``RuntimeError`` for EAGLE-3 before ``set_vocab_mapping``.
         """
+        kind = self._check_request(kind, input_ids, attention_mask, loss_mask)
+        input_ids = input_ids.to(self.device, torch.int64)
+        attention_mask = attention_mask.to(self.device, torch.int64)
+        loss_mask = loss_mask.to(self.device)
+        mapping = self._vocab.on_device
+        per_token = self._per_token(kind, mapping, input_ids, attention_mask=attention_mask)
+        return self._contract(kind, mapping, per_token, input_ids, loss_mask)
+
+    @torch.inference_mode()
+    def generate_packed(
+        self,
+        requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        kind: "str | Kind" = "eagle3",
+    ) -> list[dict[str, torch.Tensor]]:
+        """``generate_batch`` for each ``(input_ids, attention_mask, loss_mask)`` request, in one packed forward.
+
+        The real tokens of every row of every request run as one sequence, each row attending only to
+        itself (``spec_serve.packing``); the results come back in each request's padded layout. They
+        match ``generate_batch`` of each request alone at real positions up to kernel rounding
+        (``packing.TOLERANCE``); padded positions hold what docs/packing.md states. ``ValueError``
+        for an invalid request or one that cannot be packed (``packing.row_lengths``).
+        """
+        kind = Kind.parse(kind)
+        for request in requests:
+            self._check_request(kind, *request)
+        reason = self.packing_unsupported()
+        if reason is not None:
+            raise NotImplementedError(reason)
+        layout = packing.PackedLayout.build(requests).to(self.devices[0], self.device)
+        mapping = self._vocab.on_device
+        per_token = self._per_token(kind, mapping, layout.input_ids, position_ids=layout.position_ids,
+                                    **{packing.SEGMENTS_KWARG: layout.segments})
+        outputs = []
+        for i, (input_ids, _, loss_mask) in enumerate(requests):
+            padded = {name: layout.scatter(t, i) for name, t in per_token.items()}
+            outputs.append(self._contract(kind, mapping, padded, input_ids.to(self.device, torch.int64),
+                                          loss_mask.to(self.device)))
+        return outputs
+
+    def packing_unsupported(self) -> str | None:
+        """Why this model cannot run ``generate_packed``, or None if it can."""
+        reason = packing.unsupported_reason(self.model)
+        return None if reason is None else f"{self.model_name}: {reason}"
+
+    def _check_request(self, kind: "str | Kind", input_ids, attention_mask, loss_mask) -> Kind:
         kind = Kind.parse(kind)
         contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
         if kind is Kind.EAGLE3 and self._vocab.on_device is None:
             raise RuntimeError("EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping() first")
-        input_ids = input_ids.to(self.device, torch.int64)
-        attention_mask = attention_mask.to(self.device, torch.int64)
-        loss_mask = loss_mask.to(self.device)
-
-        if kind is Kind.DSPARK:
-            last, layers = self._forward(input_ids, attention_mask, self.dspark_layer_ids)
-            return {
-                "target_hidden_states": torch.cat([layers[i] for i in self.dspark_layer_ids], dim=-1),
-                "target_last_hidden_states": last,
-                "input_ids": input_ids,
-                "loss_mask": loss_mask,
-            }
-
-        last, layers = self._forward(input_ids, attention_mask, self.aux_layer_ids)
-        aux = torch.cat([layers[i] for i in self.aux_layer_ids], dim=-1)
-        # Same op on the same tensor as LlamaForCausalLM.forward, so equal to model(...).logits.
-        # Full-vocab logits stay in the model dtype: at V=152k, fp32 would double the largest buffer.
-        logits = self._lm_head(last)
-        argmax = shift_left(logits.argmax(dim=-1))
-        shifted_ids, shifted_loss = shift_left(input_ids), shift_left(loss_mask)
-        if kind is Kind.EAGLE3_COMPACT:
-            return {
-                "aux_hidden_states": aux,
-                "last_hidden_states": last,
-                "argmax_ids": argmax.to(torch.int32),
-                "input_ids": shifted_ids,
-                "loss_mask": shifted_loss,
-            }
-        selected_ids, selected_mask = self._vocab.on_device
-        next_draft_logits = logits[:, 1:].index_select(-1, selected_ids)
-        del logits  # free the full-vocab buffer before the float32 softmax allocates
-        target_probs, position_mask = eagle3_targets(next_draft_logits, argmax, selected_mask, shifted_loss)
-        return {
-            "aux_hidden_states": aux,
-            "target_probs": target_probs,
-            "position_mask": position_mask,
-            "input_ids": shifted_ids,
-            "loss_mask": shifted_loss,
-        }
+        return kind
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Install the draft-vocab mapping EAGLE-3 batches are computed with (``ValueError`` if invalid)."""

@@ -1,0 +1,232 @@
+"""Packed variable-length forwards: the real tokens of several right-padded rows as one sequence.
+
+A padded ``[B,S]`` batch spends its forward on padding. Packing drops it: the real tokens of every
+row of one or several requests are laid end to end as one ``[1,T]`` sequence (``T`` = the real
+tokens), ``position_ids`` restart at 0 for each row, and attention is confined to each row (the
+*document mask*: a token attends to the earlier tokens of its own row only, causal, block
+diagonal). The mask is never materialised: ``segment_attention`` registers an attention function
+with transformers' ``AttentionInterface`` that runs SDPA with ``is_causal=True`` once per row,
+on that row's slice of the packed queries, keys and values. Everything else (projections, MLPs,
+norms, lm_head) runs once over the packed tokens. So the work is that of the real tokens alone,
+and each row computes exactly what it computes alone (up to kernel choice: see ``TOLERANCE``).
+
+After the forward the per-token outputs are scattered back into each request's padded ``[B,S]``
+layout (``PackedLayout.scatter``), zeros at padding, before the contract's shifts (see
+docs/packing.md for what lands at padded positions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+ATTENTION = "spec_serve_packed_rows"
+# The keyword that carries the row bounds ((start, end) of each row in the packed sequence) through
+# the model's forward to ``_row_attention``; transformers passes unknown keywords on to attention.
+SEGMENTS_KWARG = "spec_serve_segments"
+
+
+def row_lengths(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> list[int] | None:
+    """Each row's real length, if the batch can be packed; else None (serve it padded).
+
+    Packable: every row right-padded (its attention mask a run of ones, then zeros) and no loss on
+    padding (a trainer's padding never carries loss; with it the padded forward's garbage at padded
+    positions would reach ``position_mask``).
+    """
+    if attention_mask.dim() != 2 or loss_mask.shape != attention_mask.shape:
+        return None  # not a valid request: the padded path reports why
+    seq = attention_mask.shape[1]
+    real = attention_mask.bool()
+    lengths = real.sum(dim=1)
+    prefix = torch.arange(seq, device=real.device)[None, :] < lengths[:, None]
+    if not torch.equal(real, prefix) or bool((loss_mask.bool() & ~prefix).any()):
+        return None
+    return [int(n) for n in lengths.tolist()]
+
+
+@dataclasses.dataclass
+class PackedLayout:
+    """Where each request's real tokens lie in the packed sequence, and the packed inputs."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T], 0..n-1 for each row
+    segments: tuple[tuple[int, int], ...]  # (start, end) of each non-empty row in [0, T)
+    spans: list[tuple[int, int]]  # (start, end) of each request's tokens in [0, T)
+    real: list[torch.Tensor]  # each request's flat indices of real positions in its [B*S]
+    shapes: list[tuple[int, int]]  # each request's [B, S]
+
+    @classmethod
+    def build(cls, requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> "PackedLayout":
+        """Pack ``(input_ids, attention_mask, loss_mask)`` requests in order; ``ValueError`` if one is
+        not packable (see ``row_lengths``). Built where the inputs are, usually on the host."""
+        ids, positions, segments, spans, real, shapes = [], [], [], [], [], []
+        offset = 0
+        for i, (input_ids, attention_mask, loss_mask) in enumerate(requests):
+            lengths = row_lengths(attention_mask, loss_mask)
+            if lengths is None:
+                raise ValueError(f"request {i} cannot be packed: rows must be right-padded, with no loss on padding")
+            mask = attention_mask.bool()
+            ids.append(input_ids[mask].to(torch.int64))
+            positions.extend(torch.arange(n) for n in lengths)
+            start = offset
+            for n in lengths:
+                if n:
+                    segments.append((offset, offset + n))
+                offset += n
+            spans.append((start, offset))
+            real.append(mask.flatten().nonzero().squeeze(1))
+            shapes.append(tuple(input_ids.shape))
+        if offset == 0:
+            raise ValueError("nothing to pack: every row is empty")
+        return cls(torch.cat(ids)[None], torch.cat(positions)[None], tuple(segments), spans, real, shapes)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, inputs: torch.device, outputs: torch.device) -> "PackedLayout":
+        """The packed inputs on the model's input device, the scatter indices where its outputs land."""
+        return dataclasses.replace(self, input_ids=self.input_ids.to(inputs), position_ids=self.position_ids.to(inputs),
+                                   real=[r.to(outputs) for r in self.real])
+
+    def scatter(self, packed: torch.Tensor, request: int) -> torch.Tensor:
+        """Request ``request``'s slice of a packed per-token tensor ``[1,T,...]`` in its padded layout
+        ``[B,S,...]``, zeros at padded positions."""
+        start, end = self.spans[request]
+        batch, seq = self.shapes[request]
+        out = packed.new_zeros(batch * seq, *packed.shape[2:])
+        out.index_copy_(0, self.real[request], packed[0, start:end])
+        return out.view(batch, seq, *packed.shape[2:])
+
+
+def _row_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: causal SDPA within each packed row, never across rows.
+
+    ``query`` ``[1, heads, T, D]`` (keys and values with their own head count); returns
+    ``([1, T, heads, D], None)`` as every transformers attention function does. Each row goes through
+    transformers' own SDPA function with no mask and ``is_causal=True`` (on CUDA: the flash kernel).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
+    if segments is None or attention_mask is not None or query.shape[0] != 1:
+        raise RuntimeError(f"attention {ATTENTION!r} runs packed forwards only (HFTarget.generate_packed)")
+    outputs = [
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
+                               scaling=scaling, is_causal=True, **kwargs)[0]
+        for s, e in segments
+    ]
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot run packed forwards, or None if it can.
+
+    Packing swaps the model's attention function, so the model must dispatch attention through
+    transformers' ``AttentionInterface``; and every layer must attend causally to all earlier tokens
+    (a sliding window or other per-layer mask would be lost, since the packed forward passes none).
+    """
+    config = model.config
+    if not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        return f"its layers are not all full attention ({sorted(layer_types)})"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return f"it uses sliding-window attention (sliding_window={config.sliding_window})"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "it soft-caps attention logits"
+    return None
+
+
+@contextlib.contextmanager
+def row_attention(model) -> Iterator[None]:
+    """Within this block ``model`` attends within packed rows (pass ``SEGMENTS_KWARG`` to its forward).
+
+    The attention implementation is a config field read at every forward, so the caller must hold
+    the model for the whole block (HFTarget's forward lock does).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _row_attention)  # idempotent
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+# -- how close a packed answer is to the padded forward's ----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far a packed answer may lie from the padded forward's, over real positions (``compare``)."""
+
+    max_error: float  # float tensors: max |packed - padded| / max(1, max |padded|)
+    rel_norm: float  # float tensors: ||packed - padded|| / ||padded||
+    flip_rate: float  # argmax_ids, position_mask: the fraction of compared positions that differ
+
+
+# By the model's dtype. float32: the kernels differ by shape only (measured on CPU: max error 1e-6).
+# bfloat16: one rounding of a hidden state is 2^-8 of it, and shapes change GEMM reduction orders
+# (BENCHMARKS.md has the measured errors).
+TOLERANCE = {
+    torch.float32: Tolerance(max_error=1e-5, rel_norm=1e-5, flip_rate=0.0),
+    torch.bfloat16: Tolerance(max_error=0.25, rel_norm=5e-2, flip_rate=0.01),
+    torch.float16: Tolerance(max_error=0.05, rel_norm=1e-2, flip_rate=0.01),
+}
+# Tensors that hold the *next* token's target at each position: compared where the next token is real.
+_NEXT_TOKEN = frozenset({"target_probs", "argmax_ids"})
+_FLIPS = frozenset({"argmax_ids", "position_mask"})
+_EXACT = frozenset({"input_ids", "loss_mask"})
+
+
+def compare(packed: Mapping[str, torch.Tensor], padded: Mapping[str, torch.Tensor],
+            attention_mask: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per tensor, how far a packed answer lies from the padded forward's, over real positions.
+
+    Real positions: those of real tokens for hidden states; those whose next token is real for
+    ``target_probs`` and ``argmax_ids``; all for ``position_mask`` (False at padding in both, as
+    packing requires no loss there), ``input_ids`` and ``loss_mask`` (exact: they are the inputs).
+    """
+    real = attention_mask.bool()
+    next_real = torch.zeros_like(real)
+    next_real[:, :-1] = real[:, 1:]
+    report: dict[str, dict[str, float]] = {}
+    for name, want in padded.items():
+        got = packed.get(name)
+        if got is None or got.shape != want.shape or got.dtype != want.dtype:
+            report[name] = {"mismatch": 1.0}
+            continue
+        got = got.to(want.device)
+        if name in _EXACT:
+            report[name] = {"mismatch": float(not torch.equal(got, want))}
+            continue
+        where = (next_real if name in _NEXT_TOKEN else torch.ones_like(real) if name == "position_mask" else real)
+        g, w = got[where.to(want.device)], want[where.to(want.device)]
+        if name in _FLIPS:
+            report[name] = {"flip_rate": float((g != w).float().mean()) if w.numel() else 0.0}
+            continue
+        g, w = g.float(), w.float()
+        diff = (g - w).abs()
+        report[name] = {
+            "max_error": float(diff.max() / w.abs().max().clamp_min(1.0)) if w.numel() else 0.0,
+            "rel_norm": float(diff.norm() / w.norm().clamp_min(1e-12)) if w.numel() else 0.0,
+        }
+    return report
+
+
+def violations(report: Mapping[str, Mapping[str, float]], tolerance: Tolerance) -> list[str]:
+    """What in a ``compare`` report exceeds ``tolerance``, one line each; empty if all is within it."""
+    out = []
+    for name, measures in report.items():
+        for measure, value in measures.items():
+            bound = 0.0 if measure == "mismatch" else getattr(tolerance, measure)
+            if value > bound:
+                out.append(f"{name}: {measure} {value:.3g} > {bound:.3g}")
+    return out
