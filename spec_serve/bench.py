@@ -12,9 +12,14 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   remote_1w*_own_gpu  the same two with the client on the last device (a trainer's own GPU)
   remote_2w           two workers, each batch sharded in two (num_shards=2)
   remote_2w_compact
-  small_unbatched     many small requests from several ranks, one worker without batching
-  small_batched       the same against a worker started with --max-batch-tokens (on a GPU also
-                      --inexact-batching: there batched rows are not bit-equal to unbatched ones)
+  colocated_packed    HFTarget.generate_packed on each batch in this process: the padding dropped,
+                      rows packed into one sequence (docs/packing.md); every timed batch verified
+                      against the colocated padded forward within packing.TOLERANCE (verified=N/N)
+  remote_1w_packed    through the broker to one worker started with --packing (queued requests may
+                      share a packed forward); every timed batch verified the same way
+  small_unbatched     many small requests from several ranks, one worker without packing
+  small_batched       the same against a worker started with --packing --max-batch-tokens, so
+                      queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
   broker_null         transport only: a worker whose engine returns ready tensors of the EAGLE-3
                       reply size, through the broker (request via broker, reply straight back)
   direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
@@ -34,6 +39,15 @@ run of thousands of steps never drains the pipeline; an 8-batch run that counted
 charge one reply transfer, about 5%, to every figure). ``--repeat N`` runs N rounds in alternating
 order and reports medians of per-round ratios.
 
+Row lengths (``--lengths``): ``full`` (default) fills every row to ``--seq``. ``lognormal`` draws each
+row's length from a log-normal distribution with median ``0.293 * seq`` (600 tokens at ``--seq 2048``)
+and sigma 0.8, rounded and clipped to ``[2, seq]``, seeded per batch; or ``PATH.jsonl`` replays a
+dataset's lengths: one JSON object a line, ``{"length": N}`` or ``{"input_ids": [...]}`` (its length
+counts), truncated to ``--seq``, rows drawn uniformly with replacement (seeded). Either way each batch
+is right-padded to its longest row, as a trainer's collator pads: with 4 rows, log-normal batches are
+about 58% real tokens. Figures report useful (non-pad) tokens/s, which the ratios compare, next to
+padded tokens/s (rows x padded length).
+
 Also reported: bytes per token of the full and compact EAGLE-3 replies, measured on the target and
 computed analytically at the Llama-3.1-8B shape.
 """
@@ -43,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -105,6 +120,7 @@ class BenchConfig:
     only: tuple[str, ...] = ()
     log_dir: str | None = None
     repeat: int = 1  # rounds over the scenarios, alternating their order; figures are per-round medians
+    lengths: str = "full"  # row lengths: "full", "lognormal" or a JSONL file (see the module doc)
 
 
 def bytes_per_token(hidden: int, draft_vocab: int, dtype_bytes: int = 2, mask_bytes: int = 8) -> dict[str, int]:
@@ -120,11 +136,56 @@ def _sync(device: torch.device) -> None:
 
 def make_batch(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full-length rows (every token counts), random ids, loss on the last three quarters."""
+    return padded_batch([seq] * batch, vocab, seed)
+
+
+# The log-normal workload: median LOGNORMAL_MEDIAN_SHARE * seq, spread LOGNORMAL_SIGMA (ln units). At
+# seq 2048: median 600, 6% of rows at the cap, about 55% of a 4-row batch real tokens (issue 16).
+LOGNORMAL_MEDIAN_SHARE = 600 / 2048
+LOGNORMAL_SIGMA = 0.8
+
+
+def row_lengths(spec: str, batches: int, rows: int, seq: int) -> list[list[int]]:
+    """Each batch's row lengths for the ``--lengths`` spec (see the module doc); batch ``i`` uses seed ``i``."""
+    if spec == "full":
+        return [[seq] * rows for _ in range(batches)]
+    if spec == "lognormal":
+        median = math.log(LOGNORMAL_MEDIAN_SHARE * seq)
+        draws = [torch.randn(rows, generator=torch.Generator().manual_seed(i)) for i in range(batches)]
+        return [[min(seq, max(2, round(math.exp(median + LOGNORMAL_SIGMA * float(z))))) for z in d] for d in draws]
+    pool = _jsonl_lengths(Path(spec))
+    picks = [torch.randint(len(pool), (rows,), generator=torch.Generator().manual_seed(i)) for i in range(batches)]
+    return [[min(seq, max(2, pool[int(j)])) for j in p] for p in picks]
+
+
+def _jsonl_lengths(path: Path) -> list[int]:
+    if not path.is_file():
+        raise ValueError(f"--lengths {path}: not 'full', 'lognormal' or an existing JSONL file")
+    lengths = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            n = int(row["length"]) if "length" in row else len(row["input_ids"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path}:{number}: expected {{\"length\": N}} or {{\"input_ids\": [...]}}") from None
+        lengths.append(n)
+    if not lengths:
+        raise ValueError(f"{path}: no rows")
+    return lengths
+
+
+def padded_batch(lengths: list[int], vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of these lengths, right-padded (pad id 0) to the longest; random ids, loss on each row's last
+    three quarters. All lengths equal to ``seq``: the same batch as ``make_batch``."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    attn = torch.ones(batch, seq, dtype=torch.int64)
-    loss = torch.zeros(batch, seq, dtype=torch.int64)
-    loss[:, seq // 4 :] = 1
+    batch, seq = len(lengths), max(lengths)
+    positions = torch.arange(seq)[None, :]
+    n = torch.tensor(lengths)[:, None]
+    attn = (positions < n).to(torch.int64)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen) * attn
+    loss = attn * (positions >= n // 4)
     return ids, attn, loss
 
 
@@ -132,74 +193,126 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _figure(name: str, tokens: int, nbytes: int, seconds: float, **extra) -> dict[str, Any]:
-    return {"scenario": name, "tokens": tokens, "bytes": nbytes, "seconds": round(seconds, 6),
-            "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
-            "gb_per_s": round(nbytes / seconds / 1e9, 4) if seconds else None, **extra}
+def _figure(name: str, tokens: int, nbytes: int, seconds: float, padded_tokens: int | None = None,
+            **extra) -> dict[str, Any]:
+    """One scenario's figure: ``tokens`` are useful (real) tokens; ``padded_tokens`` what the padded
+    batches held (rows x padded length), where the scenario ran training batches."""
+    figure = {"scenario": name, "tokens": tokens, "bytes": nbytes, "seconds": round(seconds, 6),
+              "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+              "gb_per_s": round(nbytes / seconds / 1e9, 4) if seconds else None}
+    if padded_tokens is not None:
+        figure.update(padded_tokens=padded_tokens,
+                      padded_tokens_per_s=round(padded_tokens / seconds, 1) if seconds else None)
+    return {**figure, **extra}
+
+
+def _tokens(batches) -> tuple[int, int]:
+    """(real, padded) tokens of host batches (counted on the host: no device sync in a timed loop)."""
+    return sum(int(b[1].sum()) for b in batches), sum(b[1].numel() for b in batches)
+
+
+def verify_packed(engine, batches, outputs) -> dict[str, Any]:
+    """Each packed answer against the colocated padded forward of its batch (``packing.compare``).
+
+    Returns ``verified`` "N/M" (M batches, N within ``packing.TOLERANCE`` for the model's dtype), the
+    tolerance, the worst value of each measure over all batches, and ``status: INVALID`` unless N == M.
+    """
+    from spec_serve import packing
+
+    tolerance = packing.TOLERANCE[engine.model.dtype]
+    worst: dict[str, float] = {}
+    passed, failures = 0, []
+    for b, out in zip(batches, outputs):
+        report = packing.compare(out, engine.generate_batch(*b, kind="eagle3"), b[1].to(engine.device))
+        for name, measures in report.items():
+            for measure, value in measures.items():
+                worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
+        bad = packing.violations(report, tolerance)
+        passed += not bad
+        failures += bad[:1]
+    result = {"verified": f"{passed}/{len(outputs)}", "tolerance": dataclasses.asdict(tolerance),
+              "worst": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())}}
+    if passed != len(outputs) or not outputs:
+        result.update(status="INVALID", first_failures=failures[:3])
+    return result
 
 
 # ------------------------------------------------------------------- colocated
 
 
-def run_colocated(ctx: "Context", compact: bool) -> dict[str, Any]:
+def run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[str, Any]:
+    """The target's own forward, batch after batch: padded (what a trainer runs), compact, or packed
+    (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it; verified after)."""
     from spec_serve.compact import expand_compact, lm_head_slice
 
-    engine, device = ctx.engine(), ctx.device
+    engine, device, warmup = ctx.engine(), ctx.device, ctx.cfg.warmup
     weight = lm_head_slice(engine.get_output_embeddings().weight, ctx.mapping[0]) if compact else None
     mask = ctx.mapping[1].to(device)
-    batches = [tuple(t.to(device) for t in b) for b in ctx.batches]
-    tokens = nbytes = 0
-    start = 0.0
+    batches = ctx.batches if packed else [tuple(t.to(device) for t in b) for b in ctx.batches]
+    nbytes, start, outputs = 0, 0.0, []
     for i, b in enumerate(batches):
-        if i == ctx.cfg.warmup:
+        if i == warmup:
             _sync(device)
-            start, tokens, nbytes = time.perf_counter(), 0, 0
+            start, nbytes, outputs = time.perf_counter(), 0, []
         if compact:
             out = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), weight, mask)
+        elif packed:
+            out = engine.generate_packed([b], kind="eagle3")[0]
+            outputs.append(out)
         else:
             out = engine.generate_batch(*b, kind="eagle3")
-        tokens += int(b[1].sum())
         nbytes += _nbytes(out)
     _sync(device)
-    return _figure("colocated_compact" if compact else "colocated", tokens, nbytes, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    tokens, padded = _tokens(ctx.batches[warmup:])
+    name = "colocated_compact" if compact else "colocated_packed" if packed else "colocated"
+    checked = verify_packed(engine, ctx.batches[warmup:], outputs) if packed else {}
+    return _figure(name, tokens, nbytes, seconds, padded, **checked)
 
 
 # ---------------------------------------------------------------------- remote
 
 
 def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str,
-               nccl: bool = False, own_device: bool = False, local_ipc: bool | None = None) -> dict[str, Any]:
+               nccl: bool = False, own_device: bool = False, local_ipc: bool | None = None,
+               packed: bool = False) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
     flight) and the clock runs from the completion of the last warm-up batch to that of the last
-    batch, so the figure excludes filling and draining the pipeline, as a long training run would."""
+    batch, so the figure excludes filling and draining the pipeline, as a long training run would.
+    ``packed``: the service's worker packs; every timed batch is verified afterwards."""
     from spec_serve.client import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
     # NCCL, where it must: two ranks of one NCCL group cannot share a GPU.
     device = torch.device(ctx.cfg.devices[-1]) if nccl or own_device else ctx.device
     warmup = max(ctx.cfg.warmup, 1)
+    batches = ctx.batches[: warmup + ctx.cfg.steps]
     with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl,
                            local_ipc=local_ipc) as client:
         client.set_vocab_mapping(*ctx.mapping)
         done_at: dict[int, float] = {}
         futures = []
-        for i, b in enumerate(ctx.batches[: warmup + ctx.cfg.steps]):
+        for i, b in enumerate(batches):
             future = client.generate_batch_async(*b, kind="eagle3")
             future.add_done_callback(lambda _, i=i: done_at.setdefault(i, time.perf_counter()))
-            futures.append((int(b[1].sum()), future))
-        tokens = nbytes = 0
-        for i, (n, f) in enumerate(futures):
+            futures.append(future)
+        nbytes, outputs = 0, []
+        for i, f in enumerate(futures):
             out = f.result()
             if i >= warmup:
-                tokens += n
                 nbytes += _nbytes(out)
+                if packed:
+                    outputs.append(out)
         _sync(device)
         seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
+        tokens, padded = _tokens(batches[warmup:])
         wire_kind = "eagle3_compact" if compact else "eagle3"
-        return _figure(name, tokens, nbytes, seconds, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
+        checked = verify_packed(ctx.engine(), batches[warmup:], outputs) if packed else {}
+        return _figure(name, tokens, nbytes, seconds, padded, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
                        retried=client.stats.retried, nccl_batches=client.stats.nccl_batches,
-                       nccl_fallbacks=client.stats.nccl_fallbacks, local_replies=client.stats.local_replies)
+                       nccl_fallbacks=client.stats.nccl_fallbacks, local_replies=client.stats.local_replies,
+                       batched=client.stats.batched, **checked)
 
 
 def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
@@ -493,9 +606,10 @@ class Context:
         self.config = json.loads((Path(self.target) / "config.json").read_text())
         vocab = int(self.config["vocab_size"])
         self.info = {"vocab_size": vocab, "hidden_size": int(self.config["hidden_size"])}
-        self.batches = [make_batch(cfg.batch, cfg.seq, vocab, seed=s) for s in range(max(cfg.warmup, 1) + cfg.steps)]
-        ids = torch.cat([b[0] for b in self.batches[:4]])
-        loss = torch.cat([b[2] for b in self.batches[:4]])
+        lengths = row_lengths(cfg.lengths, max(cfg.warmup, 1) + cfg.steps, cfg.batch, cfg.seq)
+        self.batches = [padded_batch(rows, vocab, seed=s) for s, rows in enumerate(lengths)]
+        ids = torch.cat([b[0].reshape(-1) for b in self.batches[:4]])
+        loss = torch.cat([b[2].reshape(-1) for b in self.batches[:4]])
         self.mapping = build_vocab_mapping(ids, loss, vocab, min(cfg.draft_vocab, vocab))
         dtype_bytes = 2 if (cfg.dtype or self.config.get("torch_dtype", "float32")) in ("bfloat16", "float16") else 4
         self.dtype_bytes = dtype_bytes
@@ -546,11 +660,13 @@ class Context:
             cluster.start_worker(self.target, "--device", cfg.devices[0], *common, service="nccl")
             expected += 1
         if "batch" in services:
-            inexact = ["--inexact-batching"] if cfg.devices[0] != "cpu" else []  # GPU batching is not bit-exact
-            cluster.start_worker(self.target, "--device", cfg.devices[0], "--max-batch-tokens",
-                                 str(cfg.max_batch_tokens), *inexact,
+            cluster.start_worker(self.target, "--device", cfg.devices[0], "--packing", "--max-batch-tokens",
+                                 str(cfg.max_batch_tokens),
                                  *[a for a in common if a not in ("--capacity", "2")], "--capacity", "8",
                                  service="batch")
+            expected += 1
+        if "packed" in services:
+            cluster.start_worker(self.target, "--device", cfg.devices[0], "--packing", *common, service="packed")
             expected += 1
         if "null" in services:
             from spec_serve.contract import default_aux_layer_ids, default_dspark_layer_ids
@@ -576,6 +692,8 @@ class Context:
 SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "colocated": (set(), lambda c: run_colocated(c, compact=False)),
     "colocated_compact": (set(), lambda c: run_colocated(c, compact=True)),
+    "colocated_packed": (set(), lambda c: run_colocated(c, compact=False, packed=True)),
+    "remote_1w_packed": ({"packed"}, lambda c: run_remote(c, "packed", False, 1, "remote_1w_packed", packed=True)),
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
     # Same-host replies over ipc (opt-in) instead of tcp loopback.
@@ -611,6 +729,8 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
 
 # (label, numerator, denominator, target on an H200 or None); ratios of tokens/s (or GB/s).
 RATIOS = [
+    ("packed / padded forward, colocated (useful tokens/s)", "colocated_packed", "colocated", 1.5),
+    ("remote packing worker / colocated padded (useful tokens/s)", "remote_1w_packed", "colocated", 1.5),
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
     ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),
@@ -711,16 +831,29 @@ def _median_figure(figures: list[dict[str, Any]]) -> dict[str, Any]:
         return figures[0]
     key = _rate_key(figures[0], figures[0])
     ranked = sorted(figures, key=lambda f: f[key] or 0)
-    return dict(ranked[(len(ranked) - 1) // 2], rounds=[f[key] for f in figures])
+    median = dict(ranked[(len(ranked) - 1) // 2], rounds=[f[key] for f in figures])
+    if "verified" in median:  # every round's batches count, not the median round's alone
+        passed, total = (sum(int(f["verified"].split("/")[i]) for f in figures) for i in (0, 1))
+        median["verified"] = f"{passed}/{total}"
+        median.pop("status", None)
+        if passed != total:
+            median["status"] = "INVALID"
+    return median
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{'scenario':<20}{'tokens/s':>14}{'GB/s':>10}{'seconds':>10}  notes"]
+    shown = ("scenario", "tokens", "bytes", "seconds", "tokens_per_s", "gb_per_s", "padded_tokens",
+             "padded_tokens_per_s", "tolerance", "worst")
+    lines = [f"{'scenario':<26}{'useful tok/s':>14}{'padded tok/s':>14}{'GB/s':>9}{'seconds':>9}  notes"]
     for name, f in report["figures"].items():
-        notes = ", ".join(f"{k}={v}" for k, v in f.items()
-                          if k not in ("scenario", "tokens", "bytes", "seconds", "tokens_per_s", "gb_per_s"))
+        notes = ", ".join(f"{k}={v}" for k, v in f.items() if k not in shown)
         tps = f"{f['tokens_per_s']:,.0f}" if f["tokens"] and f["tokens_per_s"] else "-"
-        lines.append(f"{name:<20}{tps:>14}{f['gb_per_s'] or 0:>10.3f}{f['seconds']:>10.3f}  {notes}")
+        padded = f"{f['padded_tokens_per_s']:,.0f}" if f.get("padded_tokens_per_s") else "-"
+        lines.append(f"{name:<26}{tps:>14}{padded:>14}{f['gb_per_s'] or 0:>9.3f}{f['seconds']:>9.3f}  {notes}")
+    for name, f in report["figures"].items():
+        if "worst" in f:
+            lines.append(f"  {name} vs colocated padded, worst over batches (bound: {f['tolerance']}): "
+                         + ", ".join(f"{k}={v}" for k, v in f["worst"].items()))
     lines.append("")
     lines.append(f"{'ratio':<48}{'value':>8}{'H200 target':>13}  rounds")
     for r in report["ratios"]:
@@ -740,7 +873,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
                 small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
-                transport_seq=None, repeat=1) -> BenchConfig:
+                transport_seq=None, repeat=1, lengths="full") -> BenchConfig:
     """Defaults per mode: the tiny target on CPU, or the 8B shape on the GPUs (4 x 2048, Vd 32000)."""
     if gpu_8b:
         n = torch.cuda.device_count()
@@ -756,13 +889,15 @@ def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefe
         draft_vocab, small_seq = draft_vocab or 256, small_seq or 64
         max_batch_tokens = max_batch_tokens or 4096
         transport_seq = transport_seq or 256
+    if lengths not in ("full", "lognormal"):
+        _jsonl_lengths(Path(lengths))  # a bad file fails here, before any model is built
     return BenchConfig(target=target, gpu_8b=gpu_8b, devices=tuple(d.strip() for d in devices.split(",") if d.strip()),
                        dtype=dtype, batch=batch, seq=seq, steps=steps, warmup=warmup, prefetch=prefetch,
                        draft_vocab=draft_vocab, small_ranks=small_ranks, small_requests=small_requests,
                        small_seq=small_seq, max_batch_tokens=max_batch_tokens,
                        transport_messages=transport_messages, transport_seq=transport_seq,
                        only=tuple(s.strip() for s in only.split(",") if s.strip()), log_dir=log_dir,
-                       repeat=repeat)
+                       repeat=repeat, lengths=lengths)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -333,7 +333,12 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
 @click.option("--small-ranks", default=4, show_default=True, help="Client ranks in the small_* scenarios.")
 @click.option("--small-requests", default=12, show_default=True, help="Requests per rank in the small_* scenarios.")
 @click.option("--small-seq", default=None, type=int, help="Tokens per small request [64; 512 with --gpu-8b].")
-@click.option("--max-batch-tokens", default=None, type=int, help="Batching worker's token budget [4096; 8192].")
+@click.option("--max-batch-tokens", default=None, type=int,
+              help="Token budget of the small_batched scenario's packing worker [4096; 8192].")
+@click.option("--lengths", default="full", show_default=True,
+              help="Row lengths: full (every row --seq), lognormal (median 0.293 x --seq, i.e. 600 at 2048, "
+                   "sigma 0.8, capped at --seq; each batch padded to its longest row), or a JSONL file of "
+                   "{\"length\": N} or {\"input_ids\": [...]} lines to replay a dataset's lengths.")
 @click.option("--transport-seq", default=None, type=int,
               help="Tokens per transport-only message (8B-shaped replies, 149 KiB a token) [256; 1024].")
 @click.option("--transport-messages", default=8, show_default=True, help="Messages per transport scenario.")
@@ -346,14 +351,15 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
                    "pip install 'spec-serve[plot]').")
 @click.option("--log-dir", default=None, help="Keep broker and worker logs here.")
 def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
-          small_requests, small_seq, max_batch_tokens, transport_seq, transport_messages, only, repeat, json_out,
-          plot_out, log_dir):
+          small_requests, small_seq, max_batch_tokens, lengths, transport_seq, transport_messages, only, repeat,
+          json_out, plot_out, log_dir):
     """Measure remote supervision against the colocated forward, in one run.
 
     Colocated versus remote, broker path versus a direct socket for the same bytes, 1 versus 2
-    workers, EAGLE-3 full versus compact, batched versus unbatched small requests, the frames codec
-    versus raw ZeroMQ. Prints a table of figures and ratios and writes JSON. Scenarios: colocated,
-    colocated_compact, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
+    workers, EAGLE-3 full versus compact, packed versus padded forwards, packed versus unpacked small
+    requests, the frames codec versus raw ZeroMQ. Prints a table of figures (useful and padded
+    tokens/s) and ratios and writes JSON. Scenarios: colocated, colocated_compact, colocated_packed,
+    remote_1w_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
     zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
@@ -367,13 +373,15 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --only zmq_raw,frames,broker_null,direct_null --transport-seq 512
       spec-serve bench --gpu-8b --devices cuda:0,cuda:1 --json h200.json
       spec-serve bench --only colocated,remote_1w --repeat 3 --plot ratios.png  # 3 alternating rounds
+      spec-serve bench --only colocated,colocated_packed,remote_1w_packed --lengths lognormal
+      spec-serve bench --gpu-8b --only colocated,colocated_packed,remote_1w_packed --lengths lognormal
     """
     from spec_serve.bench import SCENARIOS, format_table, make_config, run
 
     try:
         cfg = make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab,
                           small_ranks, small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
-                          transport_seq, repeat)
+                          transport_seq, repeat, lengths)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     names = [n for n in SCENARIOS if not cfg.only or n in cfg.only]

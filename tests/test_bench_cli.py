@@ -117,3 +117,62 @@ def test_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_path):
                                        "--json", str(tmp_path / "b.json")])
     assert result.exit_code == 2 and "pip install" in result.output
     assert not (tmp_path / "b.json").exists()
+
+
+def test_bench_length_workloads(tmp_path):
+    """lognormal: seeded, median near 600 at seq 2048, capped, each batch padded to its longest row;
+    a JSONL file replays its rows' lengths (either spelling), truncated to seq; a bad file names its line."""
+    from spec_serve.bench import padded_batch, row_lengths
+
+    drawn = row_lengths("lognormal", 500, 4, 2048)
+    assert drawn == row_lengths("lognormal", 500, 4, 2048) and drawn[0] != drawn[1]
+    flat = sorted(n for rows in drawn for n in rows)
+    assert 500 < flat[len(flat) // 2] < 700 and max(flat) == 2048 and min(flat) >= 2
+    real_share = sum(map(sum, drawn)) / sum(4 * max(rows) for rows in drawn)
+    assert 0.5 < real_share < 0.62
+    ids, attn, loss = padded_batch([5, 3], vocab=50, seed=0)
+    assert attn.tolist() == [[1] * 5, [1, 1, 1, 0, 0]] and not bool(ids[attn == 0].any())
+    assert not bool(loss[attn == 0].any()) and loss.sum() > 0
+    data = tmp_path / "lengths.jsonl"
+    data.write_text('{"length": 7}\n\n{"input_ids": [1, 2, 3]}\n{"length": 5000}\n')
+    replayed = row_lengths(str(data), 20, 4, 64)
+    assert {n for rows in replayed for n in rows} == {7, 3, 64}
+    data.write_text('{"length": 7}\n{"tokens": [1]}\n')
+    result = CliRunner().invoke(main, ["bench", "--only", "colocated", "--lengths", str(data)])
+    assert result.exit_code != 0 and "lengths.jsonl:2" in result.output
+
+
+def test_bench_packed_scenarios_verify_every_batch(tmp_path):
+    """The packing scenarios on log-normal lengths: useful and padded tokens/s, and every timed batch
+    checked against the colocated padded forward (verified=N/N)."""
+    out = tmp_path / "bench.json"
+    scenarios = "colocated,colocated_packed,remote_1w_packed"
+    result = CliRunner().invoke(main, ["bench", "--only", scenarios, "--steps", "3", "--warmup", "1",
+                                       "--seq", "64", "--lengths", "lognormal", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for name, figure in report["figures"].items():
+        assert figure["padded_tokens"] > figure["tokens"] > 0, name
+        assert figure["padded_tokens_per_s"] > figure["tokens_per_s"], name
+    for name in ("colocated_packed", "remote_1w_packed"):
+        figure = report["figures"][name]
+        assert figure["verified"] == "3/3" and "status" not in figure, figure
+        assert figure["worst"]["position_mask.flip_rate"] == 0.0
+    ratios = {r["ratio"] for r in report["ratios"]}
+    assert "packed / padded forward, colocated (useful tokens/s)" in ratios
+    assert "verified=3/3" in result.output
+
+
+def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):
+    from spec_serve.bench import verify_packed
+    from spec_serve.tiny import sample_batch
+
+    engine = colocated_target()
+    batches = [sample_batch(tiny_target_dir, 2, 16, seed=s) for s in range(2)]
+    outputs = engine.generate_packed(batches)
+    assert verify_packed(engine, batches, outputs)["verified"] == "2/2"
+    outputs[1]["aux_hidden_states"] = outputs[1]["aux_hidden_states"].clone()
+    outputs[1]["aux_hidden_states"][0, 0, 0] += 1e-3  # one element of one real position
+    checked = verify_packed(engine, batches, outputs)
+    assert checked["verified"] == "1/2" and checked["status"] == "INVALID"
+    assert checked["first_failures"][0].startswith("aux_hidden_states: max_error")
