@@ -17,6 +17,8 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       against the colocated padded forward within packing.TOLERANCE (verified=N/N)
   remote_1w_packed    through the broker to one worker started with --packing (queued requests may
                       share a packed forward); every timed batch verified the same way
+  remote_1w_compact_packed   the same with RemoteTargetModel(compact=True), verified against the
+                      colocated compact forward expanded the same way
   small_unbatched     many small requests from several ranks, one worker without packing
   small_batched       the same against a worker started with --packing --max-batch-tokens, so
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
@@ -211,19 +213,30 @@ def _tokens(batches) -> tuple[int, int]:
     return sum(int(b[1].sum()) for b in batches), sum(b[1].numel() for b in batches)
 
 
-def verify_packed(engine, batches, outputs) -> dict[str, Any]:
+def verify_packed(engine, batches, outputs, compact_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Each packed answer against the colocated padded forward of its batch (``packing.compare``).
 
-    Returns ``verified`` "N/M" (M batches, N within ``packing.TOLERANCE`` for the model's dtype), the
-    tolerance, the worst value of each measure over all batches, and ``status: INVALID`` unless N == M.
+    ``compact_mask``: the outputs are compact replies expanded by a client (``selected_token_mask``
+    given), so the reference is the colocated compact forward expanded the same way; else the
+    colocated EAGLE-3 forward. Returns ``verified`` "N/M" (M batches, N within ``packing.TOLERANCE``
+    for the model's dtype), the tolerance, the worst value of each measure over all batches, and
+    ``status: INVALID`` unless N == M.
     """
     from spec_serve import packing
+    from spec_serve.compact import expand_compact, lm_head_slice
 
     tolerance = packing.TOLERANCE[engine.model.dtype]
+    if compact_mask is not None:
+        weight = lm_head_slice(engine.get_output_embeddings().weight, engine.vocab_mapping()[0])
+        compact_mask = compact_mask.to(engine.device)
     worst: dict[str, float] = {}
     passed, failures = 0, []
     for b, out in zip(batches, outputs):
-        report = packing.compare(out, engine.generate_batch(*b, kind="eagle3"), b[1].to(engine.device))
+        if compact_mask is None:
+            want = engine.generate_batch(*b, kind="eagle3")
+        else:
+            want = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), weight, compact_mask)
+        report = packing.compare(out, want, b[1].to(engine.device))
         for name, measures in report.items():
             for measure, value in measures.items():
                 worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
@@ -308,7 +321,8 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
         seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
         tokens, padded = _tokens(batches[warmup:])
         wire_kind = "eagle3_compact" if compact else "eagle3"
-        checked = verify_packed(ctx.engine(), batches[warmup:], outputs) if packed else {}
+        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact else None) \
+            if packed else {}
         return _figure(name, tokens, nbytes, seconds, padded, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
                        retried=client.stats.retried, nccl_batches=client.stats.nccl_batches,
                        nccl_fallbacks=client.stats.nccl_fallbacks, local_replies=client.stats.local_replies,
@@ -694,6 +708,8 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "colocated_compact": (set(), lambda c: run_colocated(c, compact=True)),
     "colocated_packed": (set(), lambda c: run_colocated(c, compact=False, packed=True)),
     "remote_1w_packed": ({"packed"}, lambda c: run_remote(c, "packed", False, 1, "remote_1w_packed", packed=True)),
+    "remote_1w_compact_packed": ({"packed"}, lambda c: run_remote(c, "packed", True, 1, "remote_1w_compact_packed",
+                                                                  packed=True)),
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
     # Same-host replies over ipc (opt-in) instead of tcp loopback.
@@ -730,7 +746,10 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
 # (label, numerator, denominator, target on an H200 or None); ratios of tokens/s (or GB/s).
 RATIOS = [
     ("packed / padded forward, colocated (useful tokens/s)", "colocated_packed", "colocated", 1.5),
-    ("remote packing worker / colocated padded (useful tokens/s)", "remote_1w_packed", "colocated", 1.5),
+    ("remote packing worker, compact / colocated padded (useful tokens/s)", "remote_1w_compact_packed", "colocated",
+     1.5),
+    # Full EAGLE-3 replies keep their padded layout (the contract), so over frames they stay bytes-bound.
+    ("remote packing worker, full / colocated padded (useful tokens/s)", "remote_1w_packed", "colocated", None),
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
     ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),

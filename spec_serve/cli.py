@@ -359,7 +359,7 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     workers, EAGLE-3 full versus compact, packed versus padded forwards, packed versus unpacked small
     requests, the frames codec versus raw ZeroMQ. Prints a table of figures (useful and padded
     tokens/s) and ratios and writes JSON. Scenarios: colocated, colocated_compact, colocated_packed,
-    remote_1w_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
+    remote_1w_packed, remote_1w_compact_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
     zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
@@ -374,7 +374,8 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --gpu-8b --devices cuda:0,cuda:1 --json h200.json
       spec-serve bench --only colocated,remote_1w --repeat 3 --plot ratios.png  # 3 alternating rounds
       spec-serve bench --only colocated,colocated_packed,remote_1w_packed --lengths lognormal
-      spec-serve bench --gpu-8b --only colocated,colocated_packed,remote_1w_packed --lengths lognormal
+      spec-serve bench --gpu-8b --devices cuda:0 --lengths lognormal \
+          --only colocated,colocated_packed,remote_1w_compact_packed,remote_1w_packed
     """
     from spec_serve.bench import SCENARIOS, format_table, make_config, run
 

@@ -4,10 +4,10 @@ A padded ``[B,S]`` batch spends its forward on padding. Packing drops it: the re
 row of one or several requests are laid end to end as one ``[1,T]`` sequence (``T`` = the real
 tokens), ``position_ids`` restart at 0 for each row, and attention is confined to each row (the
 *document mask*: a token attends to the earlier tokens of its own row only, causal, block
-diagonal). The mask is never materialised: ``segment_attention`` registers an attention function
-with transformers' ``AttentionInterface`` that runs SDPA with ``is_causal=True`` once per row,
-on that row's slice of the packed queries, keys and values. Everything else (projections, MLPs,
-norms, lm_head) runs once over the packed tokens. So the work is that of the real tokens alone,
+diagonal). The mask is never materialised: ``row_attention`` swaps in an attention function,
+registered with transformers' ``AttentionInterface``, that runs SDPA with ``is_causal=True`` once
+per row, on that row's slice of the packed queries, keys and values. Everything else (projections,
+MLPs, norms, lm_head) runs once over the packed tokens. So the work is that of the real tokens alone,
 and each row computes exactly what it computes alone (up to kernel choice: see ``TOLERANCE``).
 
 After the forward the per-token outputs are scattered back into each request's padded ``[B,S]``

@@ -146,7 +146,7 @@ def test_bench_packed_scenarios_verify_every_batch(tmp_path):
     """The packing scenarios on log-normal lengths: useful and padded tokens/s, and every timed batch
     checked against the colocated padded forward (verified=N/N)."""
     out = tmp_path / "bench.json"
-    scenarios = "colocated,colocated_packed,remote_1w_packed"
+    scenarios = "colocated,colocated_packed,remote_1w_packed,remote_1w_compact_packed"
     result = CliRunner().invoke(main, ["bench", "--only", scenarios, "--steps", "3", "--warmup", "1",
                                        "--seq", "64", "--lengths", "lognormal", "--json", str(out)])
     assert result.exit_code == 0, result.output
@@ -154,7 +154,7 @@ def test_bench_packed_scenarios_verify_every_batch(tmp_path):
     for name, figure in report["figures"].items():
         assert figure["padded_tokens"] > figure["tokens"] > 0, name
         assert figure["padded_tokens_per_s"] > figure["tokens_per_s"], name
-    for name in ("colocated_packed", "remote_1w_packed"):
+    for name in ("colocated_packed", "remote_1w_packed", "remote_1w_compact_packed"):
         figure = report["figures"][name]
         assert figure["verified"] == "3/3" and "status" not in figure, figure
         assert figure["worst"]["position_mask.flip_rate"] == 0.0
