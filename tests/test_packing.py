@@ -193,18 +193,21 @@ def test_concurrent_ranks_pack_within_tolerance(tiny_target_dir, tiny_vocab_mapp
                     kind = KINDS[(r + step) % 2]  # eagle3 and dspark interleaved: only like kinds share
                     batch = sample_batch(tiny_target_dir, 2, 24 + 8 * ((r + step) % 3), seed=100 * r + step)
                     futures.append((kind, batch, client.generate_batch_async(*batch, kind=kind)))
-                return [(kind, batch, f.result()) for kind, batch, f in futures], client.stats.batched
+                results = [(kind, batch, f.result()) for kind, batch, f in futures]
+                return results, client.stats.batched, client.stats.digest_checks
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             runs = list(pool.map(rank, range(3)))
-    for results, _ in runs:
+    for results, _, _ in runs:
         for kind, batch, got in results:
             want = engine.generate_batch(*batch, kind=kind)
             _assert_close(got, want, batch[1])
             if kind == "eagle3":
                 assert torch.equal(got["position_mask"], want["position_mask"])
-    # 18 requests from 3 ranks with 4 in flight each against one worker: some must have shared a forward.
-    assert sum(n for _, n in runs) > 0
+    # 18 requests from 3 ranks with 4 in flight each against one worker: some must have shared a forward,
+    # and every reply's bytes were checked against the digests the worker took of its packed outputs.
+    assert sum(n for _, n, _ in runs) > 0
+    assert sum(checks for _, _, checks in runs) == 18
 
 
 @pytest.mark.gpu
