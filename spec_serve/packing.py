@@ -165,20 +165,36 @@ def row_attention(model) -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """How far a packed answer may lie from the padded forward's, over real positions (``compare``)."""
+    """How far a packed answer may lie from the padded forward's, per tensor, over real positions
+    (``compare``). ``max_error`` = max |packed - padded| / max(1, max |padded|); ``rel_norm`` =
+    ||packed - padded|| / ||padded||."""
 
-    max_error: float  # float tensors: max |packed - padded| / max(1, max |padded|)
-    rel_norm: float  # float tensors: ||packed - padded|| / ||padded||
+    hidden_max_error: float  # aux/target/last hidden states
+    hidden_rel_norm: float
+    probs_max_error: float  # target_probs (probabilities, so max_error is absolute)
+    probs_rel_norm: float
     flip_rate: float  # argmax_ids, position_mask: the fraction of compared positions that differ
 
+    def bound(self, name: str, measure: str) -> float:
+        if measure == "mismatch":
+            return 0.0
+        if measure == "flip_rate":
+            return self.flip_rate
+        return getattr(self, f"{'probs' if name == 'target_probs' else 'hidden'}_{measure}")
 
-# By the model's dtype. float32: the kernels differ by shape only (measured on CPU: max error 1e-6).
-# bfloat16: one rounding of a hidden state is 2^-8 of it, and shapes change GEMM reduction orders
-# (BENCHMARKS.md has the measured errors).
+
+# By the model's dtype. float32: the kernels differ by shape only (CPU, measured: hidden max_error
+# 1.7e-6, rel_norm 3.8e-7; probs 7.5e-7, 6.2e-7; no flips). bfloat16: rounds at 2^-8, and GEMM and
+# attention kernels are chosen by shape, so a packed row differs as a row batched differently does;
+# the bounds sit above what the H200 measured (BENCHMARKS.md, "Packed forwards"), far below what a row
+# attending to another row gives (rel_norm ~1). float16 rounds finer than bfloat16: the same bounds.
+_HALF = Tolerance(hidden_max_error=0.25, hidden_rel_norm=0.1, probs_max_error=0.05, probs_rel_norm=0.15,
+                  flip_rate=0.05)
 TOLERANCE = {
-    torch.float32: Tolerance(max_error=1e-5, rel_norm=1e-5, flip_rate=0.0),
-    torch.bfloat16: Tolerance(max_error=0.25, rel_norm=5e-2, flip_rate=0.01),
-    torch.float16: Tolerance(max_error=0.05, rel_norm=1e-2, flip_rate=0.01),
+    torch.float32: Tolerance(hidden_max_error=1e-5, hidden_rel_norm=1e-5, probs_max_error=1e-5, probs_rel_norm=1e-5,
+                             flip_rate=0.0),
+    torch.bfloat16: _HALF,
+    torch.float16: _HALF,
 }
 # Tensors that hold the *next* token's target at each position: compared where the next token is real.
 _NEXT_TOKEN = frozenset({"target_probs", "argmax_ids"})
@@ -226,7 +242,7 @@ def violations(report: Mapping[str, Mapping[str, float]], tolerance: Tolerance) 
     out = []
     for name, measures in report.items():
         for measure, value in measures.items():
-            bound = 0.0 if measure == "mismatch" else getattr(tolerance, measure)
+            bound = tolerance.bound(name, measure)
             if value > bound:
                 out.append(f"{name}: {measure} {value:.3g} > {bound:.3g}")
     return out
