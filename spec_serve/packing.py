@@ -149,6 +149,7 @@ def row_attention(model) -> Iterator[None]:
     The attention implementation is a config field read at every forward, so the caller must hold
     the model for the whole block (HFTarget's forward lock does).
     """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _row_attention)  # idempotent
@@ -156,7 +157,11 @@ def row_attention(model) -> Iterator[None]:
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION
     try:
-        yield
+        # Every packed row has a length of its own, so no cuDNN attention: it builds an execution plan
+        # for each new sequence length (on the H200, rows of new lengths made a packed forward slower
+        # than the padded one). Flash and memory-efficient kernels take any length as it comes.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            yield
     finally:
         config._attn_implementation = previous
 
