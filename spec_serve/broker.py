@@ -29,6 +29,8 @@ from spec_serve.protocol import (
     CLIENT_TAG,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
+    IDLE_SERVICE_GRACE,
+    MAX_HEADER_BYTES,
     UNKNOWN_SERVICE_GRACE,
     WORKER_TAG,
     ClientCommand,
@@ -37,6 +39,7 @@ from spec_serve.protocol import (
     ProtocolError,
     WorkerCommand,
     control,
+    encode_header,
     parse_control,
 )
 from spec_serve.sockets import (
@@ -52,8 +55,22 @@ log = logging.getLogger("spec_serve.broker")
 # Requests one client may have queued or in flight at the broker; beyond this
 # it is told to back off. Bounds broker memory whatever clients do.
 MAX_REQUESTS_PER_CLIENT = 256
-# Draft-vocab mappings kept per service; the oldest unreferenced go first.
-MAX_MAPPINGS_PER_SERVICE = 16
+# Draft-vocab mappings one client keeps registered (per service and in all); an honest client needs its
+# current one plus those its pending requests name. Beyond this its oldest registration is dropped.
+MAX_MAPPINGS_PER_CLIENT = 16
+# Mappings the broker keeps on one worker. The broker decides which a worker drops (SET_VOCAB "evict"),
+# so its record of what a worker holds is exact; one named by a request on that worker is never evicted.
+MAX_WORKER_MAPPINGS = 16
+# Service names that ever had a worker, remembered after the service is forgotten (see _unknown).
+MAX_SERVED_NAMES = 4096
+# A worker's target info as sent in READY; real ones are a few hundred bytes.
+MAX_TARGET_INFO_BYTES = 8 << 10
+# Entries one STATUS page carries, in encoded bytes: a page stays far below the peers' header limit.
+STATUS_PAGE_BYTES = MAX_HEADER_BYTES // 2
+# What a worker's DONE may say; anything else counts as "error".
+DONE_STATUSES = ("ok", "error", "undeliverable")
+# Ids of requests failed for killing workers, refused if they come back (a retry that crossed the error).
+MAX_KILLER_IDS = 1024
 # Messages drained from one socket before looking at the other (fairness).
 DRAIN_BATCH = 64
 
@@ -67,7 +84,9 @@ class WorkerState:
     expiry: float
     registered_at: float
     inflight: set = dataclasses.field(default_factory=set)
-    mappings: set = dataclasses.field(default_factory=set)
+    # digests this worker holds, least recently used first (it drops only what SET_VOCAB evicts)
+    mappings: "collections.OrderedDict[str, None]" = dataclasses.field(default_factory=collections.OrderedDict)
+    max_message_bytes: int | None = None
     bound_to: bytes | None = None
     bind_address: str | None = None
     bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)
@@ -95,6 +114,7 @@ class Request:
     enqueued_at: float
     worker: bytes | None = None
     dispatches: int = 0
+    killed: list = dataclasses.field(default_factory=list)  # workers that died while it was on them
 
 
 @dataclasses.dataclass
@@ -105,6 +125,9 @@ class ClientState:
     # service -> target fingerprint this client set up with (from its requests); a worker serving
     # another target may not join that service while the client is known.
     fingerprints: dict = dataclasses.field(default_factory=dict)
+    # (service, digest) of the mappings it registered and has not released, oldest first
+    vocab: "collections.OrderedDict[tuple[str, str], None]" = dataclasses.field(
+        default_factory=collections.OrderedDict)
 
 
 @dataclasses.dataclass
@@ -116,12 +139,10 @@ class ServiceState:
     queues: "collections.OrderedDict[bytes, collections.deque]" = dataclasses.field(
         default_factory=collections.OrderedDict
     )
-    # digest -> (payload frames as bytes, client identities using it)
-    mappings: "collections.OrderedDict[str, tuple[list, set]]" = dataclasses.field(
-        default_factory=collections.OrderedDict
-    )
+    # digest -> payload frames as bytes; only live mappings (see Broker._trim_mappings)
+    mappings: dict = dataclasses.field(default_factory=dict)
     vocab_size: int | None = None
-    ever_had_workers: bool = False
+    idle_since: float | None = None  # no workers, clients or requests since then
 
     def queue_depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -139,13 +160,18 @@ class Broker:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_request_deaths: int = 2,
         context: zmq.Context | None = None,
     ):
+        if max_request_deaths < 1:
+            raise ValueError("max_request_deaths must be >= 1")
         self.ctx = context or zmq.Context.instance()
         self.instance_id = uuid.uuid4().hex
         self.heartbeat_interval = heartbeat_interval
         self.liveness = liveness
         self.max_message_bytes = max_message_bytes
+        # A request on this many workers as they died fails (killed_workers) instead of going to another.
+        self.max_request_deaths = max_request_deaths
         # libzmq drops a peer that sends a frame over this, before allocating it.
         frame_limit = min(DEFAULT_MAX_FRAME_BYTES, max_message_bytes + (1 << 16))
         self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=frontend, security=security, curve_server=True,
@@ -161,11 +187,14 @@ class Broker:
         self.services: dict[str, ServiceState] = {}
         self.clients: dict[bytes, ClientState] = {}
         self.requests: dict[bytes, Request] = {}
+        self.served: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # names that had workers
+        self.killers: "collections.OrderedDict[bytes, str]" = collections.OrderedDict()  # request id -> error
         self.metrics = BrokerMetrics()
         self.started_at = time.time()
         self.started_monotonic = time.monotonic()
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
+        self._snapshot_stale = False  # rebuilt once per loop turn, not once per message (O(workers) each)
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ loop
@@ -190,8 +219,10 @@ class Broker:
                 if now >= next_tick:
                     self.purge(now)
                     self.heartbeat(now)
-                    self.update_snapshot()
+                    self._snapshot_stale = True
                     next_tick = now + self.heartbeat_interval
+                if self._snapshot_stale:
+                    self.update_snapshot()
         finally:
             self.frontend.close(0)
             self.backend.close(0)
@@ -213,7 +244,7 @@ class Broker:
                 self.metrics.bad_messages.inc()
                 event(log, logging.WARNING, "broker.bad_message", peer=identity.hex()[:12], error=e)
                 if sock is self.frontend:
-                    self.send_error(identity, b"", ErrorCode.BAD_REQUEST, str(e))
+                    self.send_error(identity, e.request_id, ErrorCode.BAD_REQUEST, str(e))
             except Exception as e:  # a bug must not take the broker down
                 self.metrics.bad_messages.inc()
                 log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
@@ -228,6 +259,13 @@ class Broker:
             client = self.clients[identity] = ClientState(identity, now)
             self.metrics.clients.set(len(self.clients))
         client.expiry = now + self.heartbeat_interval * self.liveness
+        try:
+            self._client_command(client, msg, now)
+        except ProtocolError as e:  # name the request, so its sender fails it at once
+            raise ProtocolError(str(e), e.request_id or msg.request_id) from None
+
+    def _client_command(self, client: ClientState, msg: Message, now: float) -> None:
+        identity = client.identity
         command = ClientCommand(msg.command)
         if command is ClientCommand.REQUEST:
             self.enqueue(client, msg, now)
@@ -235,7 +273,7 @@ class Broker:
             self.register_mapping(client, msg)
         elif command is ClientCommand.STATUS:
             self._send(self.frontend, identity, control(
-                CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id, self.status()))
+                CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id, self.status_page(msg.header)))
         elif command is ClientCommand.DISCONNECT:
             self.delete_client(identity)
         elif command is ClientCommand.BIND:
@@ -254,6 +292,9 @@ class Broker:
         if not msg.request_id:
             raise ProtocolError("REQUEST without a request id")
         timeout = _request_timeout(msg.header)
+        if msg.request_id in self.killers:  # a retry that crossed its killed_workers error
+            self.send_error(client.identity, msg.request_id, ErrorCode.KILLED_WORKERS, self.killers[msg.request_id])
+            return
         existing = self.requests.get(msg.request_id)
         if existing is not None:
             # A retry of a request we still hold: keep one copy, route errors
@@ -285,7 +326,7 @@ class Broker:
             self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
                             f"unknown vocab mapping {vocab!r}: call set_vocab_mapping first", unknown_vocab=True)
             return
-        if self._unknown(service, now):
+        if self._unknown(msg.service, now):
             self.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE, self._unknown_message(msg.service))
             return
         bound = None
@@ -352,7 +393,7 @@ class Broker:
                                         "error": f"worker {worker.name} unreachable"}))
             return
         event(log, logging.INFO, "broker.bound", worker=worker.name, client=client.identity.hex()[:12])
-        self.update_snapshot()
+        self._snapshot_stale = True
 
     def unbind(self, worker: WorkerState, reason: str, notify: bool = False) -> None:
         """End a binding: tell the worker (if alive) and, with ``notify``, the client; back to the pool."""
@@ -369,13 +410,20 @@ class Broker:
                        {"ok": False, "lost": worker.name, "prefix": prefix,
                         "error": f"bound worker {worker.name} lost: {reason}"}))
         event(log, logging.INFO, "broker.unbound", worker=worker.name, client=client.hex()[:12], reason=reason)
-        self.update_snapshot()
+        self._snapshot_stale = True
         if alive:
             self.dispatch(self.services[worker.service])
 
     def register_mapping(self, client: ClientState, msg: Message) -> None:
+        """Store a client's mapping (content-addressed) after dropping the registrations it releases."""
         if not self.pin_target(client, msg):
             return
+        release = msg.header.get("release", [])
+        if not isinstance(release, list) or len(release) > MAX_REQUESTS_PER_CLIENT + 1 \
+                or not all(isinstance(d, str) for d in release):
+            raise ProtocolError("SET_VOCAB 'release' must be a list of mapping digests")
+        for digest in release:
+            client.vocab.pop((msg.service, digest), None)
         try:
             tensors = wire.decode(msg.payload, max_bytes=self.max_message_bytes)
             ids, mask = tensors["selected_token_ids"], tensors["selected_token_mask"]
@@ -387,18 +435,22 @@ class Broker:
         digest = mapping_digest(ids, mask)
         service = self.service(msg.service, time.monotonic())
         if digest not in service.mappings:
-            service.mappings[digest] = ([bytes(memoryview(f)) for f in msg.payload], set())
-            self._trim_mappings(service)
-        service.mappings[digest][1].add(client.identity)
-        service.mappings.move_to_end(digest)
+            service.mappings[digest] = [bytes(memoryview(f)) for f in msg.payload]
+        client.vocab[(msg.service, digest)] = None
+        client.vocab.move_to_end((msg.service, digest))
+        while len(client.vocab) > MAX_MAPPINGS_PER_CLIENT:
+            client.vocab.popitem(last=False)
+        self._trim_mappings()
         self._send(self.frontend, client.identity, control(
             CLIENT_TAG, ClientCommand.VOCAB_OK.value, msg.service, msg.request_id, {"digest": digest}))
 
-    def _trim_mappings(self, service: ServiceState) -> None:
-        for digest in list(service.mappings):
-            if len(service.mappings) <= MAX_MAPPINGS_PER_SERVICE:
-                return
-            if not service.mappings[digest][1]:
+    def _trim_mappings(self) -> None:
+        """Keep only live mappings: registered (and not released) by a connected client, or named by a
+        request the broker holds. Workers keep their own copies until the broker evicts them."""
+        live = {key for client in self.clients.values() for key in client.vocab}
+        live.update((r.service, r.header["vocab"]) for r in self.requests.values() if "vocab" in r.header)
+        for service in self.services.values():
+            for digest in [d for d in service.mappings if (service.name, d) not in live]:
                 del service.mappings[digest]
 
     def delete_client(self, identity: bytes) -> None:
@@ -420,8 +472,6 @@ class Broker:
                     freed.add(worker.service)
         for service in self.services.values():
             service.queues.pop(identity, None)
-            for _, users in service.mappings.values():
-                users.discard(identity)
         self.metrics.clients.set(len(self.clients))
         event(log, logging.INFO, "broker.client_gone", client=identity.hex()[:12])
         for name in freed:
@@ -441,7 +491,7 @@ class Broker:
         worker = self.workers.get(identity)
         if command is WorkerCommand.READY:
             if worker is not None:
-                self.delete_worker(worker, now)
+                self.delete_worker(worker, now, reason="re-registered", died=False)
             self.register_worker(identity, msg, now)
             return
         if worker is None:
@@ -465,22 +515,29 @@ class Broker:
             target = TargetInfo.from_dict(info)  # clients check it at setup: refuse junk here
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"READY with invalid target_info: {e}") from None
+        if len(encode_header(info)) > MAX_TARGET_INFO_BYTES:  # every STATUS page entry stays small
+            raise ProtocolError(f"READY with a target_info over {MAX_TARGET_INFO_BYTES} bytes")
         service = self.service(msg.service, now)
         conflict = self.target_conflict(service, target)
         if conflict is not None:
             self.refuse_worker(identity, service, conflict)
             return
+        limit = msg.header.get("max_message_bytes")
         worker = WorkerState(identity, msg.service, info, capacity, now + self.heartbeat_interval * self.liveness,
-                             time.time(), idle_since=now)
+                             time.time(), idle_since=now,
+                             max_message_bytes=limit if isinstance(limit, int) and limit > 0 else None)
         self.workers[identity] = worker
         service.workers.append(identity)
-        service.ever_had_workers = True
+        self.served[msg.service] = None
+        self.served.move_to_end(msg.service)
+        while len(self.served) > MAX_SERVED_NAMES:
+            self.served.popitem(last=False)
         if service.vocab_size is None and isinstance(info.get("vocab_size"), int):
             service.vocab_size = info["vocab_size"]
         self.metrics.workers.labels(service=msg.service).set(len(service.workers))
         event(log, logging.INFO, "broker.worker_ready", worker=worker.name, service=msg.service,
               engine=info.get("engine"), capacity=capacity)
-        self.update_snapshot()
+        self._snapshot_stale = True
         self.dispatch(service)
 
     def target_conflict(self, service: ServiceState, info: TargetInfo) -> str | None:
@@ -531,8 +588,9 @@ class Broker:
         client.fingerprints[msg.service] = fingerprint
         return True
 
-    def delete_worker(self, worker: WorkerState, now: float, reason: str = "re-registered") -> None:
-        """Remove a worker; its in-flight requests go back to the front of their queues."""
+    def delete_worker(self, worker: WorkerState, now: float, reason: str, died: bool = True) -> None:
+        """Remove a worker; its in-flight requests go back to the front of their queues, except one
+        that was on ``max_request_deaths`` workers as they ``died``: that one fails (killed_workers)."""
         self.workers.pop(worker.identity, None)
         service = self.services[worker.service]
         if worker.identity in service.workers:
@@ -547,6 +605,8 @@ class Broker:
                 self._forget_request(request)
                 self.send_error(request.client, request_id, ErrorCode.UNAVAILABLE,
                                 f"bound worker {worker.name} is gone ({reason})", unbound=True)
+            elif died and self._killed_by(request, worker):
+                continue
             elif request.client in self.clients:
                 service.queues.setdefault(request.client, collections.deque()).appendleft(request_id)
                 self.metrics.redispatched.inc()
@@ -556,8 +616,27 @@ class Broker:
         self.unbind(worker, reason, notify=True)
         self.metrics.workers.labels(service=worker.service).set(len(service.workers))
         event(log, logging.WARNING, "broker.worker_gone", worker=worker.name, service=worker.service, reason=reason)
-        self.update_snapshot()
+        self._snapshot_stale = True
         self.dispatch(service)
+
+    def _killed_by(self, request: Request, worker: WorkerState) -> bool:
+        """Count ``worker``'s death against ``request``; True if that failed the request for good."""
+        request.killed.append(worker.name)
+        if len(request.killed) < self.max_request_deaths:
+            return False  # a suspect from now on: dispatched alone (see _next_request)
+        self._forget_request(request)
+        error = (f"request {request.request_id.hex()} was on {len(request.killed)} workers of "
+                 f"{request.service!r} as they died ({', '.join(request.killed)}); it is not sent to another, "
+                 f"as its input may crash every worker (broker --max-request-deaths {self.max_request_deaths})")
+        self.killers[request.request_id] = error
+        while len(self.killers) > MAX_KILLER_IDS:
+            self.killers.popitem(last=False)
+        self.metrics.killer_requests.inc()
+        event(log, logging.ERROR, "broker.request_killed_workers", request=request.request_id.hex(),
+              service=request.service, workers=",".join(request.killed))
+        if request.client in self.clients:
+            self.send_error(request.client, request.request_id, ErrorCode.KILLED_WORKERS, error)
+        return True
 
     def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
         worker.inflight.discard(msg.request_id)
@@ -568,8 +647,15 @@ class Broker:
             client = self.clients.get(request.client)
             if client is not None:
                 client.requests.discard(msg.request_id)
-            status = str(msg.header.get("status", "ok"))
+            status = msg.header.get("status", "ok")
+            status = status if status in DONE_STATUSES else "error"
             self.metrics.completed.labels(service=worker.service, status=status).inc()
+            if status == "undeliverable" and client is not None:
+                # The worker dropped the reply at once (its slot is free): the client retries now,
+                # instead of waiting out its timeout.
+                self.send_error(request.client, msg.request_id, ErrorCode.UNAVAILABLE,
+                                f"worker {worker.name} could not deliver the reply to "
+                                f"{request.header.get('reply_to')}: {msg.header.get('error', 'not reading')}")
             if status == "ok":
                 worker.completed += 1
                 self.metrics.tokens.labels(service=worker.service).inc(int(msg.header.get("tokens", 0)))
@@ -589,11 +675,11 @@ class Broker:
         """Hand queued requests to free workers: round-robin over clients,
         least-loaded worker first (ties go to the longest idle)."""
         while service.queues:
-            candidates = [self.workers[w] for w in service.workers
-                          if self.workers[w].free > 0 and self.workers[w].bound_to is None]
-            if not candidates:
+            free = [w for w in (self.workers[i] for i in service.workers)
+                    if w.free > 0 and w.bound_to is None and not self._holds_suspect(w)]
+            if not free:
                 return
-            picked = self._next_request(service, candidates)
+            picked = self._next_request(service, free)
             if picked is None:
                 return
             request, eligible = picked
@@ -624,11 +710,19 @@ class Broker:
         return None
 
     def _eligible(self, service: ServiceState, request: Request, candidates: list) -> list:
+        """The candidates that may take ``request``. A suspect (it was on a worker that died) goes only to
+        an idle worker, which then takes nothing else until it is done (``_holds_suspect``): if that
+        worker dies too, the death is the suspect's alone."""
+        if request.killed:
+            candidates = [w for w in candidates if not w.inflight]
         avoid = request.header.get("avoid")
         if avoid is None or not any(self.workers[w].name != avoid and self.workers[w].bound_to is None
                                     for w in service.workers):
             return candidates
         return [w for w in candidates if w.name != avoid]
+
+    def _holds_suspect(self, worker: WorkerState) -> bool:
+        return any(self.requests[r].killed for r in worker.inflight if r in self.requests)
 
     def send_request(self, service: ServiceState, worker: WorkerState, request: Request) -> None:
         vocab = request.header.get("vocab")
@@ -640,19 +734,35 @@ class Broker:
                                 f"vocab mapping {vocab!r} is no longer registered", unknown_vocab=True)
                 return
             # Sent on the same pipe just before the request, so it arrives first.
+            header = {"digest": vocab, "evict": self._evict_mappings(worker)}
             self._send(self.backend, worker.identity, control(
-                WORKER_TAG, WorkerCommand.SET_VOCAB.value, service.name, b"", {"digest": vocab}, mapping[0]))
-            worker.mappings.add(vocab)
+                WORKER_TAG, WorkerCommand.SET_VOCAB.value, service.name, b"", header, mapping))
+            worker.mappings[vocab] = None
+        elif vocab is not None:
+            worker.mappings.move_to_end(vocab)
         header = dict(request.header, client=request.client.hex())
         frames = control(WORKER_TAG, WorkerCommand.REQUEST.value, service.name, request.request_id, header,
                          request.payload)
         if not self._send(self.backend, worker.identity, frames):
             service.queues.setdefault(request.client, collections.deque()).appendleft(request.request_id)
-            self.delete_worker(worker, time.monotonic(), reason="unreachable")
+            self.delete_worker(worker, time.monotonic(), reason="unreachable", died=True)
             return
         request.worker = worker.identity
         request.dispatches += 1
         worker.inflight.add(request.request_id)
+
+    def _evict_mappings(self, worker: WorkerState) -> list[str]:
+        """Make room on ``worker`` for one more mapping: drop its least recently used ones that no
+        request on it names. The worker drops exactly these, so ``worker.mappings`` stays exact."""
+        in_use = {self.requests[r].header.get("vocab") for r in worker.inflight if r in self.requests}
+        evicted = []
+        for digest in list(worker.mappings):
+            if len(worker.mappings) < MAX_WORKER_MAPPINGS:
+                break
+            if digest not in in_use:
+                del worker.mappings[digest]
+                evicted.append(digest)
+        return evicted
 
     def _forget_request(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
@@ -675,17 +785,17 @@ class Broker:
         """Expire silent workers and clients, and requests past their deadline."""
         for worker in [w for w in self.workers.values() if w.expiry < now]:
             self.metrics.worker_deaths.inc()
-            self.delete_worker(worker, now, reason="heartbeat expired")
+            self.delete_worker(worker, now, reason="heartbeat expired", died=True)
         for identity in [c.identity for c in self.clients.values() if c.expiry < now]:
             self.delete_client(identity)
         for service in self.services.values():
+            unknown = self._unknown(service.name, now)
             for client_id, queue in list(service.queues.items()):
                 for request_id in list(queue):
                     request = self.requests.get(request_id)
                     if request is None:
                         queue.remove(request_id)
                         continue
-                    unknown = self._unknown(service, now)
                     if request.deadline < now or unknown:
                         queue.remove(request_id)
                         self._forget_request(request)
@@ -697,14 +807,30 @@ class Broker:
                                             f"no worker of {service.name!r} took the request before its deadline")
                 if not queue:
                     service.queues.pop(client_id, None)
+        self._trim_mappings()
+        self._forget_idle_services(now)
         for service in self.services.values():
             self.metrics.queue_depth.labels(service=service.name).set(service.queue_depth())
         self.metrics.inflight.set(sum(1 for r in self.requests.values() if r.worker is not None))
 
-    def _unknown(self, service: ServiceState | None, now: float) -> bool:
+    def _forget_idle_services(self, now: float) -> None:
+        """Drop services with no worker, no request and no client mapping for IDLE_SERVICE_GRACE, so
+        names a peer once used do not pile up (``served`` still remembers those that had workers)."""
+        held = {r.service for r in self.requests.values()}
+        held.update(name for client in self.clients.values() for name, _ in client.vocab)
+        for name, service in list(self.services.items()):
+            if service.workers or service.queues or name in held:
+                service.idle_since = None
+            elif service.idle_since is None:
+                service.idle_since = now
+            elif now - service.idle_since > IDLE_SERVICE_GRACE:
+                del self.services[name]
+                self.metrics.forget_service(name, DONE_STATUSES)
+                self._snapshot_stale = True
+
+    def _unknown(self, name: str, now: float) -> bool:
         """No worker ever served it, and the start-up grace (workers still loading) is over."""
-        never_served = service is None or not service.ever_had_workers
-        return never_served and now - self.started_monotonic > UNKNOWN_SERVICE_GRACE
+        return name not in self.served and now - self.started_monotonic > UNKNOWN_SERVICE_GRACE
 
     def _unknown_message(self, name: str) -> str:
         known = sorted(s for s, st in self.services.items() if st.workers)
@@ -723,43 +849,85 @@ class Broker:
             raise
 
     def status(self) -> dict[str, Any]:
-        """Workers, services and queues, as served by STATUS and the HTTP shim."""
+        """Workers, services and queues, all of them: the HTTP shim's snapshot."""
         now = time.monotonic()
-        services = {}
-        for name, service in self.services.items():
-            services[name] = {
-                "workers": len(service.workers),
-                "ready_workers": sum(1 for w in service.workers if self.workers[w].bound_to is None),
-                "queue_depth": service.queue_depth(),
-                "vocab_mappings": len(service.mappings),
-                "ever_had_workers": service.ever_had_workers,
-            }
-        workers = [
-            {
-                "id": w.name,
-                "service": w.service,
-                "state": "bound" if w.bound_to else ("busy" if w.inflight else "idle"),
-                "bound_to": w.bound_to.hex()[:12] if w.bound_to else None,
-                "inflight": len(w.inflight),
-                "capacity": w.capacity,
-                "completed": w.completed,
-                "last_seen_s": round(max(0.0, self.heartbeat_interval * self.liveness - (w.expiry - now)), 3),
-                "registered_at": w.registered_at,
-                "target_info": w.info,
-            }
-            for w in self.workers.values()
-        ]
+        return dict(self._status_summary(),
+                    services={name: self._service_status(s) for name, s in self.services.items()},
+                    workers=[self._worker_status(w, now) for w in self.workers.values()])
+
+    def status_page(self, query: dict[str, Any]) -> dict[str, Any]:
+        """One STATUS reply: the summary, then services and workers in a stable order, as many as fit
+        STATUS_PAGE_BYTES, after the cursor ``query["after"]``; ``next`` is the cursor of the next page
+        (None on the last). ``query["service"]`` limits it to one service and its workers."""
+        only, after = _status_query(query)
+        services, workers, used, last, more = {}, [], 0, None, False
+        for key, entry in self._status_items(only, time.monotonic()):
+            if after is not None and key <= after:
+                continue
+            size = len(encode_header(entry)) + 64  # + the service name and separators
+            if used + size > STATUS_PAGE_BYTES and last is not None:
+                more = True
+                break
+            if key[0] == 0:
+                services[key[1]] = entry
+            else:
+                workers.append(entry)
+            used, last = used + size, key
+        return dict(self._status_summary(), services=services, workers=workers,
+                    next=list(last) if more else None)
+
+    def _status_items(self, only: str | None, now: float):
+        """``((0, name), service entry)`` for every service, then ``((1, service, identity), worker entry)``
+        for every worker, each in sorted order (a page's cursor is the last key it holds)."""
+        if only is None:
+            names, chosen = sorted(self.services), list(self.workers.values())
+        elif only in self.services:
+            names, chosen = [only], [self.workers[i] for i in self.services[only].workers]
+        else:
+            names, chosen = [], []
+        for name in names:
+            yield (0, name), self._service_status(self.services[name])
+        for worker in sorted(chosen, key=lambda w: (w.service, w.identity.hex())):
+            yield (1, worker.service, worker.identity.hex()), self._worker_status(worker, now)
+
+    def _status_summary(self) -> dict[str, Any]:
         return {
             "broker": self.instance_id,
             "uptime_s": round(time.time() - self.started_at, 3),
             "clients": len(self.clients),
             "inflight": sum(1 for r in self.requests.values() if r.worker is not None),
             "queued": sum(s.queue_depth() for s in self.services.values()),
-            "services": services,
-            "workers": workers,
+            "service_count": len(self.services),
+            "worker_count": len(self.workers),
+            "max_message_bytes": self.max_message_bytes,  # the largest request this broker accepts
+        }
+
+    def _service_status(self, service: ServiceState) -> dict[str, Any]:
+        return {
+            "workers": len(service.workers),
+            "ready_workers": sum(1 for w in service.workers if self.workers[w].bound_to is None),
+            "queue_depth": service.queue_depth(),
+            "vocab_mappings": len(service.mappings),
+            "ever_had_workers": service.name in self.served,
+        }
+
+    def _worker_status(self, w: WorkerState, now: float) -> dict[str, Any]:
+        return {
+            "id": w.name,
+            "service": w.service,
+            "state": "bound" if w.bound_to else ("busy" if w.inflight else "idle"),
+            "bound_to": w.bound_to.hex()[:12] if w.bound_to else None,
+            "inflight": len(w.inflight),
+            "capacity": w.capacity,
+            "completed": w.completed,
+            "last_seen_s": round(max(0.0, self.heartbeat_interval * self.liveness - (w.expiry - now)), 3),
+            "registered_at": w.registered_at,
+            "max_message_bytes": w.max_message_bytes,
+            "target_info": w.info,
         }
 
     def update_snapshot(self) -> None:
+        self._snapshot_stale = False
         snap = self.status()
         self.metrics.set_worker_states(snap["workers"])
         with self._snapshot_lock:
@@ -777,6 +945,21 @@ def _request_timeout(header: dict[str, Any]) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
         raise ProtocolError(f"REQUEST header 'timeout' must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
+
+
+def _status_query(query: dict[str, Any]) -> tuple[str | None, tuple | None]:
+    """STATUS header ``{"service": name, "after": cursor}`` (both optional), checked."""
+    only, after = query.get("service"), query.get("after")
+    if only is not None and not isinstance(only, str):
+        raise ProtocolError("STATUS 'service' must be a service name")
+    if after is None:
+        return only, None
+    valid = isinstance(after, list) and (
+        (len(after) == 2 and after[0] == 0 and isinstance(after[1], str))
+        or (len(after) == 3 and after[0] == 1 and all(isinstance(k, str) for k in after[1:])))
+    if not valid:
+        raise ProtocolError("STATUS 'after' must be the 'next' cursor of an earlier page")
+    return only, tuple(after)
 
 
 def _valid_endpoint(endpoint: Any) -> bool:

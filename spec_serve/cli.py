@@ -83,14 +83,17 @@ def main() -> None:
               help="HTTP shim port; 0 disables the shim [env SPEC_SERVE_HTTP_PORT].")
 @click.option("--max-message-bytes", default=8 << 30, type=int, envvar="SPEC_SERVE_MAX_MESSAGE_BYTES",
               show_default=True, help="Largest message accepted [env SPEC_SERVE_MAX_MESSAGE_BYTES].")
+@click.option("--max-request-deaths", default=2, type=click.IntRange(min=1), envvar="SPEC_SERVE_MAX_REQUEST_DEATHS",
+              show_default=True, help="A request that was on this many workers as they died fails (killed_workers) "
+                                      "instead of going to another [env SPEC_SERVE_MAX_REQUEST_DEATHS].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="Broker's CURVE secret key file (from keygen): turns authentication on "
                    "[env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-authorized-dir", envvar="SPEC_SERVE_CURVE_AUTHORIZED_DIR",
               help="Directory of client and worker public keys admitted [env SPEC_SERVE_CURVE_AUTHORIZED_DIR].")
 @log_level_option
-def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_secret_key, curve_authorized_dir,
-           log_level):
+def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, curve_secret_key,
+           curve_authorized_dir, log_level):
     """Run the broker: clients on --frontend, workers on --backend.
 
     \b
@@ -107,7 +110,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, curve_sec
     if curve_secret_key and not curve_authorized_dir:
         raise click.UsageError("--curve-secret-key needs --curve-authorized-dir (the keys admitted)")
     b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_authorized_dir),
-               max_message_bytes=max_message_bytes)
+               max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths)
     shim = None
     if http_port:
         shim = HttpShim(b.snapshot, b.metrics.registry, http_host, http_port).start()

@@ -64,6 +64,8 @@ log = logging.getLogger("spec_serve.client")
 # Delay before retrying a request the broker could not place (e.g. its queue
 # for us was full): short, so a transient condition costs little.
 RETRY_BACKOFF_S = 0.2
+# STATUS pages gathered at most (each holds up to 32 KiB of entries: far more than any real cluster).
+MAX_STATUS_PAGES = 10_000
 
 
 def _ipc_endpoint() -> str:
@@ -145,27 +147,52 @@ class _ClientIO(threading.Thread):
         # CPU results spanning frames are assembled into reused buffers (fresh ones fault on every page).
         self.recv_alloc = RecyclingAllocator()
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
         self._pending: dict[bytes, _Pending] = {}
         self._closing = threading.Event()
         self._broker_instance: str | None = None
         self.binding = None  # spec_serve.binding.ClientBinding when enable_nccl
-        # Re-sent first after a broker restart, so requests naming it still resolve.
-        self.vocab_registration: tuple[str, list] | None = None
+        # digest -> (service, SET_VOCAB payload) of the mappings registered at the broker and not released:
+        # the current one and any that pending requests name. Re-sent after a broker restart.
+        self.vocab_registrations: dict[str, tuple[str, list]] = {}
+        self.current_vocab: str | None = None
+        self._ipc_files: list[str] = []
+        self.data = self.dealer = None
+        self._wake_r, self._wake_w = os.pipe()
+        try:
+            os.set_blocking(self._wake_w, False)
+            self._open_sockets(broker_url, security, advertise_host, local_ipc)
+        except BaseException:
+            self._release_resources()  # a constructor that raises leaks no descriptor
+            raise
+
+    def _open_sockets(self, broker_url: str, security: Security | None, advertise_host: str | None,
+                      local_ipc: bool | None) -> None:
         if broker_url.startswith("ipc://"):
             data_bind = _ipc_endpoint()
         else:
             data_bind = f"tcp://{advertise_host or route_address(broker_url)}:*"
         self.data = make_socket(self.ctx, zmq.PULL, bind=data_bind, security=security, curve_server=True)
         self.data_endpoint = bound_endpoint(self.data)
-        self._ipc_files = [data_bind[len("ipc://"):]] if data_bind.startswith("ipc://") else []
+        if data_bind.startswith("ipc://"):
+            self._ipc_files.append(data_bind[len("ipc://"):])
         # Sent as "reply_local": a worker on our host replies over ipc instead (faster than tcp loopback).
         self.reply_local: dict[str, str] | None = None
         if (local_ipc_enabled(False) if local_ipc is None else local_ipc) and data_bind.startswith("tcp://"):
             self._bind_local()
         self.data_key = security.keypair()[0].decode() if security else None
         self.dealer = self._connect()
+
+    def _release_resources(self) -> None:
+        """Close the sockets and the wake-up pipe, and unlink our ipc socket files."""
+        for sock in (self.dealer, self.data):
+            if sock is not None:
+                sock.close(0)
+        for path in self._ipc_files:  # libzmq leaves a named ipc socket's file behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _connect(self) -> zmq.Socket:
         return make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
@@ -202,6 +229,44 @@ class _ClientIO(threading.Thread):
         self.call(lambda: self._send_new(pending))
         return pending.future
 
+    def register_vocab(self, service: str, payload: list, header: dict, timeout: float) -> concurrent.futures.Future:
+        """Register a mapping as the current one (SET_VOCAB with ``header``); a future of its digest.
+
+        The same message releases our earlier registrations that no pending request names, so the
+        broker keeps only live mappings however often the mapping changes.
+        """
+        digest: concurrent.futures.Future = concurrent.futures.Future()
+
+        def send() -> None:
+            named = {p.header.get("vocab") for p in self._pending.values()}
+            release = [d for d in self.vocab_registrations if d not in named]
+            for d in release:
+                del self.vocab_registrations[d]
+            pending = _Pending(new_request_id(), ClientCommand.SET_VOCAB.value, service,
+                               dict(header, release=release), payload, concurrent.futures.Future(), timeout)
+            pending.future.add_done_callback(lambda f: self._registered(f, service, payload, digest))
+            self._send_new(pending)
+
+        self.call(send)
+        return digest
+
+    def _registered(self, reply: concurrent.futures.Future, service: str, payload: list,
+                    digest: concurrent.futures.Future) -> None:
+        """I/O thread: record the VOCAB_OK's digest as the current mapping."""
+        if reply.exception() is not None:
+            digest.set_exception(reply.exception())
+            return
+        name = reply.result().header["digest"]
+        self.vocab_registrations[name] = (service, payload)
+        self.current_vocab = name
+        digest.set_result(name)
+
+    def _send_registration(self, digest: str | None) -> None:
+        """Re-send the registration of ``digest`` (one we still hold) to the broker."""
+        if digest in self.vocab_registrations:
+            service, payload = self.vocab_registrations[digest]
+            self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
+
     def close(self) -> None:
         if self._closing.is_set():
             return
@@ -213,8 +278,9 @@ class _ClientIO(threading.Thread):
             sent.wait(timeout=2)
         self._closing.set()
         self.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # ------------------------------------------------------------ I/O loop
 
@@ -316,9 +382,8 @@ class _ClientIO(threading.Thread):
 
     def _resend_all(self) -> None:
         now = time.monotonic()
-        if self.vocab_registration is not None:
-            service, payload = self.vocab_registration
-            self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
+        for digest in [d for d in self.vocab_registrations if d != self.current_vocab] + [self.current_vocab]:
+            self._send_registration(digest)
         for pending in list(self._pending.values()):
             if pending.command == ClientCommand.BIND.value:
                 # A binding half-made through a lost broker is void; the caller falls back to frames.
@@ -369,14 +434,15 @@ class _ClientIO(threading.Thread):
         now = time.monotonic()
         if command is ClientCommand.ERROR:
             code, error = msg.header.get("code"), str(msg.header.get("error"))
-            if msg.header.get("unknown_vocab") and self.vocab_registration is not None:
-                service, payload = self.vocab_registration
-                self._send(control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload))
+            if msg.header.get("unknown_vocab") and pending.header.get("vocab") in self.vocab_registrations:
+                self._send_registration(pending.header["vocab"])  # e.g. a restarted broker lacks it
                 self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
             elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
                 self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
             elif code == ErrorCode.TARGET_CHANGED.value:
                 self._target_changed(pending, error, worker=None)
+            elif code == ErrorCode.KILLED_WORKERS.value:
+                self._fail(pending, RemoteError(error))
             else:
                 self._fail(pending, ValueError(error))
             return
@@ -412,6 +478,11 @@ class _ClientIO(threading.Thread):
                 self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S)
             return
         if not self._same_target(pending, header):
+            return
+        size = sum(len(memoryview(f)) for f in payload)
+        if size > self.max_message_bytes:  # an honest worker refuses this itself (max_reply_bytes)
+            self._fail(pending, ValueError(f"reply of {size} bytes from worker {header.get('worker')} exceeds this "
+                                           f"client's max_message_bytes of {self.max_message_bytes}"))
             return
         # Checked here; the bytes stay in the frames until copied to where the caller wants them (_assemble).
         spans, _ = wire.parse(payload, max_bytes=self.max_message_bytes)
@@ -523,7 +594,16 @@ class RemoteTargetModel:
                              heartbeat_interval=heartbeat_interval, liveness=liveness,
                              max_message_bytes=max_message_bytes, local_ipc=local_ipc)
         self._io.start()
+        try:
+            self._setup(compact, enable_nccl, nccl_timeout, nccl_retry_s)
+        except BaseException:
+            self._io.close()  # a constructor that raises leaks no thread or descriptor
+            raise
+
+    def _setup(self, compact: bool, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float) -> None:
         self._vocab_digest: str | None = None
+        # The largest request payload the broker and this service's workers accept (learnt from STATUS).
+        self._max_request_bytes: int | None = None
         self._info: TargetInfo | None = None
         self._fingerprint: str | None = None  # of the target we set up with; every reply must match it
         self._closed = False
@@ -544,8 +624,8 @@ class RemoteTargetModel:
         if enable_nccl:
             from spec_serve.binding import ClientBinding
 
-            self._binding = self._io.binding = ClientBinding(self._io, service, self.device, float(nccl_timeout),
-                                                             float(nccl_retry_s))
+            self._binding = self._io.binding = ClientBinding(self._io, self.service, self.device,
+                                                             float(nccl_timeout), float(nccl_retry_s))
 
     @property
     def stats(self) -> ClientStats:
@@ -595,6 +675,7 @@ class RemoteTargetModel:
                     "attention_mask": attention_mask[lo:hi].to("cpu"),
                     "loss_mask": loss_mask[lo:hi].to("cpu"),
                 })
+                self._check_request_size(payload, f"request for rows {lo}:{hi}")
                 header = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                           "tokens": int(attention_mask[lo:hi].sum())}
                 if bound is not None:  # every shard to our bound worker; tensors over the pair group
@@ -646,10 +727,22 @@ class RemoteTargetModel:
         requests = [(self._prepare(header), [])]
         return _assemble([self._submit(*requests[0])], [0], self.device, None, self._checker(requests)).result()
 
+    def _check_request_size(self, payload: Sequence, what: str) -> None:
+        """Refuse a payload over what the broker or this service's workers accept, before sending it
+        (ZeroMQ would drop the connection on it, and nothing would answer)."""
+        self.target_info()  # learns the limit
+        size = sum(len(memoryview(f)) for f in payload)
+        if self._max_request_bytes is not None and size > self._max_request_bytes:
+            raise ValueError(f"{what} is {size} bytes, over the max message size of {self._max_request_bytes} "
+                             f"bytes of service {self.service!r} (broker --max-message-bytes, or its workers'): "
+                             f"send fewer rows per request (num_shards) or raise the limit")
+
     def _prepare(self, header: dict) -> dict:
         """``header`` with what every request carries: where to reply, the vocab mapping, the target we set
-        up with (``fingerprint``, once ``target_info`` ran), whether to digest the reply (``verify``)."""
-        header = dict(header, reply_to=self._io.data_endpoint)
+        up with (``fingerprint``, once ``target_info`` ran), whether to digest the reply (``verify``), and
+        the largest reply we take (``max_reply_bytes``: the worker refuses a bigger one instead of sending
+        it, and computing it again on every retry)."""
+        header = dict(header, reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes)
         if self._fingerprint is not None:
             header["fingerprint"] = self._fingerprint
         bound = self._binding.worker if self._binding is not None else None
@@ -710,12 +803,10 @@ class RemoteTargetModel:
         ids = selected_token_ids.to("cpu", torch.int64).contiguous()
         mask = selected_token_mask.to("cpu", torch.bool).contiguous()
         validate_vocab_mapping(ids, mask, self.target_info().vocab_size)
-        payload = wire.encode({"selected_token_ids": ids, "selected_token_mask": mask})
-        reply = self._io.submit(ClientCommand.SET_VOCAB, self.service, {"fingerprint": self._fingerprint}, payload,
-                                self.timeout).result()
-        digest = reply.header["digest"]
-        payload = [bytes(memoryview(f)) for f in payload]
-        self._io.call(lambda: setattr(self._io, "vocab_registration", (self.service, payload)))
+        payload = [bytes(memoryview(f)) for f in wire.encode({"selected_token_ids": ids, "selected_token_mask": mask})]
+        self._check_request_size(payload, "the vocab mapping")
+        digest = self._io.register_vocab(self.service, payload, {"fingerprint": self._fingerprint},
+                                         self.timeout).result()
         self._vocab_digest = digest
         self._selected_mask = mask.to(self.device)
         if self.compact:
@@ -723,14 +814,35 @@ class RemoteTargetModel:
 
     # ----------------------------------------------------------- target info
 
-    def status(self) -> dict[str, Any]:
-        """The broker's view: services, workers, queues."""
-        return self._io.submit(ClientCommand.STATUS, self.service, {}, (), self.timeout).result().header
+    def status(self, service: str | None = None) -> dict[str, Any]:
+        """The broker's view: services, workers, queues (of one ``service``, or all). The broker answers in
+        pages of bounded size; this gathers them all."""
+        query: dict[str, Any] = {} if service is None else {"service": service}
+        pages = 0
+        while True:
+            page = self._io.submit(ClientCommand.STATUS, self.service, query, (), self.timeout).result().header
+            if pages == 0:
+                status = dict(page, services={}, workers=[])
+            status["services"].update(page.get("services", {}))
+            status["workers"].extend(page.get("workers", []))
+            pages += 1
+            cursor = page.get("next")
+            if cursor is None:
+                status.pop("next", None)
+                return status
+            if cursor == query.get("after") or pages > MAX_STATUS_PAGES:
+                raise RemoteError(f"broker STATUS pages do not end (page {pages}, cursor {cursor!r})")
+            query["after"] = cursor
 
     def _worker_infos(self, wait: bool = True) -> dict[str, dict]:
         deadline = time.monotonic() + self.timeout
         while True:
-            infos = {w["id"]: w["target_info"] for w in self.status()["workers"] if w["service"] == self.service}
+            status = self.status(self.service)
+            workers = [w for w in status["workers"] if w["service"] == self.service]
+            limits = [status.get("max_message_bytes")] + [w.get("max_message_bytes") for w in workers]
+            limits = [n for n in limits if isinstance(n, int) and n > 0]
+            self._max_request_bytes = min(limits) if limits else None
+            infos = {w["id"]: w["target_info"] for w in workers}
             if infos or not wait:
                 return infos
             if time.monotonic() > deadline:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Client side, in prometheus_client's default registry: a trainer exposes it with its own exporter
@@ -36,6 +38,8 @@ class BrokerMetrics:
         self.redispatched = Counter("spec_serve_redispatched", "Requests re-dispatched after a worker died",
                                     registry=r)
         self.worker_deaths = Counter("spec_serve_worker_deaths", "Workers expired by missed heartbeats", registry=r)
+        self.killer_requests = Counter("spec_serve_killer_requests",
+                                       "Requests failed for being on too many workers as they died", registry=r)
         self.duplicate_requests = Counter("spec_serve_duplicate_requests", "Retries of requests still held",
                                           registry=r)
         self.bad_messages = Counter("spec_serve_bad_messages", "Malformed messages dropped or refused", registry=r)
@@ -43,6 +47,16 @@ class BrokerMetrics:
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)
+
+    def forget_service(self, service: str, statuses: tuple[str, ...]) -> None:
+        """Drop a forgotten service's series, so label sets do not grow with every name ever used.
+        (prometheus_client before 0.20 raises KeyError for a label set it never saw.)"""
+        for metric in (self.requests, self.tokens, self.reply_bytes, self.latency, self.queue_depth, self.workers):
+            with contextlib.suppress(KeyError):
+                metric.remove(service)
+        for status in statuses:
+            with contextlib.suppress(KeyError):
+                self.completed.remove(service, status)
 
     def set_worker_states(self, workers: list[dict]) -> None:
         """Replace the per-worker gauge with the current set of workers."""

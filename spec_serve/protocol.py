@@ -35,6 +35,9 @@ CONTROL_FRAMES = 5
 DATA_FRAMES = 4
 
 MAX_HEADER_BYTES = 64 << 10
+# Nesting a header may have: our own headers nest at most 4 deep (a STATUS page). A deeper one is
+# refused at decode, before anything re-encodes it (Python's json recurses once per level).
+MAX_HEADER_DEPTH = 16
 REQUEST_ID_BYTES = 16
 
 
@@ -81,8 +84,9 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_SERVICE = "unknown_service"  # no worker has ever served this name
     TIMEOUT = "timeout"  # no worker took it before its deadline
     INTERNAL = "internal"  # the engine failed; retried
-    UNAVAILABLE = "unavailable"  # e.g. no worker free to bind
+    UNAVAILABLE = "unavailable"  # e.g. no worker free to bind, or the reply could not be delivered
     TARGET_CHANGED = "target_changed"  # never retried: the service serves another target than the client set up with
+    KILLED_WORKERS = "killed_workers"  # workers died while serving it, too often: never retried
 
 
 class Op(str, enum.Enum):
@@ -94,7 +98,11 @@ class Op(str, enum.Enum):
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow this protocol."""
+    """A message that does not follow this protocol; ``request_id`` when the frames named one."""
+
+    def __init__(self, message: str, request_id: bytes = b""):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def new_request_id() -> bytes:
@@ -106,6 +114,7 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 
 def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
+    """A JSON object of at most ``MAX_HEADER_BYTES``, nested at most ``MAX_HEADER_DEPTH`` deep."""
     raw = bytes(raw)
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -113,11 +122,29 @@ def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
         return {}
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise ProtocolError(f"header nests deeper than {MAX_HEADER_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of more than 4300 digits
         raise ProtocolError(f"header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a JSON object")
+    if _depth(header) > MAX_HEADER_DEPTH:
+        raise ProtocolError(f"header nests deeper than {MAX_HEADER_DEPTH} levels")
     return header
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_HEADER_DEPTH:  # deeper is refused anyway: stop walking
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 @dataclass
@@ -156,7 +183,11 @@ def parse_control(frames: Sequence, tag: bytes, commands: type[enum.Enum]) -> Me
         raise ProtocolError("service name is not UTF-8") from None
     if request_id and len(request_id) != REQUEST_ID_BYTES:
         raise ProtocolError(f"request id must be {REQUEST_ID_BYTES} bytes, got {len(request_id)}")
-    return Message(command, service_name, request_id, decode_header(header), list(frames[CONTROL_FRAMES:]))
+    try:
+        decoded = decode_header(header)
+    except ProtocolError as e:  # the sender can match the error to its request
+        raise ProtocolError(str(e), request_id) from None
+    return Message(command, service_name, request_id, decoded, list(frames[CONTROL_FRAMES:]))
 
 
 def data_message(status: Status, request_id: bytes, header: dict, payload: Sequence = ()) -> list:
@@ -197,3 +228,5 @@ HEARTBEAT_LIVENESS = int(env_float("SPEC_SERVE_HEARTBEAT_LIVENESS", 4))
 # How long a request for a service no worker has ever registered waits before
 # the broker answers UNKNOWN_SERVICE: long enough for workers starting up.
 UNKNOWN_SERVICE_GRACE = env_float("SPEC_SERVE_UNKNOWN_SERVICE_GRACE", 10.0)
+# A service with no worker, no request and no client mapping is forgotten after this long.
+IDLE_SERVICE_GRACE = env_float("SPEC_SERVE_IDLE_SERVICE_GRACE", 60.0)

@@ -10,6 +10,9 @@ Options and why:
   codec splits tensors into frames of at most 16 MiB (a single 64 MiB frame
   failed in libzmq on the GPU machine), so honest peers never come near it.
 - ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
+- IMMEDIATE (``immediate=True``, a worker's sockets to client data endpoints):
+  messages queue only on a connection that completed its handshake, so a
+  send to an endpoint that refuses or never speaks ZeroMQ fails at once.
 - CurveZMQ when a Security is given: the broker (and a client's data socket)
   is a CURVE server that only admits keys found in an authorized directory.
 """
@@ -94,6 +97,7 @@ def make_socket(
     curve_server_key: bytes | None = None,
     hwm: int = DEFAULT_HWM,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    immediate: bool = False,
 ) -> zmq.Socket:
     """Create a socket with the project's options; bind or connect it.
 
@@ -102,7 +106,8 @@ def make_socket(
     """
     sock = ctx.socket(kind)
     try:
-        _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm, max_frame_bytes)
+        _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm, max_frame_bytes,
+                   immediate)
     except BaseException:
         sock.close(0)  # a bad endpoint or key must not leak the socket
         raise
@@ -110,9 +115,10 @@ def make_socket(
 
 
 def _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm,
-               max_frame_bytes) -> None:
+               max_frame_bytes, immediate) -> None:
     ctx = sock.context
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)

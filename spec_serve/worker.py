@@ -10,6 +10,7 @@ time, and hands encoded replies back through a queue plus an inproc wake-up.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -56,7 +57,14 @@ log = logging.getLogger("spec_serve.worker")
 # Client data sockets kept open, and how long an unused one lives.
 MAX_DATA_SOCKETS = 64
 DATA_SOCKET_IDLE_S = 120.0
-# Draft-vocab mappings a worker keeps (content-addressed by the broker).
+# Replies a client's data socket queues before further ones are undeliverable (ZeroMQ SNDHWM).
+DATA_SOCKET_HWM = 4
+# A reply waits this long for a new data socket's connection; after that, a socket that takes nothing
+# makes the reply undeliverable at once (it is refused or not read).
+CONNECT_GRACE_S = 2.0
+# A worker holds at most MAX_MAPPINGS + capacity draft-vocab mappings. The broker says which to drop
+# (SET_VOCAB "evict") and never leaves more than 16 on a worker plus those its requests in flight name;
+# dropping the oldest beyond this bound only guards against a broker that misbehaves.
 MAX_MAPPINGS = 16
 
 
@@ -103,6 +111,29 @@ class RequestError(Exception):
 
 
 @dataclasses.dataclass
+class ReplySocket:
+    """A PUSH socket to one client's data endpoint, and the replies it has not yet sent."""
+
+    sock: zmq.Socket
+    created: float
+    used: float
+    unsent: collections.deque = dataclasses.field(default_factory=collections.deque)  # (tracker, handed at)
+    closed: bool = False
+
+    def oldest_unsent(self, now: float) -> float:
+        """Seconds the oldest reply handed to ZeroMQ has waited to leave (0 when all have)."""
+        while self.unsent and self.unsent[0][0].done:
+            self.unsent.popleft()
+        return now - self.unsent[0][1] if self.unsent else 0.0
+
+    def close(self) -> None:
+        # LINGER 0: ZeroMQ drops what it still queues, so every tracker of this socket completes and the
+        # slabs those replies borrow go back to the pool (Worker._flush releases them).
+        self.closed = True
+        self.sock.close(0)
+
+
+@dataclasses.dataclass
 class Job:
     request_id: bytes
     header: dict[str, Any]
@@ -138,7 +169,7 @@ class Worker:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        reply_timeout: float = 60.0,
+        reply_timeout: float = 60.0,  # a data socket whose oldest reply has not left by then is closed
         context: zmq.Context | None = None,
         max_batch_tokens: int = 0,
         advertise_host: str | None = None,
@@ -193,6 +224,7 @@ class Worker:
         # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._tracked: list = []  # (MessageTracker, Lease) of replies still borrowing a slab
+        self._data_sockets: "collections.OrderedDict[str, ReplySocket]" = collections.OrderedDict()  # I/O thread
         # NCCL data plane (docs/nccl.md): at most one client bound at a time. The pair is used only
         # on the compute thread; the I/O thread only records released prefixes.
         self.advertise_host = advertise_host  # where the bound client reaches our rendezvous store
@@ -216,7 +248,7 @@ class Worker:
         compute = threading.Thread(target=self._compute_loop, name="spec-serve-compute", daemon=True)
         compute.start()
         broker = self._connect()
-        data_sockets: "collections.OrderedDict[str, list]" = collections.OrderedDict()  # endpoint -> [sock, used]
+        data_sockets = self._data_sockets
         outbox: collections.deque = collections.deque()
         next_beat = time.monotonic() + self.heartbeat_interval
         broker_expiry = time.monotonic() + self.heartbeat_interval * self.liveness
@@ -253,8 +285,7 @@ class Worker:
                             result = self._results.get_nowait()
                         except queue.Empty:
                             break
-                        endpoint = local_reply_endpoint(result.job.header, self.host_key) \
-                            or result.job.header["reply_to"]
+                        endpoint = self._reply_endpoint(result.job.header)
                         result.header["via"] = "ipc" if endpoint.startswith("ipc://") else "tcp"
                         try:
                             sock = self._data_socket(data_sockets, endpoint, result.job.header, now)
@@ -263,9 +294,10 @@ class Worker:
                             if getattr(result, "lease", None) is not None:
                                 result.lease.release()
                             broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service,
-                                                          result.job.request_id, {"status": "undeliverable"}))
+                                                          result.job.request_id, {"status": "undeliverable",
+                                                                                  "error": f"bad endpoint: {e}"}))
                             continue
-                        outbox.append((sock, result, now + self.reply_timeout))
+                        outbox.append((sock, result))
                 self._flush(outbox, broker, now)
                 if now >= next_beat:
                     broker.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
@@ -286,8 +318,8 @@ class Worker:
             self._jobs.put(None)
             broker.close(0)
             wake.close(0)
-            for sock, _ in data_sockets.values():
-                sock.close(0)
+            for reply_socket in data_sockets.values():
+                reply_socket.close()
             event(log, logging.INFO, "worker.stop", served=self.served, replies_ipc=self.replies_ipc,
                   replies_tcp=self.replies_tcp)
 
@@ -309,8 +341,10 @@ class Worker:
     def _send_ready(self, sock: zmq.Socket) -> None:
         if self._pair_prefix is not None:
             self._release(self._pair_prefix)  # registering anew: the broker forgot our binding
+        with self._mapping_lock:
+            self._mappings.clear()  # the broker's record of what we hold starts empty with this READY
         header = {"target_info": self.info.to_dict(), "capacity": self.capacity, "pid": os.getpid(),
-                  "host": socket.gethostname()}
+                  "host": socket.gethostname(), "max_message_bytes": self.max_message_bytes}
         sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
         event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url)
 
@@ -321,6 +355,8 @@ class Worker:
             if not isinstance(msg.header.get("reply_to"), str) or not msg.request_id:
                 raise ProtocolError("REQUEST without reply_to or request id")
             self._jobs.put(Job(msg.request_id, msg.header, msg.payload, time.monotonic()))
+            with contextlib.suppress(Exception):  # connect now, while the forward runs (errors: when replying)
+                self._data_socket(self._data_sockets, self._reply_endpoint(msg.header), msg.header, time.monotonic())
         elif command is WorkerCommand.BIND:
             if not isinstance(msg.header.get("reply_to"), str) or not isinstance(msg.header.get("prefix"), str) \
                     or not msg.request_id:
@@ -344,35 +380,50 @@ class Worker:
         except (wire.WireError, KeyError) as e:
             event(log, logging.WARNING, "worker.bad_mapping", digest=digest, error=e)
             return
+        evict = msg.header.get("evict", [])
         with self._mapping_lock:
+            for old in evict if isinstance(evict, list) else ():
+                if isinstance(old, str):
+                    self._mappings.pop(old, None)
             self._mappings[str(digest)] = mapping
             self._mappings.move_to_end(str(digest))
-            while len(self._mappings) > MAX_MAPPINGS:
+            while len(self._mappings) > MAX_MAPPINGS + self.capacity:
                 self._mappings.popitem(last=False)
 
-    def _data_socket(self, sockets: collections.OrderedDict, endpoint: str, header: dict, now: float):
+    def _reply_endpoint(self, header: dict) -> str:
+        return local_reply_endpoint(header, self.host_key) or header["reply_to"]
+
+    def _data_socket(self, sockets: collections.OrderedDict, endpoint: str, header: dict, now: float) -> ReplySocket:
         entry = sockets.get(endpoint)
         if entry is None:
             server_key = header.get("data_key")
             if server_key is not None and not isinstance(server_key, str):
                 raise ProtocolError("data_key must be a Z85 string")
-            sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint, security=self.security, hwm=4,
-                               curve_server_key=server_key.encode() if server_key else None)
-            entry = sockets[endpoint] = [sock, now]
+            # immediate: replies queue only on a connection that completed its handshake, so an endpoint
+            # that refuses (or never completes one) takes nothing and its replies fail at once.
+            sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint, security=self.security, hwm=DATA_SOCKET_HWM,
+                               curve_server_key=server_key.encode() if server_key else None, immediate=True)
+            entry = sockets[endpoint] = ReplySocket(sock, created=now, used=now)
             while len(sockets) > MAX_DATA_SOCKETS:
-                _, (old, _) = sockets.popitem(last=False)
-                old.close(0)
-        entry[1] = now
+                sockets.popitem(last=False)[1].close()
+        entry.used = now
         sockets.move_to_end(endpoint)
-        return entry[0]
+        return entry
 
     def _close_idle(self, sockets: collections.OrderedDict, now: float) -> None:
-        for endpoint in [e for e, (_, used) in sockets.items() if now - used > DATA_SOCKET_IDLE_S]:
-            sockets.pop(endpoint)[0].close(0)
+        """Close data sockets unused for DATA_SOCKET_IDLE_S, and any whose oldest reply has not left
+        within ``reply_timeout`` (a client that stopped reading): that frees what it borrows."""
+        for endpoint, reply_socket in list(sockets.items()):
+            stuck = reply_socket.oldest_unsent(now) > self.reply_timeout
+            if stuck or now - reply_socket.used > DATA_SOCKET_IDLE_S:
+                sockets.pop(endpoint).close()
+            if stuck:
+                event(log, logging.WARNING, "worker.reply_stuck", endpoint=endpoint[:80],
+                      unsent=len(reply_socket.unsent))
 
     def _flush(self, outbox: collections.deque, broker: zmq.Socket, now: float) -> None:
-        """Send queued replies without blocking; a client that cannot take one
-        within ``reply_timeout`` is given up on (it will retry if alive)."""
+        """Hand ready replies to ZeroMQ without blocking and tell the broker DONE at once: the slot is
+        free whether the reply went out or was undeliverable (dropped; the broker tells the client)."""
         if self._tracked:
             still = []
             for tracker, lease in self._tracked:
@@ -382,34 +433,45 @@ class Worker:
                     still.append((tracker, lease))
             self._tracked = still
         for _ in range(len(outbox)):
-            sock, result, deadline = outbox.popleft()
+            reply_socket, result = outbox.popleft()
             if result.ready is not None and not result.ready.query():
-                outbox.append((sock, result, deadline))  # its device->host copy is still running
+                outbox.append((reply_socket, result))  # its device->host copy is still running
                 continue
+            sent = self._hand_off(reply_socket, result, now)
+            if sent is None:
+                outbox.append((reply_socket, result))  # its socket is still connecting
+                continue
+            header = {"status": ("ok" if result.status is Status.OK else "error") if sent else "undeliverable",
+                      "tokens": result.tokens, "bytes": sum(len(memoryview(f)) for f in result.frames),
+                      "via": result.header["via"]}
+            if not sent:
+                header["error"] = "its data socket takes nothing (the endpoint refuses, or nothing reads it)"
+            broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, result.job.request_id,
+                                          header))
+            self.served += 1
+
+    def _hand_off(self, reply_socket: ReplySocket, result: Result, now: float) -> bool | None:
+        """Give a reply to ZeroMQ: True if taken, False if undeliverable (dropped), None to retry shortly."""
+        if not reply_socket.closed:
             frames = data_message(result.status, result.job.request_id, result.header, result.frames)
             try:
+                tracker = reply_socket.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+            except zmq.Again:
+                if now - reply_socket.created < CONNECT_GRACE_S:
+                    return None
+            else:
+                reply_socket.unsent.append((tracker, now))
                 if result.lease is not None:
-                    tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
                     self._tracked.append((tracker, result.lease))
-                else:
-                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                status = "ok" if result.status is Status.OK else "error"
                 if result.header["via"] == "ipc":
                     self.replies_ipc += 1
                 else:
                     self.replies_tcp += 1
-            except zmq.Again:
-                if now < deadline:
-                    outbox.append((sock, result, deadline))
-                    continue
-                if result.lease is not None:
-                    result.lease.release()
-                status = "undeliverable"
-            nbytes = sum(len(memoryview(f)) for f in result.frames)
-            broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, result.job.request_id,
-                                          {"status": status, "tokens": result.tokens, "bytes": nbytes,
-                                           "via": result.header["via"]}))
-            self.served += 1
+                return True
+        if result.lease is not None:
+            result.lease.release()
+        event(log, logging.INFO, "worker.reply_undeliverable", request=result.job.request_id.hex()[:12])
+        return False
 
     # -------------------------------------------------------------- compute
 
@@ -473,7 +535,7 @@ class Worker:
                 raise
             self._test_corrupt_frames(job, frames, ready)
             header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), **integrity}
-            return Result(job, Status.OK, header, frames, tokens, lease, ready)
+            return self._within_client_limit(Result(job, Status.OK, header, frames, tokens, lease, ready))
         except RequestError as e:
             code, message = e.code, str(e)
         except (ValueError, wire.WireError) as e:
@@ -514,6 +576,21 @@ class Worker:
         bad = tensors[name].contiguous().clone()
         bad.view(-1).view(torch.uint8)[0] ^= 1
         return {**tensors, name: bad}
+
+    def _within_client_limit(self, result: Result) -> Result:
+        """``result``, or a bad_request error if its payload exceeds the ``max_reply_bytes`` the client
+        named: refused here, once, rather than sent for the client to drop (and ask for again)."""
+        limit = result.job.header.get("max_reply_bytes")
+        size = sum(len(memoryview(f)) for f in result.frames)
+        if not isinstance(limit, int) or size <= limit:
+            return result
+        if result.lease is not None:
+            result.lease.release()
+        message = (f"reply of {size} bytes exceeds the client's max_message_bytes of {limit}: raise the "
+                   f"client's max_message_bytes or send fewer rows per request (num_shards)")
+        event(log, logging.INFO, "worker.request_failed", code=ErrorCode.BAD_REQUEST.value, error=message)
+        return Result(result.job, Status.ERROR, {"worker": self.name, "code": ErrorCode.BAD_REQUEST.value,
+                                                 "error": message}, [])
 
     def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
         op = job.header.get("op", Op.GENERATE.value)
@@ -629,7 +706,7 @@ class Worker:
             if lease is not None:
                 lease.retain(len(jobs) - 1)  # one release per reply sent
             self.batches += 1
-            return results
+            return [self._within_client_limit(result) for result in results]
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
             if lease is not None:
                 lease.release()

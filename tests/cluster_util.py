@@ -2,8 +2,9 @@
 
 Also test-only entry points, so these tests need no knob in the production worker:
 ``python tests/cluster_util.py slow-worker ...`` serves the hf engine with an artificial delay
-before every forward; ``swap-worker ...`` replaces its checkpoint in place after N forwards (a
-target reloaded under a running worker, which the broker still knows by its registration).
+before every forward, or dies (as a crashing engine would) on a forward whose tokens are all one
+given id; ``swap-worker ...`` replaces its checkpoint in place after N forwards (a target reloaded
+under a running worker, which the broker still knows by its registration).
 """
 
 from __future__ import annotations
@@ -62,13 +63,22 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
 
 def start_slow_worker(cluster, target, delay: float, *extra: str) -> subprocess.Popen:
     """A worker whose every forward first sleeps ``delay`` seconds (test-only entry point)."""
+    return _start_test_worker(cluster, target, "--delay", str(delay), *extra)
+
+
+def start_crashing_worker(cluster, target, token: int, *extra: str) -> subprocess.Popen:
+    """A worker whose process dies at once on a forward whose input ids are all ``token``."""
+    return _start_test_worker(cluster, target, "--delay", "0", "--crash-on-token", str(token), *extra)
+
+
+def _start_test_worker(cluster, target, *args: str) -> subprocess.Popen:
     env = {**os.environ, **cluster.env}
     out = subprocess.DEVNULL
     if cluster.log_dir is not None:
         cluster.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(cluster.log_dir / f"slow-worker{len(cluster.workers)}.log", "ab")
-    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "slow-worker", "--delay", str(delay),
-                             "--target", str(target), "--broker", cluster.backend, *extra],
+    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "slow-worker", *args,
+                             "--target", str(target), "--broker", cluster.backend],
                             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     cluster.workers.append(proc)
     return proc
@@ -189,14 +199,17 @@ def _slow_worker_main(argv: list[str]) -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--broker", required=True)
     p.add_argument("--service", default="default")
+    p.add_argument("--crash-on-token", type=int, default=None)
     args = p.parse_args(argv)
     logs.setup(os.environ.get("SPEC_SERVE_LOG_LEVEL", "INFO"))
     engine = load_engine("hf", args.target)
     inner = engine.generate_batch
 
-    def slow_generate_batch(*a, **kw):
+    def slow_generate_batch(input_ids, *a, **kw):
+        if args.crash_on_token is not None and bool((input_ids == args.crash_on_token).all()):
+            os._exit(70)  # as a segfault or an OOM kill would: no reply, no DONE, no goodbye
         time.sleep(args.delay)  # holds the compute thread only; heartbeats run on the I/O thread
-        return inner(*a, **kw)
+        return inner(input_ids, *a, **kw)
 
     engine.generate_batch = slow_generate_batch
     worker = Worker(engine, args.broker, service=args.service)
