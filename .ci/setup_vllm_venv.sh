@@ -24,8 +24,9 @@ for pkg in torchvision torchaudio torchcodec triton; do
     fi
 done
 
-# spec-serve itself, editable, without letting pip touch vllm's torch/transformers pins.
-if ! "$PY" -c "import spec_serve, sys; sys.exit(not spec_serve.__file__.startswith('$ROOT/'))" 2>/dev/null; then
+# spec-serve itself, editable, without letting pip touch vllm's torch/transformers pins. The check
+# runs from / so that this checkout on the current directory cannot stand in for an install.
+if [ ! -x "$VENV/bin/spec-serve" ] || ! (cd / && "$PY" -c "import spec_serve, sys; sys.exit(not spec_serve.__file__.startswith('$ROOT/'))") 2>/dev/null; then
     "${PIP[@]}" install --no-deps -e "$ROOT"
 fi
 
@@ -38,4 +39,5 @@ if [ "${#missing[@]}" -gt 0 ]; then
     "${PIP[@]}" install "${missing[@]}"
 fi
 
-"$PY" -c "import vllm, transformers, torch, spec_serve; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+(cd / && "$PY" -c "import vllm, transformers, torch, spec_serve; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'spec_serve', spec_serve.__file__)")
+"$VENV/bin/spec-serve" --version
