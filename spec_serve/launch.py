@@ -59,24 +59,35 @@ class Cluster:
         self.wait_http()
         return self.broker
 
-    def start_worker(self, target: str | Path, *extra: str, service: str = "default") -> subprocess.Popen:
+    def start_worker(self, target: str | Path, *extra: str, service: str = "default", env: dict | None = None,
+                     command: Sequence[str] | None = None) -> subprocess.Popen:
+        """A worker process; ``env`` adds to the cluster's environment (a None value unsets a variable),
+        ``command`` replaces ``python -m spec_serve.cli`` (e.g. another venv's ``spec-serve``)."""
         proc = self._spawn(f"worker{len(self.workers)}", [
-            "worker", "--target", str(target), "--broker", self.backend, "--service", service, *extra])
+            "worker", "--target", str(target), "--broker", self.backend, "--service", service, *extra],
+            env=env, command=command)
         self.workers.append(proc)
         return proc
 
-    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen:
+    def log_path(self, name: str) -> Path | None:
+        """Where process ``name`` ("broker", "worker0", ...) logs, if the cluster keeps logs."""
+        return None if self.log_dir is None else self.log_dir / f"{name}.log"
+
+    def _spawn(self, name: str, args: Sequence[str], env: dict | None = None,
+               command: Sequence[str] | None = None) -> subprocess.Popen:
         # Several CPU workers share this host's cores: one math thread each, or
         # OpenMP's spinning threads oversubscribe the cores and slow all by 10x.
-        env = {"OMP_NUM_THREADS": "1", **os.environ, **self.env}
+        env = {"OMP_NUM_THREADS": "1", **os.environ, **self.env, **(env or {})}
+        env = {k: v for k, v in env.items() if v is not None}  # None: unset it for this process
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "ab")
+            out = open(self.log_path(name), "ab")
         # A new session: Ctrl-C in the parent's terminal reaches only the parent,
         # which then shuts the children down in order.
-        return subprocess.Popen([sys.executable, "-m", "spec_serve.cli", *args], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        command = [sys.executable, "-m", "spec_serve.cli"] if command is None else list(command)
+        return subprocess.Popen([*command, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
     def wait_http(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -38,3 +38,8 @@ def quiet_transformers() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (engines' messages often span several)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}".rstrip(": ")

@@ -37,7 +37,8 @@ class BrokerMetrics:
                                   ["worker", "service", "state"], registry=r)
         self.redispatched = Counter("spec_serve_redispatched", "Requests re-dispatched after a worker died",
                                     registry=r)
-        self.worker_deaths = Counter("spec_serve_worker_deaths", "Workers expired by missed heartbeats", registry=r)
+        self.worker_deaths = Counter("spec_serve_worker_deaths",
+                                     "Workers expired by missed heartbeats or gone with a dead engine", registry=r)
         self.killer_requests = Counter("spec_serve_killer_requests",
                                        "Requests failed for being on too many workers as they died", registry=r)
         self.duplicate_requests = Counter("spec_serve_duplicate_requests", "Retries of requests still held",

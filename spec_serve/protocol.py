@@ -68,6 +68,7 @@ class WorkerCommand(bytes, enum.Enum):
     BIND = b"\x07"  # broker -> worker: pair with this client
     RELEASE = b"\x08"  # broker -> worker: the binding ended
     REFUSED = b"\x09"  # broker -> worker: registration refused (header: error); the worker exits
+    LEAVE = b"\x0a"  # worker -> broker: my engine is dead, forget me now (header: reason)
 
 
 class Status(bytes, enum.Enum):
@@ -87,6 +88,7 @@ class ErrorCode(str, enum.Enum):
     UNAVAILABLE = "unavailable"  # e.g. no worker free to bind, or the reply could not be delivered
     TARGET_CHANGED = "target_changed"  # never retried: the service serves another target than the client set up with
     KILLED_WORKERS = "killed_workers"  # workers died while serving it, too often: never retried
+    ENGINE_DEAD = "engine_dead"  # the engine died serving it; never retried (it may be what killed it)
 
 
 class Op(str, enum.Enum):

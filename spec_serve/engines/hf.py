@@ -134,6 +134,27 @@ def fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+# Test-only fault injection (tests/test_engine_death.py): "oom:N" or "cuda:N" makes the N-th forward and
+# every later one raise what a GPU out of memory or a CUDA error raises, so engine death is testable on
+# CPU; "error:N" raises an error the engine survives.
+TEST_FAULT_ENV = "SPEC_SERVE_TEST_ENGINE_FAULT"
+_TEST_FAULTS = {
+    "oom": lambda: torch.OutOfMemoryError(f"CUDA out of memory ({TEST_FAULT_ENV})"),
+    "cuda": lambda: torch.AcceleratorError(f"CUDA error: an illegal memory access was encountered ({TEST_FAULT_ENV})"),
+    "error": lambda: RuntimeError(f"a forward failed ({TEST_FAULT_ENV})"),
+}
+
+
+def _test_fault() -> tuple[str, int] | None:
+    value = os.environ.get(TEST_FAULT_ENV)
+    if not value:
+        return None
+    kind, _, nth = value.partition(":")
+    if kind not in _TEST_FAULTS or not nth.isdigit():
+        raise ValueError(f"{TEST_FAULT_ENV} must be oom:N, cuda:N or error:N, got {value!r}")
+    return kind, int(nth)
+
+
 # A benchmark target dir (``write_random_init_target``) holds config.json plus this small file instead
 # of weights: the model is built with random weights straight on the device (an 8B model in seconds,
 # no 16 GB download or disk write). Same file, same seed, same weights on the same kind of device.
@@ -227,6 +248,8 @@ class HFTarget:
         self._wanted: frozenset[int] = frozenset()
         # The hooks share _wanted/_captured, so concurrent forwards would mix their captures.
         self._forward_lock = threading.Lock()
+        self._forwards = 0
+        self._fault = _test_fault()
         self._install_hooks()
 
     # -- capture ---------------------------------------------------------------------------------
@@ -255,6 +278,9 @@ class HFTarget:
         """Final-norm output and ``{layer_id: HF hidden_states[layer_id+1]}`` for ``layer_ids``, shaped like
         ``input_ids`` plus a hidden dimension. ``model_kwargs``: attention_mask, or the packed inputs."""
         with self._forward_lock:
+            self._forwards += 1
+            if self._fault is not None and self._forwards >= self._fault[1]:
+                raise _TEST_FAULTS[self._fault[0]]()
             self._wanted = frozenset(layer_ids)
             self._captured = {}
             try:

@@ -80,6 +80,13 @@ class SGLangTarget(CapturedTarget):
             tp_size=1,
             pp_size=1,
         )
+        for key, flag in (("model_path", "--target"), ("dtype", "--dtype")):
+            if key in server_kwargs:
+                raise ValueError(f"SGLang's {key!r} is set by spec-serve; use {flag}")
+        for key in ("tp_size", "pp_size"):  # one in-process ModelRunner: one rank
+            if server_kwargs.get(key, 1) != 1:
+                raise ValueError(f"the sglang engine runs one in-process ModelRunner, so {key} must be 1, got "
+                                 f"{server_kwargs[key]}; for a target bigger than one GPU use --engine vllm")
         kwargs.update(server_kwargs)
         self.server_args = ServerArgs(**kwargs)
         self.runner = ModelRunner(
