@@ -32,7 +32,7 @@ fi
 
 missing=()
 for mod_pkg in zmq:pyzmq safetensors:safetensors click:click prometheus_client:prometheus-client \
-               tokenizers:tokenizers pytest:pytest pytest_timeout:pytest-timeout; do
+               tokenizers:tokenizers yaml:pyyaml pytest:pytest pytest_timeout:pytest-timeout; do
     "$PY" -c "import ${mod_pkg%%:*}" 2>/dev/null || missing+=("${mod_pkg#*:}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
