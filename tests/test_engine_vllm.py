@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster_util import wait_until
 from spec_serve.contract import RESPONSE_TENSORS, Kind
 from spec_serve.tiny import make_tiny_target, sample_batch
 
@@ -172,7 +173,9 @@ def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, bat
             target.check_target_info(h.target_info().to_dict() | {"engine": "vllm"})
             target.set_vocab_mapping(*tiny_vocab_mapping)
             got = target.generate_batch(input_ids, attention_mask, loss_mask, kind="eagle3")
-            served = {w["id"]: w["completed"] for w in target.status()["workers"]}
+            # A reply reaches the client before its worker's DONE reaches the broker: wait for both counts.
+            served = wait_until(lambda: (lambda c: sum(c.values()) == 2 and c)(
+                {w["id"]: w["completed"] for w in target.status()["workers"]}), timeout=30, what="both DONEs")
         os.killpg(workers[0].pid, signal.SIGINT)
         workers[1].send_signal(signal.SIGTERM)
         assert [w.wait(timeout=120) for w in workers] == [0, 0]
