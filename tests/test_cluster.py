@@ -180,8 +180,15 @@ def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
         with RemoteTargetModel(cluster.frontend, timeout=60) as target:
             inputs = sample_batch(tiny_target_dir, batch=2, seq=8, seed=1)
             target.generate_batch(*inputs, kind="dspark")
-        code, text = cluster.get("/metrics")
-        assert code == 200
+        # The reply reaches the client before the worker's DONE reaches the broker: wait for the count.
+        deadline = time.monotonic() + 15
+        while True:
+            code, text = cluster.get("/metrics")
+            assert code == 200
+            counted = [line for line in text.splitlines() if line.startswith("spec_serve_tokens_total")]
+            if (counted and float(counted[0].split()[-1]) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         for metric in ("spec_serve_requests_total", "spec_serve_tokens_total", "spec_serve_reply_bytes_total",
                        "spec_serve_request_latency_seconds_bucket", "spec_serve_queue_depth",
                        "spec_serve_worker_inflight"):
