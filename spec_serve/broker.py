@@ -23,13 +23,16 @@ import zmq
 
 from spec_serve import wire
 from spec_serve.contract import TargetInfo, validate_vocab_mapping
+from spec_serve.ingress import Ingress
 from spec_serve.logs import event
 from spec_serve.metrics import BrokerMetrics
 from spec_serve.protocol import (
     CLIENT_TAG,
+    CONTROL_SLACK_BYTES,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
     IDLE_SERVICE_GRACE,
+    MAX_HEADER_BYTES,
     MAX_HEADER_BYTES,
     UNKNOWN_SERVICE_GRACE,
     WORKER_TAG,
@@ -73,6 +76,15 @@ DONE_STATUSES = ("ok", "error", "undeliverable")
 MAX_KILLER_IDS = 1024
 # Messages drained from one socket before looking at the other (fairness).
 DRAIN_BATCH = 64
+# Request and vocab-mapping payload bytes the broker holds at once (queued, in flight, stored);
+# past it a new request is told to back off (unavailable, retried), a larger one is refused.
+DEFAULT_MAX_HELD_BYTES = 1 << 30
+# Workers send the broker control messages only: no frame above a header, little per connection.
+BACKEND_FRAME_BYTES = MAX_HEADER_BYTES + 4096
+BACKEND_CONNECTION_BYTES = 1 << 20
+BACKEND_TOTAL_BYTES = 64 << 20
+# Requests one worker may hold at once, whatever it claims: a claim of 10^6 must not draw the queue.
+MAX_WORKER_CAPACITY = 64
 
 
 @dataclasses.dataclass
@@ -113,9 +125,32 @@ class Request:
     payload: list
     deadline: float
     enqueued_at: float
+    size: int = 0  # payload bytes, counted in the broker's held bytes
     worker: bytes | None = None
     dispatches: int = 0
     killed: list = dataclasses.field(default_factory=list)  # workers that died while it was on them
+    dispatched_at: float = 0.0
+    missed: set = dataclasses.field(default_factory=set)  # workers that held it past its timeout
+
+
+class RequestTable(dict):
+    """request id -> Request that keeps ``held``, the sum of its requests' payload bytes."""
+
+    held = 0
+
+    def __setitem__(self, request_id: bytes, request: Request) -> None:
+        self.pop(request_id, None)
+        super().__setitem__(request_id, request)
+        self.held += request.size
+
+    def __delitem__(self, request_id: bytes) -> None:
+        self.held -= self[request_id].size
+        super().__delitem__(request_id)
+
+    def pop(self, request_id: bytes, *default):
+        if request_id in self:
+            self.held -= self[request_id].size
+        return super().pop(request_id, *default)
 
 
 @dataclasses.dataclass
@@ -162,6 +197,7 @@ class Broker:
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_request_deaths: int = 2,
+        max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         context: zmq.Context | None = None,
     ):
         if max_request_deaths < 1:
@@ -170,15 +206,26 @@ class Broker:
         self.instance_id = uuid.uuid4().hex
         self.heartbeat_interval = heartbeat_interval
         self.liveness = liveness
-        self.max_message_bytes = max_message_bytes
+        # A request must fit what the broker may hold.
+        self.max_message_bytes = min(max_message_bytes, max_held_bytes)
+        self.max_held_bytes = max_held_bytes
         # A request on this many workers as they died fails (killed_workers) instead of going to another.
         self.max_request_deaths = max_request_deaths
         # libzmq drops a peer that sends a frame over this, before allocating it.
-        frame_limit = min(DEFAULT_MAX_FRAME_BYTES, max_message_bytes + (1 << 16))
-        self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=frontend, security=security, curve_server=True,
+        frame_limit = min(DEFAULT_MAX_FRAME_BYTES, self.max_message_bytes + (1 << 16))
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, security=security, curve_server=True,
                                     max_frame_bytes=frame_limit)
-        self.backend = make_socket(self.ctx, zmq.ROUTER, bind=backend, security=security, curve_server=True,
-                                   max_frame_bytes=frame_limit)
+        self.backend = make_socket(self.ctx, zmq.ROUTER, security=security, curve_server=True,
+                                   max_frame_bytes=BACKEND_FRAME_BYTES)
+        # What a peer can make libzmq hold before a message is whole (ingress.py); the sockets bind
+        # once watched. A request up to twice the limit still gets its error reply.
+        self.ingress = {
+            self.frontend: Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
+                                   per_connection=2 * self.max_message_bytes + CONTROL_SLACK_BYTES,
+                                   total=max_held_bytes + CONTROL_SLACK_BYTES),
+            self.backend: Ingress(self.backend, "broker.backend", bind=backend, router=True,
+                                  per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES),
+        }
         # A reconnecting peer keeps its identity and takes over its old route.
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -187,7 +234,8 @@ class Broker:
         self.workers: dict[bytes, WorkerState] = {}
         self.services: dict[str, ServiceState] = {}
         self.clients: dict[bytes, ClientState] = {}
-        self.requests: dict[bytes, Request] = {}
+        self.requests = RequestTable()
+        self.mapping_bytes = 0  # payload bytes of the vocab mappings stored, all services
         self.served: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # names that had workers
         self.killers: "collections.OrderedDict[bytes, str]" = collections.OrderedDict()  # request id -> error
         self.metrics = BrokerMetrics()
@@ -225,6 +273,8 @@ class Broker:
                 if self._snapshot_stale:
                     self.update_snapshot()
         finally:
+            for ingress in self.ingress.values():
+                ingress.close()
             self.frontend.close(0)
             self.backend.close(0)
             event(log, logging.INFO, "broker.stop")
@@ -238,6 +288,7 @@ class Broker:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.ingress[sock].delivered(frames)
             identity, body = frames[0].bytes, frames[1:]
             try:
                 handler(identity, body)
@@ -321,6 +372,8 @@ class Broker:
             self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
                             f"request of {size} bytes exceeds the limit of {self.max_message_bytes}")
             return
+        if not self._can_hold(client, msg.request_id, size):
+            return
         vocab = msg.header.get("vocab")
         service = self.services.get(msg.service)
         if vocab is not None and (service is None or vocab not in service.mappings):
@@ -340,7 +393,8 @@ class Broker:
                                 f"no worker {msg.header['bound']!r} of {msg.service!r} is bound to this client",
                                 unbound=True)
                 return
-        request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now)
+        request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now,
+                          size)
         self.requests[msg.request_id] = request
         client.requests.add(msg.request_id)
         service = self.service(msg.service, now)
@@ -436,6 +490,8 @@ class Broker:
         digest = mapping_digest(ids, mask)
         service = self.service(msg.service, time.monotonic())
         if digest not in service.mappings:
+            if not self._can_hold(client, msg.request_id, sum(len(memoryview(f)) for f in msg.payload)):
+                return
             service.mappings[digest] = [bytes(memoryview(f)) for f in msg.payload]
         client.vocab[(msg.service, digest)] = None
         client.vocab.move_to_end((msg.service, digest))
@@ -453,6 +509,18 @@ class Broker:
         for service in self.services.values():
             for digest in [d for d in service.mappings if (service.name, d) not in live]:
                 del service.mappings[digest]
+        self.mapping_bytes = sum(len(f) for service in self.services.values() for frames in service.mappings.values()
+                                 for f in frames)
+
+    def _can_hold(self, client: ClientState, request_id: bytes, size: int) -> bool:
+        """Room for ``size`` more payload bytes; if not, the client is told to back off (it retries)."""
+        held = self.requests.held + self.mapping_bytes
+        if held + size <= self.max_held_bytes:
+            return True
+        self.send_error(client.identity, request_id, ErrorCode.UNAVAILABLE,
+                        f"the broker holds {held} bytes of requests; {size} more would pass its limit of "
+                        f"{self.max_held_bytes} (--max-held-bytes)")
+        return False
 
     def delete_client(self, identity: bytes) -> None:
         """Forget a client: drop what it queued; what runs finishes and is discarded."""
@@ -516,6 +584,10 @@ class Broker:
         capacity = msg.header.get("capacity", 1)
         if not isinstance(info, dict) or not isinstance(capacity, int) or capacity < 1:
             raise ProtocolError("READY needs target_info and a positive capacity")
+        if capacity > MAX_WORKER_CAPACITY:
+            event(log, logging.WARNING, "broker.capacity_capped", worker=identity.hex()[:12], claimed=capacity,
+                  used=MAX_WORKER_CAPACITY)
+            capacity = MAX_WORKER_CAPACITY
         try:
             target = TargetInfo.from_dict(info)  # clients check it at setup: refuse junk here
         except (ValueError, TypeError) as e:
@@ -602,7 +674,7 @@ class Broker:
             service.workers.remove(worker.identity)
         for request_id in worker.inflight:
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or request.worker != worker.identity:  # gone, or taken from it at its deadline
                 continue
             request.worker = None
             if request.header.get("bound") is not None:
@@ -718,7 +790,8 @@ class Broker:
     def _eligible(self, service: ServiceState, request: Request, candidates: list) -> list:
         """The candidates that may take ``request``. A suspect (it was on a worker that died) goes only to
         an idle worker, which then takes nothing else until it is done (``_holds_suspect``): if that
-        worker dies too, the death is the suspect's alone."""
+        worker dies too, the death is the suspect's alone. Never a worker that held it past its deadline."""
+        candidates = [w for w in candidates if w.identity not in request.missed]
         if request.killed:
             candidates = [w for w in candidates if not w.inflight]
         avoid = request.header.get("avoid")
@@ -755,6 +828,7 @@ class Broker:
             return
         request.worker = worker.identity
         request.dispatches += 1
+        request.dispatched_at = time.monotonic()
         worker.inflight.add(request.request_id)
 
     def _evict_mappings(self, worker: WorkerState) -> list[str]:
@@ -794,6 +868,9 @@ class Broker:
             self.delete_worker(worker, now, reason="heartbeat expired", died=True)
         for identity in [c.identity for c in self.clients.values() if c.expiry < now]:
             self.delete_client(identity)
+        for request in [r for r in self.requests.values()
+                        if r.worker is not None and now > r.dispatched_at + _request_timeout(r.header)]:
+            self.deadline_missed(request)
         for service in self.services.values():
             unknown = self._unknown(service.name, now)
             for client_id, queue in list(service.queues.items()):
@@ -818,6 +895,26 @@ class Broker:
         for service in self.services.values():
             self.metrics.queue_depth.labels(service=service.name).set(service.queue_depth())
         self.metrics.inflight.set(sum(1 for r in self.requests.values() if r.worker is not None))
+
+    def deadline_missed(self, request: Request) -> None:
+        """Its worker held it past its timeout: dead for this request. It goes to another worker with a
+        fresh deadline (the slot stays taken until the worker answers; a late DONE is ignored, a late
+        reply the client drops as a duplicate)."""
+        worker = self.workers.get(request.worker)
+        event(log, logging.WARNING, "broker.deadline_missed", request=request.request_id.hex()[:12],
+              worker=worker.name if worker else request.worker.hex()[:12])
+        request.missed.add(request.worker)
+        request.worker = None
+        if request.header.get("bound") is not None:  # its binding is no use: the client re-sends it as frames
+            self._forget_request(request)
+            self.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
+                            f"bound worker {worker.name if worker else '?'} missed the request's deadline", unbound=True)
+            return
+        request.deadline = max(request.deadline, time.monotonic() + _request_timeout(request.header))
+        service = self.services[request.service]
+        service.queues.setdefault(request.client, collections.deque()).appendleft(request.request_id)
+        self.metrics.redispatched.inc()
+        self.dispatch(service)
 
     def _forget_idle_services(self, now: float) -> None:
         """Drop services with no worker, no request and no client mapping for IDLE_SERVICE_GRACE, so

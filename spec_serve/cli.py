@@ -88,13 +88,17 @@ def main() -> None:
 @click.option("--max-request-deaths", default=2, type=click.IntRange(min=1), envvar="SPEC_SERVE_MAX_REQUEST_DEATHS",
               show_default=True, help="A request that was on this many workers as they died fails (killed_workers) "
                                       "instead of going to another [env SPEC_SERVE_MAX_REQUEST_DEATHS].")
+@click.option("--max-held-bytes", default=1 << 30, type=int, envvar="SPEC_SERVE_MAX_HELD_BYTES", show_default=True,
+              help="Request and vocab-mapping bytes the broker holds at once (queued, in flight, and what peers "
+                   "have half sent); past it clients are told to back off [env SPEC_SERVE_MAX_HELD_BYTES].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="Broker's CURVE secret key file (from keygen): turns authentication on "
                    "[env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-authorized-dir", envvar="SPEC_SERVE_CURVE_AUTHORIZED_DIR",
               help="Directory of client and worker public keys admitted [env SPEC_SERVE_CURVE_AUTHORIZED_DIR].")
 @log_level_option
-def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, curve_secret_key,
+def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, max_held_bytes,
+           curve_secret_key,
            curve_authorized_dir, log_level):
     """Run the broker: clients on --frontend, workers on --backend.
 
@@ -112,7 +116,8 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
     if curve_secret_key and not curve_authorized_dir:
         raise click.UsageError("--curve-secret-key needs --curve-authorized-dir (the keys admitted)")
     b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_authorized_dir),
-               max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths)
+               max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
+               max_held_bytes=max_held_bytes)
     shim = None
     if http_port:
         shim = HttpShim(b.snapshot, b.metrics.registry, http_host, http_port).start()

@@ -38,6 +38,9 @@ MAX_HEADER_BYTES = 64 << 10
 # Nesting a header may have: our own headers nest at most 4 deep (a STATUS page). A deeper one is
 # refused at decode, before anything re-encodes it (Python's json recurses once per level).
 MAX_HEADER_DEPTH = 16
+# Bytes of one message beyond its payload: the control frames (a header is at most
+# MAX_HEADER_BYTES) and the codec's header frame. Receivers allow this over their payload limit.
+CONTROL_SLACK_BYTES = 1 << 20
 REQUEST_ID_BYTES = 16
 
 

@@ -29,8 +29,10 @@ from spec_serve import digest, packing, wire
 from spec_serve.contract import REQUEST_TENSORS, Kind
 from spec_serve.engines import engine_dead
 from spec_serve.hostpool import HostBufferPool, Lease, to_host
+from spec_serve.ingress import Ingress
 from spec_serve.logs import event, one_line
 from spec_serve.protocol import (
+    CONTROL_SLACK_BYTES,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
     WORKER_TAG,
@@ -291,6 +293,7 @@ class Worker:
                             frames = broker.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        self._broker_ingress.delivered(frames)
                         broker_expiry = now + self.heartbeat_interval * self.liveness
                         try:
                             reregister = self._process_broker(broker, parse_control(frames, WORKER_TAG, WorkerCommand))
@@ -336,6 +339,7 @@ class Worker:
                     # Lazy-Pirate style: the broker went silent; reconnect and register again.
                     event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url)
                     poller.unregister(broker)
+                    self._broker_ingress.close()
                     broker.close(0)
                     broker = self._connect()
                     poller.register(broker, zmq.POLLIN)
@@ -345,6 +349,7 @@ class Worker:
             raise
         finally:
             self._jobs.put(None)
+            self._broker_ingress.close()
             linger = LEAVE_LINGER_MS if self.engine_error is not None else 0
             broker.close(linger)
             wake.close(0)
@@ -357,8 +362,10 @@ class Worker:
         self._stop.set()
 
     def _connect(self) -> zmq.Socket:
-        sock = make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
-                           security=self.security)
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security)
+        # Only the broker sends here: at most a request per slot (and a vocab mapping) at a time.
+        self._broker_ingress = Ingress(sock, "worker.broker", connect=self.broker_url,
+                                       total=(self.capacity + 1) * (self.max_message_bytes + CONTROL_SLACK_BYTES))
         self._send_ready(sock)
         return sock
 

@@ -1,0 +1,265 @@
+"""Bound the bytes a TCP peer can make libzmq hold before the application sees them.
+
+libzmq hands a multipart message over only once its last frame has arrived, and checks sizes per
+frame only (``MAXMSGSIZE``). A peer that sends frame after frame without ending the message makes
+the receiver hold all of it, and reading frame by frame (``RCVMORE``) cannot help: nothing is
+readable before the last frame. So the bound is kept below libzmq. One watcher thread per process
+learns every TCP connection of a watched socket from the socket monitor, reads how many bytes the
+kernel has passed to libzmq on it (``TCP_INFO`` ``tcpi_bytes_received``), and subtracts what the
+socket's owner was handed from that connection (every message names its connection, ``ZMQ_SRCFD``).
+A connection whose unaccounted bytes pass ``per_connection``, or the largest one when a socket's
+connections together pass ``total``, is shut down, and libzmq frees the partial message with it.
+
+Invariant, checked every ``CHECK_INTERVAL_S``: a connection holds at most ``per_connection +
+GRANT_BYTES`` bytes that were not delivered, plus what arrives within one check (the link's rate
+times the interval); a socket at most ``total`` plus the same. Bytes that are never delivered
+(ZMTP handshakes and heartbeats) are forgiven up to ``GRANT_BYTES`` each time the connection
+delivers a message, so a silent peer that keeps sending without ending its message is never
+forgiven. Only TCP is watched: ``ipc://`` sockets have no byte counter (their file mode admits only
+the owner's user).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from spec_serve.logs import event
+
+log = logging.getLogger("spec_serve.ingress")
+
+CHECK_INTERVAL_S = 0.01
+# Unaccounted bytes (handshake, ZMTP heartbeats) forgiven per delivered message.
+GRANT_BYTES = 64 << 10
+_TCP_INFO_LEN = 136
+_BYTES_RECEIVED_OFFSET = 128  # struct tcp_info.tcpi_bytes_received (Linux >= 4.1)
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+# A CURVE frame travels as a MESSAGE command: 8-byte name, 8-byte nonce, 16-byte MAC, 1 flags byte.
+_CURVE_FRAME_OVERHEAD = 33
+
+
+def wire_bytes(nbytes: int, curve: bool) -> int:
+    """Bytes one frame of ``nbytes`` occupies on a ZMTP 3 connection (NULL or CURVE)."""
+    body = nbytes + (_CURVE_FRAME_OVERHEAD if curve else 0)
+    return body + (2 if body <= 255 else 9)
+
+
+Budget = "int | Callable[[], int]"
+
+
+@dataclasses.dataclass
+class _Conn:
+    fd: int
+    peer: tuple
+    base: int  # received - delivered bytes already accounted for (forgiven)
+    seen: int  # delivered message count at the last check
+
+
+class Ingress:
+    """The bound on one socket. The owner thread calls ``delivered`` with every message it receives
+    (``copy=False`` frames) and ``close`` before closing the socket.
+
+    Give the socket's ``bind``/``connect`` endpoint here rather than to ``make_socket``: the monitor
+    must be in place before the first connection, or that connection goes unwatched. If binding or
+    connecting fails, the socket is closed.
+    """
+
+    def __init__(self, sock: zmq.Socket, name: str, *, total: Budget, per_connection: Budget | None = None,
+                 router: bool = False, bind: str | None = None, connect: str | None = None):
+        self.name = name
+        self.total = total
+        self.per_connection = total if per_connection is None else per_connection
+        self.router = router
+        self.curve = sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        self.dropped = 0  # connections shut down for holding too much
+        # fd -> delivered bytes / messages; written by the owner thread only, read by the watcher.
+        self.bytes: dict[int, int] = {}
+        self.count: dict[int, int] = {}
+        self._sock = sock
+        self._closed = threading.Event()
+        self._closed_ack = threading.Event()
+        _watcher().add(self, sock.get_monitor_socket(_EVENTS))
+        try:
+            if bind is not None:
+                sock.bind(bind)
+            if connect is not None:
+                sock.connect(connect)
+        except BaseException:  # as make_socket: a bad endpoint must not leak the socket
+            self.close()
+            sock.close(0)
+            raise
+
+    def delivered(self, frames: list) -> None:
+        """Account one received message (a ROUTER's identity frame is not on the wire)."""
+        parts = frames[1:] if self.router else frames
+        if not parts:
+            return
+        fd = parts[-1].get(zmq.SRCFD)
+        self.bytes[fd] = self.bytes.get(fd, 0) + sum(wire_bytes(len(p), self.curve) for p in parts)
+        self.count[fd] = self.count.get(fd, 0) + 1
+
+    def close(self) -> None:
+        """Stop watching (owner thread, before the socket closes); returns once the monitor is closed."""
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._closed.set()
+        _watcher().wake()
+        self._closed_ack.wait(1.0)
+
+    def limit(self, budget: Budget) -> int:
+        return budget() if callable(budget) else budget
+
+
+def _borrow(fd: int, use: Callable[[socket.socket], object]):
+    """``use(sock)`` on libzmq's descriptor ``fd`` without taking it over; None if ``fd`` is not a socket
+    (any more) or the call fails."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        return use(sock)
+    except OSError:
+        return None
+    finally:
+        sock.detach()  # the descriptor stays libzmq's
+
+
+def _received(sock: socket.socket) -> int | None:
+    """Bytes the kernel received on a TCP socket; None for any other kind."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return None
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    return struct.unpack_from("<Q", info, _BYTES_RECEIVED_OFFSET)[0] if len(info) >= _TCP_INFO_LEN else None
+
+
+def _shutdown_if(peer: tuple) -> Callable[[socket.socket], bool]:
+    """Shut the connection down (libzmq then closes it) if it is still the one to ``peer``."""
+    def shutdown(sock: socket.socket) -> bool:
+        if sock.getpeername() != peer:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    return shutdown
+
+
+class _Watcher(threading.Thread):
+    """Polls every watched socket's monitor and checks its connections each ``CHECK_INTERVAL_S``."""
+
+    def __init__(self):
+        super().__init__(name="spec-serve-ingress", daemon=True)
+        self._lock = threading.Lock()
+        self._added: list[tuple[Ingress, zmq.Socket]] = []
+        self._watched: dict[Ingress, tuple[zmq.Socket, dict[int, _Conn]]] = {}
+        self._poke = threading.Event()
+
+    def add(self, ingress: Ingress, monitor: zmq.Socket) -> None:
+        with self._lock:  # also publishes the monitor socket to this thread
+            self._added.append((ingress, monitor))
+
+    def wake(self) -> None:
+        self._poke.set()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        while True:
+            try:
+                self._round(poller)
+            except Exception:  # a bug here must not end the watching
+                log.exception("ingress.watcher_failed")
+                time.sleep(CHECK_INTERVAL_S)
+
+    def _round(self, poller: zmq.Poller) -> None:
+        with self._lock:
+            added, self._added = self._added, []
+        for ingress, monitor in added:
+            self._watched[ingress] = (monitor, {})
+            poller.register(monitor, zmq.POLLIN)
+        if self._watched:
+            ready = dict(poller.poll(CHECK_INTERVAL_S * 1000))
+        else:
+            self._poke.wait(CHECK_INTERVAL_S)
+            ready = {}
+        self._poke.clear()
+        for ingress, (monitor, conns) in list(self._watched.items()):
+            if ingress._closed.is_set():
+                poller.unregister(monitor)
+                monitor.close(0)
+                del self._watched[ingress]
+                ingress._closed_ack.set()
+                continue
+            if monitor in ready:
+                self._events(ingress, monitor, conns)
+            self._check(ingress, conns)
+
+    def _events(self, ingress: Ingress, monitor: zmq.Socket, conns: dict[int, _Conn]) -> None:
+        while True:
+            try:
+                msg = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd = msg["value"]
+            if msg["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                peer = _borrow(fd, socket.socket.getpeername)
+                if peer is not None and _borrow(fd, _received) is not None:
+                    # Counted from the connection's first byte: a flood that began before this event is not forgiven.
+                    conns[fd] = _Conn(fd, peer, -ingress.bytes.get(fd, 0), ingress.count.get(fd, 0))
+            else:
+                conns.pop(fd, None)
+
+    def _check(self, ingress: Ingress, conns: dict[int, _Conn]) -> None:
+        held = {}
+        per_connection = ingress.limit(ingress.per_connection)
+        for fd, conn in list(conns.items()):
+            received = _borrow(fd, _received)
+            if received is None:
+                conns.pop(fd)
+                continue
+            excess = received - ingress.bytes.get(fd, 0) - conn.base
+            if excess < 0:  # more accounted than received: a reused descriptor's counts; start afresh
+                conn.base += excess
+                excess = 0
+            count = ingress.count.get(fd, 0)
+            if count != conn.seen:
+                conn.seen = count
+                grant = min(excess, GRANT_BYTES)
+                conn.base += grant
+                excess -= grant
+            if excess > per_connection:
+                self._drop(ingress, conns, conn, excess, f"more than {per_connection} bytes undelivered")
+            else:
+                held[fd] = excess
+        total = ingress.limit(ingress.total)
+        while held and sum(held.values()) > total:
+            fd = max(held, key=held.get)
+            self._drop(ingress, conns, conns[fd], held.pop(fd), f"connections together past {total} bytes")
+
+    def _drop(self, ingress: Ingress, conns: dict[int, _Conn], conn: _Conn, held: int, why: str) -> None:
+        conns.pop(conn.fd, None)
+        if _borrow(conn.fd, _shutdown_if(conn.peer)):
+            ingress.dropped += 1
+            event(log, logging.WARNING, "ingress.dropped", socket=ingress.name, peer=f"{conn.peer[0]}:{conn.peer[1]}",
+                  held=held, reason=why)
+
+
+_instance: _Watcher | None = None
+_instance_lock = threading.Lock()
+
+
+def _watcher() -> _Watcher:
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = _Watcher()
+            _instance.start()
+        return _instance
