@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spec_serve.contract import ReplySpecs, reply_bytes, validate_reply
 from spec_serve.logs import event
 from spec_serve.protocol import CLIENT_TAG, ClientCommand, Message, control
 
@@ -161,14 +162,20 @@ class ClientBinding:
 
     # ------------------------------------------------------------- I/O side
 
-    def on_metadata(self, request_id: bytes, header: dict) -> bool:
-        """A worker's nccl reply header: receive its tensors on the pair thread.
-        False when no live binding matches (the caller falls back to frames)."""
+    def on_metadata(self, request_id: bytes, header: dict, expect: ReplySpecs | None, max_bytes: int) -> bool:
+        """A worker's nccl reply header: receive its tensors on the pair thread, once they are what
+        ``expect`` says (a reply nobody waits for: at most ``max_bytes``). False when no live binding
+        matches or the specs are wrong (the binding is dropped; the caller falls back to frames)."""
         state = self._state
         if state is None or state.broken is not None or header.get("pair") != state.prefix:
             return False
         try:
             specs = decode_specs(header.get("specs"))
+            got = {name: (dtype, shape) for name, shape, dtype in specs}
+            if expect is not None:
+                validate_reply(got, expect)
+            elif reply_bytes(got) > max_bytes:
+                raise ValueError(f"unrequested nccl reply of {reply_bytes(got)} bytes")
         except ValueError as e:
             self.mark_broken(str(e), state.prefix)
             return False

@@ -9,6 +9,7 @@ User threads talk to it through a queue and a wake-up pipe.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -28,15 +29,22 @@ import zmq
 from spec_serve import digest, wire
 from spec_serve.contract import (
     Kind,
+    ReplySpecs,
     TargetInfo,
+    reply_bytes,
+    reply_specs,
+    validate_reply,
     validate_request,
     validate_vocab_mapping,
+    weight_specs,
 )
 from spec_serve.hostpool import RecyclingAllocator
+from spec_serve.ingress import Ingress
 from spec_serve.logs import event
 from spec_serve.metrics import CLIENT_INTEGRITY_FAILURES
 from spec_serve.protocol import (
     CLIENT_TAG,
+    CONTROL_SLACK_BYTES,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
     ClientCommand,
@@ -66,6 +74,8 @@ log = logging.getLogger("spec_serve.client")
 RETRY_BACKOFF_S = 0.2
 # STATUS pages gathered at most (each holds up to 32 KiB of entries: far more than any real cluster).
 MAX_STATUS_PAGES = 10_000
+# Answered request ids remembered, so that a late second reply counts as a duplicate, not unknown.
+RECENT_IDS = 4096
 
 
 def _ipc_endpoint() -> str:
@@ -109,6 +119,36 @@ class _Pending:
     attempts: int = 0
     not_before: float = 0.0
     max_retries: int | None = None  # None: the client's; BIND uses 0 (a resend could bind a second worker)
+    expect: ReplySpecs | None = None  # what the reply must hold (contract.reply_specs); None: no tensors
+    expect_bytes: int = 0
+
+
+class _PendingTable(dict):
+    """request id -> _Pending that keeps ``expected``, the bytes their replies may bring, and ``recent``,
+    the last ``RECENT_IDS`` ids that left the table."""
+
+    expected = 0
+
+    def __init__(self):
+        super().__init__()
+        self.recent: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+
+    def __setitem__(self, request_id: bytes, pending: _Pending) -> None:
+        self.pop(request_id, None)
+        super().__setitem__(request_id, pending)
+        self.expected += pending.expect_bytes
+
+    def pop(self, request_id: bytes, *default):
+        if request_id in self:
+            self.expected -= self[request_id].expect_bytes
+            self.recent[request_id] = None
+            if len(self.recent) > RECENT_IDS:
+                self.recent.popitem(last=False)
+        return super().pop(request_id, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.expected = 0
 
 
 @dataclasses.dataclass
@@ -118,7 +158,9 @@ class ClientStats:
     sent: int = 0
     completed: int = 0
     retried: int = 0
-    duplicates: int = 0
+    duplicates: int = 0  # a second reply to a request already answered
+    unknown: int = 0  # replies to request ids this client never sent (or answered too long ago to remember)
+    contract_violations: int = 0  # replies whose tensors broke the contract (retried)
     broker_reconnects: int = 0
     batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
     nccl_batches: int = 0  # replies whose tensors came over the bound worker's pair group (no payload frames)
@@ -148,7 +190,8 @@ class _ClientIO(threading.Thread):
         # CPU results spanning frames are assembled into reused buffers (fresh ones fault on every page).
         self.recv_alloc = RecyclingAllocator()
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._pending: dict[bytes, _Pending] = {}
+        self._pending = _PendingTable()
+        self.largest_reply = 0  # bytes of the largest reply expected so far (room for one late duplicate)
         self._closing = threading.Event()
         self._broker_instance: str | None = None
         self.binding = None  # spec_serve.binding.ClientBinding when enable_nccl
@@ -157,7 +200,7 @@ class _ClientIO(threading.Thread):
         self.vocab_registrations: dict[str, tuple[str, list]] = {}
         self.current_vocab: str | None = None
         self._ipc_files: list[str] = []
-        self.data = self.dealer = None
+        self.data = self.dealer = self.data_ingress = None
         self._wake_r, self._wake_w = os.pipe()
         try:
             os.set_blocking(self._wake_w, False)
@@ -172,7 +215,9 @@ class _ClientIO(threading.Thread):
             data_bind = _ipc_endpoint()
         else:
             data_bind = f"tcp://{advertise_host or route_address(broker_url)}:*"
-        self.data = make_socket(self.ctx, zmq.PULL, bind=data_bind, security=security, curve_server=True)
+        self.data = make_socket(self.ctx, zmq.PULL, security=security, curve_server=True)
+        # Workers may push at most the replies we wait for (and one late duplicate) before we see them whole.
+        self.data_ingress = Ingress(self.data, "client.data", total=self._reply_room, bind=data_bind)
         self.data_endpoint = bound_endpoint(self.data)
         if data_bind.startswith("ipc://"):
             self._ipc_files.append(data_bind[len("ipc://"):])
@@ -185,6 +230,8 @@ class _ClientIO(threading.Thread):
 
     def _release_resources(self) -> None:
         """Close the sockets and the wake-up pipe, and unlink our ipc socket files."""
+        if self.data_ingress is not None:
+            self.data_ingress.close()
         for sock in (self.dealer, self.data):
             if sock is not None:
                 sock.close(0)
@@ -198,6 +245,10 @@ class _ClientIO(threading.Thread):
     def _connect(self) -> zmq.Socket:
         return make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
                            security=self.security)
+
+    def _reply_room(self) -> int:
+        """Bytes the data socket may hold undelivered (read by the ingress watcher thread)."""
+        return self._pending.expected + self.largest_reply + CONTROL_SLACK_BYTES * (1 + len(self._pending))
 
     def _bind_local(self) -> None:
         """Bind the data socket to an ipc endpoint too (same socket: same CURVE server settings)."""
@@ -223,10 +274,12 @@ class _ClientIO(threading.Thread):
             pass  # the pipe is full of wake-ups already
 
     def submit(self, command: ClientCommand, service: str, header: dict, payload: Sequence,
-               timeout: float, request_id: bytes | None = None,
-               max_retries: int | None = None) -> concurrent.futures.Future:
+               timeout: float, request_id: bytes | None = None, max_retries: int | None = None,
+               expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+        """Send a request; ``expect``: the tensors its reply must hold (checked before anything is allocated)."""
         pending = _Pending(request_id or new_request_id(), command.value, service, header, list(payload),
-                           concurrent.futures.Future(), timeout, max_retries=max_retries)
+                           concurrent.futures.Future(), timeout, max_retries=max_retries, expect=expect,
+                           expect_bytes=reply_bytes(expect) if expect else 0)
         self.call(lambda: self._send_new(pending))
         return pending.future
 
@@ -327,6 +380,7 @@ class _ClientIO(threading.Thread):
                     pending.future.set_exception(RuntimeError("client closed"))
             self._pending.clear()
             self.dealer.close(linger=500)  # let a final DISCONNECT leave
+            self.data_ingress.close()
             self.data.close(0)
             for path in self._ipc_files:  # libzmq leaves a named ipc socket's file behind
                 with contextlib.suppress(OSError):
@@ -338,6 +392,8 @@ class _ClientIO(threading.Thread):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if sock is self.data:
+                self.data_ingress.delivered(frames)
             try:
                 handler(frames)
             except (ProtocolError, wire.WireError) as e:
@@ -352,6 +408,7 @@ class _ClientIO(threading.Thread):
             pass  # not connected or saturated: timeouts and heartbeats recover
 
     def _send_new(self, pending: _Pending) -> None:
+        self.largest_reply = max(self.largest_reply, pending.expect_bytes)
         self._pending[pending.request_id] = pending
         self.stats.sent += 1
         self._transmit(pending, time.monotonic())
@@ -459,16 +516,17 @@ class _ClientIO(threading.Thread):
         status, request_id, header, payload = parse_data(frames)
         if header.get("via") == "ipc":
             self.stats.local_replies += 1
+        pending = self._pending.get(request_id)
         if status is Status.OK and header.get("nccl"):
             # Tensors follow on the pair group: receive them even for a request already answered,
             # or the worker's send (and the group) stalls. No live binding: re-send as frames.
-            if self.binding is None or not self.binding.on_metadata(request_id, header):
+            expect = pending.expect if pending is not None else None
+            if self.binding is None or not self.binding.on_metadata(request_id, header, expect, self.largest_reply):
                 self.nccl_fallback(request_id, f"nccl reply from worker {header.get('worker')} without a live binding",
                                    prefix=str(header.get("pair")))
             return
-        pending = self._pending.get(request_id)
         if pending is None:
-            self.stats.duplicates += 1
+            self._count_stray(request_id)
             return
         if status is Status.OK and pending.command == ClientCommand.BIND.value:
             self._pending.pop(request_id)
@@ -494,6 +552,14 @@ class _ClientIO(threading.Thread):
             return
         # Checked here; the bytes stay in the frames until copied to where the caller wants them (_assemble).
         spans, _ = wire.parse(payload, max_bytes=self.max_message_bytes)
+        if pending.expect is not None:
+            try:  # before anything is allocated for the reply
+                validate_reply({name: (span.dtype, span.shape) for name, span in spans.items()}, pending.expect)
+            except ValueError as e:
+                self.stats.contract_violations += 1
+                event(log, logging.WARNING, "client.bad_reply", worker=header.get("worker"), error=e)
+                self._retry(pending, time.monotonic(), f"worker {header.get('worker')}: {e}", delay=RETRY_BACKOFF_S)
+                return
         self._pending.pop(request_id)
         self.stats.completed += 1
         if int(header.get("batched", 1)) > 1:
@@ -518,6 +584,14 @@ class _ClientIO(threading.Thread):
               error=message)
         self._fail(pending, TargetChangedError(message))
 
+    def _count_stray(self, request_id: bytes) -> None:
+        """A reply with no pending request: a late second answer, or an id we never sent."""
+        if request_id in self._pending.recent:
+            self.stats.duplicates += 1
+        else:
+            self.stats.unknown += 1
+            event(log, logging.WARNING, "client.unknown_reply", request=request_id.hex()[:12])
+
     def _disconnect(self) -> None:
         self._send(control(CLIENT_TAG, ClientCommand.DISCONNECT.value))
 
@@ -531,7 +605,7 @@ class _ClientIO(threading.Thread):
         pending = self._pending.get(request_id)
         if pending is None or pending.future.done():
             self._pending.pop(request_id, None)
-            self.stats.duplicates += 1
+            self._count_stray(request_id)
             return
         if not self._same_target(pending, header):
             return
@@ -612,6 +686,7 @@ class RemoteTargetModel:
         self._vocab_digest: str | None = None
         # The largest request payload the broker and this service's workers accept (learnt from STATUS).
         self._max_request_bytes: int | None = None
+        self._draft_vocab: int | None = None
         self._info: TargetInfo | None = None
         self._fingerprint: str | None = None  # of the target we set up with; every reply must match it
         self._closed = False
@@ -666,7 +741,8 @@ class RemoteTargetModel:
                              kind: str = "eagle3") -> concurrent.futures.Future:
         """Submit a batch; blocks while ``prefetch_depth`` batches are already in flight."""
         kind = Kind.parse(kind)
-        validate_request(input_ids, attention_mask, loss_mask, self.target_info().vocab_size)
+        info = self.target_info()
+        validate_request(input_ids, attention_mask, loss_mask, info.vocab_size)
         expand = self.compact and kind is Kind.EAGLE3
         wire_kind = Kind.EAGLE3_COMPACT if expand else kind
         if kind is not Kind.DSPARK and self._vocab_digest is None:
@@ -676,7 +752,7 @@ class RemoteTargetModel:
         try:
             rows = input_ids.shape[0]
             bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(self.num_shards, rows))]
-            requests = []
+            requests, expects = [], []
             for lo, hi in bounds:
                 payload = wire.encode({
                     "input_ids": input_ids[lo:hi].to("cpu"),
@@ -689,12 +765,14 @@ class RemoteTargetModel:
                 if bound is not None:  # every shard to our bound worker; tensors over the pair group
                     header.update(bound=bound, nccl=True)
                 requests.append((self._prepare(header), payload))
-            shards = [self._submit(header, payload) for header, payload in requests]
+                expects.append(reply_specs(wire_kind, info, hi - lo, input_ids.shape[1], loss_mask.dtype,
+                                           self._draft_vocab))
+            shards = [self._submit(header, payload, expect) for (header, payload), expect in zip(requests, expects)]
         except BaseException:
             self._credits.release()
             raise
         result = _assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
-                           self._checker(requests))
+                           self._checker(requests, expects))
         if expand:
             result = self._expand_later(result, self._vocab_digest)
         result.add_done_callback(lambda _: self._credits.release())
@@ -725,15 +803,17 @@ class RemoteTargetModel:
             raise RuntimeError("call set_vocab_mapping first")
         weight = self._lm_head_slices.get(digest)
         if weight is None:
-            reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout})
+            reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout},
+                                weight_specs(self.target_info(), self._draft_vocab))
             weight = self._lm_head_slices[digest] = reply["weight"]
         return weight
 
-    def _fetch(self, header: dict) -> dict[str, torch.Tensor]:
+    def _fetch(self, header: dict, expect: ReplySpecs) -> dict[str, torch.Tensor]:
         """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
         self.target_info()  # pins the target every reply must come from
         requests = [(self._prepare(header), [])]
-        return _assemble([self._submit(*requests[0])], [0], self.device, None, self._checker(requests)).result()
+        return _assemble([self._submit(*requests[0], expect)], [0], self.device, None,
+                         self._checker(requests, [expect])).result()
 
     def _check_request_size(self, payload: Sequence, what: str) -> None:
         """Refuse a payload over what the broker or this service's workers accept, before sending it
@@ -766,10 +846,11 @@ class RemoteTargetModel:
             header["verify"] = True
         return header
 
-    def _submit(self, header: dict, payload: Sequence) -> concurrent.futures.Future:
-        return self._io.submit(ClientCommand.REQUEST, self.service, header, payload, self.timeout)
+    def _submit(self, header: dict, payload: Sequence, expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+        """Send a prepared request; ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
+        return self._io.submit(ClientCommand.REQUEST, self.service, header, payload, self.timeout, expect=expect)
 
-    def _checker(self, requests: list[tuple[dict, Sequence]]) -> Callable:
+    def _checker(self, requests: list[tuple[dict, Sequence]], expects: list[ReplySpecs]) -> Callable:
         """``check(k, reply, landed)`` for ``_assemble``: None accepts request ``k``'s landed tensors; a
         mismatch with the worker's digests returns the future of one retry on another worker (the
         worker is named in ``avoid``; a bound request goes back to the pool as frames), and a second
@@ -802,7 +883,7 @@ class RemoteTargetModel:
             retry = {key: v for key, v in header.items() if key not in BOUND_KEYS}
             retry["avoid"] = worker
             requests[k] = (retry, payload)
-            return self._submit(retry, payload)
+            return self._submit(retry, payload, expects[k])
 
         return check
 
@@ -816,6 +897,7 @@ class RemoteTargetModel:
         digest = self._io.register_vocab(self.service, payload, {"fingerprint": self._fingerprint},
                                          self.timeout).result()
         self._vocab_digest = digest
+        self._draft_vocab = ids.numel()
         self._selected_mask = mask.to(self.device)
         if self.compact:
             self.lm_head_slice()
@@ -895,7 +977,9 @@ class RemoteTargetModel:
         return self._embeddings("output")
 
     def _embeddings(self, which: str) -> types.SimpleNamespace:
-        reply = self._fetch({"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout})
+        info = self.target_info()
+        reply = self._fetch({"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout},
+                            weight_specs(info, info.vocab_size))
         return types.SimpleNamespace(weight=reply["weight"])
 
     # ------------------------------------------------------------- lifecycle

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -186,3 +187,57 @@ def validate_vocab_mapping(
         raise ValueError("selected_token_ids must be distinct")
     if int(mask.sum()) != ids.numel() or not bool(mask[ids].all()):
         raise ValueError("selected_token_mask must be True exactly at selected_token_ids")
+
+
+# name -> (dtype, shape): what a reply must hold.
+ReplySpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def model_dtype(info: TargetInfo) -> torch.dtype:
+    """The dtype of the target's hidden states and weights, from ``info.dtype`` (e.g. "bfloat16")."""
+    dtype = getattr(torch, info.dtype, None) if isinstance(info.dtype, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"target info dtype {info.dtype!r} is not a torch floating-point dtype")
+    return dtype
+
+
+def reply_specs(kind: Kind, info: TargetInfo, rows: int, seq: int, loss_mask_dtype: torch.dtype,
+                draft_vocab: int | None) -> ReplySpecs:
+    """Names, dtypes and shapes of the reply to a ``[rows, seq]`` request of ``kind`` (DESIGN.md)."""
+    dtype, hidden, tokens = model_dtype(info), info.hidden_size, (rows, seq)
+    common = {"input_ids": (torch.int64, tokens), "loss_mask": (loss_mask_dtype, tokens)}
+    if kind is Kind.DSPARK:
+        return {"target_hidden_states": (dtype, (rows, seq, len(info.dspark_layer_ids) * hidden)),
+                "target_last_hidden_states": (dtype, (rows, seq, hidden)), **common}
+    aux = {"aux_hidden_states": (dtype, (rows, seq, len(info.aux_layer_ids) * hidden))}
+    if kind is Kind.EAGLE3_COMPACT:
+        return {**aux, "last_hidden_states": (dtype, (rows, seq, hidden)), "argmax_ids": (torch.int32, tokens),
+                **common}
+    if draft_vocab is None:
+        raise ValueError("EAGLE-3 replies need the draft vocab size")
+    return {**aux, "target_probs": (torch.float32, (rows, seq, draft_vocab)),
+            "position_mask": (torch.bool, (rows, seq, 1)), **common}
+
+
+def weight_specs(info: TargetInfo, rows: int) -> ReplySpecs:
+    """An embeddings (``rows`` = V) or lm_head slice (``rows`` = Vd) reply: ``weight`` ``[rows, H]``."""
+    return {"weight": (model_dtype(info), (rows, info.hidden_size))}
+
+
+def reply_bytes(specs: ReplySpecs) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
+
+
+def validate_reply(got: Mapping[str, tuple[torch.dtype, Sequence[int]]], expected: ReplySpecs) -> None:
+    """Raise ``ValueError`` naming each tensor missing, extra, or of another dtype or shape than ``expected``.
+
+    Called on a reply's parsed header, before anything is allocated for it.
+    """
+    problems = [f"missing {name!r}" for name in expected if name not in got]
+    problems += [f"unexpected {name!r}" for name in got if name not in expected]
+    for name, (dtype, shape) in got.items():
+        if name in expected and (dtype, tuple(shape)) != expected[name]:
+            want_dtype, want_shape = expected[name]
+            problems.append(f"{name!r} is {dtype}{list(shape)}, expected {want_dtype}{list(want_shape)}")
+    if problems:
+        raise ValueError("reply breaks the contract: " + "; ".join(problems))

@@ -4,13 +4,18 @@ Also test-only entry points, so these tests need no knob in the production worke
 ``python tests/cluster_util.py slow-worker ...`` serves the hf engine with an artificial delay
 before every forward, or dies (as a crashing engine would) on a forward whose tokens are all one
 given id; ``swap-worker ...`` replaces its checkpoint in place after N forwards (a target reloaded
-under a running worker, which the broker still knows by its registration).
+under a running worker, which the broker still knows by its registration);
+``idle-client BROKER TARGET`` is a client process whose memory a test can measure
+(tests/test_hostile.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -43,6 +48,67 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def peak_rss_kib(pid: int) -> int:
+    """Peak resident set size of a process in KiB (VmHWM), since start or ``reset_peak_rss``."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM afresh from the current RSS (Linux clear_refs)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+class RawZmtpPeer:
+    """A hand-rolled ZMTP 3.0 peer (NULL mechanism) on a plain TCP socket.
+
+    It sends what libzmq's API never would: frames of a message that never ends (libzmq itself
+    holds a multipart message back until its last frame is queued).
+    """
+
+    def __init__(self, endpoint: str, socket_type: bytes = b"DEALER"):
+        host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
+        got = b""
+        while len(got) < 64:
+            chunk = self.sock.recv(64 - len(got))
+            if not chunk:
+                raise ConnectionError("peer closed during the ZMTP greeting")
+            got += chunk
+        ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+        self.sock.sendall(self.frame(ready, command=True))
+
+    @staticmethod
+    def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+        flags = (1 if more else 0) | (4 if command else 0)
+        if len(body) > 255:
+            return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+        return bytes([flags, len(body)]) + body
+
+    def flood(self, first_frames: list[bytes], total: int, chunk: int = 1 << 20, timeout: float = 60.0) -> int:
+        """Send ``first_frames``, then ``chunk``-byte frames, all marked MORE, up to ``total`` bytes: a message
+        that never ends. Returns the bytes sent before the receiver cut the connection (``total`` if never)."""
+        frame = self.frame(bytes(chunk), more=True)
+        sent, deadline = 0, time.monotonic() + timeout
+        try:
+            for f in first_frames:
+                self.sock.sendall(self.frame(f, more=True))
+            while sent < total and time.monotonic() < deadline:
+                self.sock.sendall(frame)
+                sent += chunk
+        except OSError:  # broken pipe, reset: the receiver shut the connection
+            return sent
+        return sent
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def workers(cluster, service: str | None = None) -> list[dict]:
@@ -251,10 +317,25 @@ def _swap_worker_main(argv: list[str]) -> None:
     worker.run()
 
 
+def _idle_client_main(argv: list[str]) -> None:
+    """Print the data endpoint; on each stdin line run a dspark batch and print its stats; exit at EOF."""
+    from spec_serve.client import RemoteTargetModel
+    from spec_serve.tiny import sample_batch
+
+    broker, target = argv
+    with RemoteTargetModel(broker, timeout=30, **CLIENT_KW) as client:
+        print(json.dumps({"data": client._io.data_endpoint}), flush=True)
+        for _ in sys.stdin:
+            out = client.generate_batch(*sample_batch(target, 2, 16, seed=1), kind="dspark")
+            print(json.dumps({"shape": list(out["target_hidden_states"].shape),
+                              "dropped": client._io.data_ingress.dropped, **vars(client.stats)}), flush=True)
+
+
 if __name__ == "__main__":
-    entry = {"slow-worker": _slow_worker_main, "swap-worker": _swap_worker_main}.get(sys.argv[1] if len(sys.argv) > 1
-                                                                                   else "")
+    entry = {"slow-worker": _slow_worker_main, "swap-worker": _swap_worker_main,
+             "idle-client": _idle_client_main}.get(sys.argv[1] if len(sys.argv) > 1 else "")
     if entry is None:
         sys.exit("usage: cluster_util.py slow-worker --delay S --target DIR --broker URL\n"
-                 "       cluster_util.py swap-worker --target DIR --swap-to DIR --after N --broker URL")
+                 "       cluster_util.py swap-worker --target DIR --swap-to DIR --after N --broker URL\n"
+                 "       cluster_util.py idle-client BROKER TARGET")
     entry(sys.argv[2:])

@@ -1,0 +1,300 @@
+"""Hostile or broken peers: memory stays bounded, replies are checked, the HTTP shim cannot be starved.
+
+Real broker, worker and client processes on loopback. Floods come from a hand-rolled ZMTP peer
+(cluster_util.RawZmtpPeer) that sends a message whose frames never end, which libzmq holds whole
+before the application sees any of it; memory is the peak RSS (VmHWM) of the process under attack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from cluster_util import (
+    CLIENT_KW,
+    FAST_ENV,
+    HEARTBEAT_INTERVAL,
+    HERE,
+    RawZmtpPeer,
+    Reference,
+    peak_rss_kib,
+    reset_peak_rss,
+    same,
+    wait_until,
+    workers,
+)
+from spec_serve import wire
+from spec_serve.client import RemoteTargetModel
+from spec_serve.launch import local_cluster
+from spec_serve.protocol import (
+    CLIENT_TAG,
+    DATA_TAG,
+    WORKER_TAG,
+    ClientCommand,
+    Status,
+    WorkerCommand,
+    control,
+    data_message,
+    parse_control,
+)
+from spec_serve.tiny import sample_batch
+
+MAX_MESSAGE = 4 << 20  # the cluster's --max-message-bytes
+FLOOD = 384 << 20  # what an attacker tries to make a process hold
+# Peak growth allowed under a flood: the per-connection limit (at most 2 x MAX_MESSAGE + 1 MiB on the
+# frontend) plus what arrives within one check of the ingress watcher on a loaded box.
+PEAK_BOUND = 96 << 20
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target_dir, tiny_vocab_mapping):
+    return Reference(tiny_target_dir, tiny_vocab_mapping)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir, tmp_path_factory):
+    env = {**FAST_ENV, "SPEC_SERVE_MAX_MESSAGE_BYTES": str(MAX_MESSAGE)}
+    with local_cluster(tiny_target_dir, workers=1, env=env, log_dir=tmp_path_factory.mktemp("hostile-logs")) as c:
+        yield c
+
+
+def _flood(pid: int, endpoint: str, first_frames: list[bytes], socket_type: bytes = b"DEALER") -> tuple[int, int]:
+    """(bytes sent before the connection was cut, peak RSS growth of ``pid``) for one never-ending message."""
+    reset_peak_rss(pid)
+    before = peak_rss_kib(pid) << 10
+    peer = RawZmtpPeer(endpoint, socket_type)
+    try:
+        sent = peer.flood(first_frames, FLOOD)
+        time.sleep(0.3)  # what was in flight lands (or not)
+    finally:
+        peer.close()
+    return sent, (peak_rss_kib(pid) << 10) - before
+
+
+@pytest.mark.parametrize("side", ["frontend", "backend"])
+def test_never_ending_message_to_the_broker_is_cut_off(cluster, side):
+    """A peer that sends frame after frame of one message (no credentials, never registered) is
+    disconnected near the limit; the broker's memory does not follow the flood, and it keeps serving."""
+    if side == "frontend":
+        endpoint, first = cluster.frontend, [CLIENT_TAG, ClientCommand.REQUEST.value, b"default", uuid.uuid4().bytes,
+                                             b'{"reply_to":"tcp://127.0.0.1:9"}']
+    else:
+        endpoint, first = cluster.backend, [WORKER_TAG, WorkerCommand.READY.value, b"default", b"", b"{}"]
+    sent, grew = _flood(cluster.broker.pid, endpoint, first)
+    print(f"\n{side}: cut off after {sent >> 20} of {FLOOD >> 20} MiB; broker peak RSS +{grew >> 20} MiB")
+    assert sent < FLOOD, "the broker never cut the flooding peer off"
+    assert grew < PEAK_BOUND
+    with RemoteTargetModel(cluster.frontend, timeout=30, **CLIENT_KW) as client:
+        assert client.status()["workers"], "the broker lost its worker"
+
+
+def test_never_ending_message_to_a_client_data_socket_is_cut_off(cluster, tiny_target_dir):
+    """A client's data socket takes at most the replies it waits for: a stranger pushing one endless
+    message is cut off, the client's memory stays flat, and its next batch is served."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "idle-client", cluster.frontend,
+                             str(tiny_target_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **cluster.env})
+    try:
+        data = json.loads(proc.stdout.readline())["data"]
+        first = [DATA_TAG, Status.OK.value, uuid.uuid4().bytes, b"{}"]
+        sent, grew = _flood(proc.pid, data, first, socket_type=b"PUSH")
+        print(f"\nclient data socket: cut off after {sent >> 20} of {FLOOD >> 20} MiB; client peak RSS "
+              f"+{grew >> 20} MiB")
+        assert sent < FLOOD and grew < PEAK_BOUND
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        after = json.loads(proc.stdout.readline())
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    print(f"next batch {after['shape']}, connections dropped {after['dropped']}")
+    assert after["shape"][:2] == [2, 16] and after["dropped"] >= 1
+
+
+def test_broker_holds_at_most_max_held_bytes(tiny_target_dir, tmp_path):
+    """Complete requests that queue (no worker serves them yet) stop being taken once the broker holds
+    --max-held-bytes of them: the rest are told to back off, and broker memory stays near the limit."""
+    held, size, count = 64 << 20, 30 << 20, 10
+    # A long liveness: the raw client sends no heartbeats, and its queued requests must stay.
+    env = {**FAST_ENV, "SPEC_SERVE_HEARTBEAT_LIVENESS": "600", "SPEC_SERVE_MAX_MESSAGE_BYTES": str(32 << 20),
+           "SPEC_SERVE_MAX_HELD_BYTES": str(held)}
+    with local_cluster(None, workers=0, env=env, log_dir=tmp_path) as c:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(c.frontend)
+        reset_peak_rss(c.broker.pid)
+        before = peak_rss_kib(c.broker.pid) << 10
+        payload = [bytes(memoryview(f)) for f in wire.encode({"input_ids": torch.zeros(size // 8, dtype=torch.int64)})]
+        refused = 0
+        for _ in range(count):
+            header = {"op": "generate", "kind": "dspark", "timeout": 60, "reply_to": "tcp://127.0.0.1:9"}
+            sock.send_multipart(control(CLIENT_TAG, ClientCommand.REQUEST.value, "nobody-yet", uuid.uuid4().bytes,
+                                        header, payload))
+            deadline = time.monotonic() + 0.5  # an accepted request gets no answer (it waits for a worker)
+            while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                frames = sock.recv_multipart()
+                if frames[1] == ClientCommand.ERROR.value:
+                    refused += b"unavailable" in frames[4]
+                    break
+        grew = (peak_rss_kib(c.broker.pid) << 10) - before
+        ctx.destroy(0)
+    print(f"\nheld bytes: {count} requests of {size >> 20} MiB, {refused} told to back off; "
+          f"broker peak RSS +{grew >> 20} MiB (limit {held >> 20} MiB)")
+    assert refused >= count - held // size
+    assert grew < held + PEAK_BOUND
+
+
+# ------------------------------------------------------------------- replies are not trusted
+
+
+class FakeWorker(threading.Thread):
+    """A fake worker (a hostile or broken peer, not the real thing): registers with the tiny target's info,
+    heartbeats, and answers each request with whatever ``reply(request_tensors)`` returns: a list of data
+    messages to push to the client (empty: hold the request forever, as a hung worker does)."""
+
+    def __init__(self, cluster, reply, service: str = "default", capacity: int = 2):
+        super().__init__(daemon=True)
+        self.info = next(w["target_info"] for w in workers(cluster))
+        self.cluster, self.reply, self.service, self.capacity = cluster, reply, service, capacity
+        self.identity = uuid.uuid4().bytes
+        self.requests = 0
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        broker = ctx.socket(zmq.DEALER)
+        broker.setsockopt(zmq.LINGER, 0)
+        broker.setsockopt(zmq.IDENTITY, self.identity)
+        broker.connect(self.cluster.backend)
+        broker.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service,
+                                      header={"target_info": self.info, "capacity": self.capacity}))
+        pushes: dict[str, zmq.Socket] = {}
+        next_beat = 0.0
+        while not self._stopping.is_set():
+            if time.monotonic() > next_beat:
+                broker.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
+                next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+            if broker.poll(50):
+                msg = parse_control(broker.recv_multipart(), WORKER_TAG, WorkerCommand)
+                if msg.command == WorkerCommand.REQUEST.value:
+                    self._serve(ctx, pushes, broker, msg)
+        ctx.destroy(0)
+
+    def _serve(self, ctx, pushes, broker, msg) -> None:
+        self.requests += 1
+        replies = self.reply(wire.decode(msg.payload))
+        if not replies:
+            return  # hung: holds the request, keeps heartbeating
+        endpoint = msg.header["reply_to"]
+        if endpoint not in pushes:
+            pushes[endpoint] = ctx.socket(zmq.PUSH)
+            pushes[endpoint].setsockopt(zmq.LINGER, 0)
+            pushes[endpoint].connect(endpoint)
+        for tensors in replies:
+            pushes[endpoint].send_multipart(data_message(Status.OK, msg.request_id, {"worker": "fake"},
+                                                         wire.encode(tensors)))
+        broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, msg.request_id,
+                                      {"status": "ok"}))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(10)
+
+
+def _dspark_reply(info: dict, request: dict) -> dict:
+    """Zeros shaped exactly as DESIGN.md's DSpark contract says for this request."""
+    rows, seq = request["input_ids"].shape
+    hidden, dtype = info["hidden_size"], getattr(torch, info["dtype"])
+    return {"target_hidden_states": torch.zeros(rows, seq, len(info["dspark_layer_ids"]) * hidden, dtype=dtype),
+            "target_last_hidden_states": torch.zeros(rows, seq, hidden, dtype=dtype),
+            "input_ids": torch.zeros(rows, seq, dtype=torch.int64),
+            "loss_mask": torch.zeros(rows, seq, dtype=request["loss_mask"].dtype)}
+
+
+BROKEN_REPLIES = {
+    "a row too many": lambda t: {**t, "target_hidden_states": torch.zeros(t["target_hidden_states"].shape[0] + 1,
+                                                                          *t["target_hidden_states"].shape[1:])},
+    "another dtype": lambda t: {**t, "target_last_hidden_states": t["target_last_hidden_states"].double()},
+    "a tensor missing": lambda t: {k: v for k, v in t.items() if k != "loss_mask"},
+    "an extra tensor": lambda t: {**t, "junk": torch.zeros(3)},
+    "zero bytes, 2^38 wide": lambda t: {**t, "target_hidden_states": torch.zeros(0, 1 << 38)},
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_REPLIES))
+def test_reply_that_breaks_the_contract_is_refused(cluster, tiny_target_dir, broken):
+    """A worker's reply whose names, dtypes or shapes are not the contract's for the rows asked is refused
+    before anything is allocated for it: the batch fails with the reason, never returns the bad tensors."""
+    fake = FakeWorker(cluster, lambda req: [BROKEN_REPLIES[broken](_dspark_reply(fake.info, req))], service="forged")
+    fake.start()
+    try:
+        with RemoteTargetModel(cluster.frontend, service="forged", timeout=10, max_retries=1, num_shards=2,
+                               **CLIENT_KW) as client:
+            with pytest.raises(Exception, match="breaks the contract") as raised:
+                client.generate_batch(*sample_batch(tiny_target_dir, 2, 16, seed=2), kind="dspark")
+            print(f"\n{broken}: {type(raised.value).__name__}: {str(raised.value)[:160]}")
+            assert client.stats.contract_violations >= 2  # one per attempt
+    finally:
+        fake.stop()
+
+
+def test_claimed_capacity_is_capped(cluster):
+    """A worker claiming a capacity of 10^6 is counted at the broker's cap, so it cannot draw the queue."""
+    fake = FakeWorker(cluster, lambda req: [], service="greedy", capacity=10**6)
+    fake.start()
+    try:
+        claimed = wait_until(lambda: [w for w in workers(cluster, "greedy")], 30, what="the fake registering")
+        print(f"\nclaimed capacity 10^6, the broker counts {claimed[0]['capacity']}")
+    finally:
+        fake.stop()
+    from spec_serve.broker import MAX_WORKER_CAPACITY
+
+    assert claimed[0]["capacity"] == MAX_WORKER_CAPACITY
+
+
+def test_reply_to_an_unknown_request_is_unknown_not_duplicate(cluster, tiny_target_dir):
+    fake = FakeWorker(cluster, lambda req: [_dspark_reply(fake.info, req)] * 2, service="twice")
+    fake.start()
+    try:
+        with RemoteTargetModel(cluster.frontend, service="twice", timeout=10, **CLIENT_KW) as client:
+            out = client.generate_batch(*sample_batch(tiny_target_dir, 2, 16, seed=3), kind="dspark")
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(client._io.data_endpoint)
+            push.send_multipart(data_message(Status.OK, uuid.uuid4().bytes, {"worker": "nobody"}))
+            wait_until(lambda: client.stats.unknown + client.stats.duplicates >= 2, 10, what="both strays counted")
+            push.close(0)
+            stats = client.stats
+    finally:
+        fake.stop()
+    print(f"\nsecond reply to an answered request: duplicates={stats.duplicates}; a reply to an id never sent: "
+          f"unknown={stats.unknown}")
+    assert out["target_hidden_states"].shape[:2] == (2, 16)
+    assert stats.duplicates == 1 and stats.unknown == 1
+
+
+def test_hung_worker_misses_the_deadline_and_its_requests_move(cluster, tiny_target_dir, reference):
+    """A worker that takes requests and never answers (still heartbeating) is dead for each of them at
+    its deadline: the broker gives them to another worker, and every batch is served, bit-equal."""
+    fake = FakeWorker(cluster, lambda req: [], capacity=8)
+    fake.start()
+    try:
+        wait_until(lambda: len(workers(cluster, "default")) == 2, 30, what="the hung fake registering")
+        with RemoteTargetModel(cluster.frontend, timeout=4, max_retries=1, **CLIENT_KW) as client:
+            got = [client.generate_batch(*reference.batch(seed), kind="dspark") for seed in range(4)]
+        verified = sum(same(g, reference.expected(seed, kind="dspark")) for seed, g in enumerate(got))
+        print(f"\nhung worker took {fake.requests} of the requests; {verified}/4 verified")
+        assert fake.requests >= 1 and verified == 4
+    finally:
+        fake.stop()
+        wait_until(lambda: len(workers(cluster, "default")) == 1, 30, what="the fake leaving")
