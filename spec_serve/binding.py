@@ -146,7 +146,7 @@ class ClientBinding:
 
             pair = self._pair_thread.submit(
                 PairGroup.create, str(info["store_host"]), int(info["store_port"]), 1, device=self.device,
-                prefix=prefix, timeout=self.timeout).result()
+                prefix=prefix, timeout=self.timeout, listen_host=self.io.local_host).result()
         except Exception as e:
             self._send_release(prefix)
             return self._give_up(f"could not form the pair group with worker {worker}: {e}")

@@ -48,6 +48,7 @@ from spec_serve.protocol import (
 from spec_serve.sockets import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
+    KeyPolicy,
     Security,
     bound_endpoint,
     make_socket,
@@ -213,9 +214,15 @@ class Broker:
         self.max_request_deaths = max_request_deaths
         # libzmq drops a peer that sends a frame over this, before allocating it.
         frame_limit = min(DEFAULT_MAX_FRAME_BYTES, self.max_message_bytes + (1 << 16))
-        self.frontend = make_socket(self.ctx, zmq.ROUTER, security=security, curve_server=True,
+        # With CURVE, clients' keys on the frontend and workers' keys on the backend, never one set for both
+        # (an admitted client key must not register as a worker).
+        if security is not None and (security.client_keys_dir is None or security.worker_keys_dir is None):
+            raise ValueError("a CURVE broker needs client_keys_dir and worker_keys_dir (separate key sets)")
+        self.client_keys = KeyPolicy(security.client_keys_dir) if security else None
+        self.worker_keys = KeyPolicy(security.worker_keys_dir) if security else None
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.client_keys,
                                     max_frame_bytes=frame_limit)
-        self.backend = make_socket(self.ctx, zmq.ROUTER, security=security, curve_server=True,
+        self.backend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.worker_keys,
                                    max_frame_bytes=BACKEND_FRAME_BYTES)
         # What a peer can make libzmq hold before a message is whole (ingress.py); the sockets bind
         # once watched. A request up to twice the limit still gets its error reply.

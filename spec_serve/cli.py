@@ -33,15 +33,18 @@ def _ids(value: str | None) -> list[int] | None:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
-def _security(secret_key: str | None, server_key: str | None, authorized_dir: str | None):
+def _security(secret_key: str | None, server_key: str | None = None, client_keys: str | None = None,
+              worker_keys: str | None = None):
     if not secret_key:
-        if server_key or authorized_dir:
+        if server_key or client_keys or worker_keys:
             raise click.UsageError("CURVE needs --curve-secret-key as well")
         return None
     from spec_serve.sockets import Security
 
-    return Security(Path(secret_key), Path(server_key) if server_key else None,
-                    Path(authorized_dir) if authorized_dir else None)
+    def path(value):
+        return Path(value) if value else None
+
+    return Security(Path(secret_key), path(server_key), path(client_keys), path(worker_keys))
 
 
 def _serve_until_signal(stop) -> None:
@@ -94,12 +97,16 @@ def main() -> None:
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="Broker's CURVE secret key file (from keygen): turns authentication on "
                    "[env SPEC_SERVE_CURVE_SECRET_KEY].")
-@click.option("--curve-authorized-dir", envvar="SPEC_SERVE_CURVE_AUTHORIZED_DIR",
-              help="Directory of client and worker public keys admitted [env SPEC_SERVE_CURVE_AUTHORIZED_DIR].")
+@click.option("--curve-client-keys-dir", envvar="SPEC_SERVE_CURVE_CLIENT_KEYS_DIR",
+              help="Public keys of the clients the frontend admits [env SPEC_SERVE_CURVE_CLIENT_KEYS_DIR].")
+@click.option("--curve-worker-keys-dir", envvar="SPEC_SERVE_CURVE_WORKER_KEYS_DIR",
+              help="Public keys of the workers the backend admits; clients give the same directory to "
+                   "admit their replies [env SPEC_SERVE_CURVE_WORKER_KEYS_DIR].")
+@click.option("--curve-authorized-dir", envvar="SPEC_SERVE_CURVE_AUTHORIZED_DIR", hidden=True,
+              help="Refused: one key set for both sockets (use the two options above).")
 @log_level_option
 def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, max_held_bytes,
-           curve_secret_key,
-           curve_authorized_dir, log_level):
+           curve_secret_key, curve_client_keys_dir, curve_worker_keys_dir, curve_authorized_dir, log_level):
     """Run the broker: clients on --frontend, workers on --backend.
 
     \b
@@ -107,15 +114,22 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
       spec-serve broker
       spec-serve broker --frontend tcp://*:6000 --backend tcp://*:6001 --http-port 9000
       SPEC_SERVE_HTTP_HOST=0.0.0.0 spec-serve broker      # expose /metrics to a scraper
-      spec-serve broker --curve-secret-key keys/broker.key_secret --curve-authorized-dir keys/authorized
+      spec-serve broker --curve-secret-key keys/broker.key_secret \\
+          --curve-client-keys-dir keys/clients --curve-worker-keys-dir keys/workers
     """
     logs.setup(log_level)
     from spec_serve.broker import Broker
     from spec_serve.http_shim import HttpShim
 
-    if curve_secret_key and not curve_authorized_dir:
-        raise click.UsageError("--curve-secret-key needs --curve-authorized-dir (the keys admitted)")
-    b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_authorized_dir),
+    if curve_authorized_dir:
+        raise click.UsageError("--curve-authorized-dir admitted every key on both sockets, so an admitted client key "
+                               "could register as a worker: split the keys into --curve-client-keys-dir and "
+                               "--curve-worker-keys-dir")
+    if curve_secret_key and not (curve_client_keys_dir and curve_worker_keys_dir):
+        raise click.UsageError("--curve-secret-key needs --curve-client-keys-dir and --curve-worker-keys-dir "
+                               "(the keys each socket admits)")
+    b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_client_keys_dir,
+                                                     curve_worker_keys_dir),
                max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
                max_held_bytes=max_held_bytes)
     shim = None
@@ -221,7 +235,7 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     try:
         _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
                       max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
-                      security=_security(curve_secret_key, curve_server_key, None))
+                      security=_security(curve_secret_key, curve_server_key))
     finally:
         close = getattr(engine_obj, "close", None)
         if close is not None:
@@ -277,7 +291,7 @@ def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
     from spec_serve.client import RemoteTargetModel
 
     client = RemoteTargetModel(broker_url, timeout=timeout, max_retries=0,
-                               security=_security(curve_secret_key, curve_server_key, None))
+                               security=_security(curve_secret_key, curve_server_key))
     try:
         snap = client.status()
     except TimeoutError:
@@ -335,7 +349,8 @@ def keygen(directory, name):
     \b
     Examples:
       spec-serve keygen keys --name broker
-      spec-serve keygen keys/authorized --name worker0   # public key admitted by the broker
+      spec-serve keygen keys/worker0 --name worker0
+      cp keys/worker0/worker0.key keys/workers/   # the broker (and clients) admit this worker
     """
     from spec_serve.sockets import keygen as make_keys
 

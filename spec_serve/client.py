@@ -59,6 +59,7 @@ from spec_serve.protocol import (
 )
 from spec_serve.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    KeyPolicy,
     Security,
     bound_endpoint,
     local_host_key,
@@ -211,11 +212,15 @@ class _ClientIO(threading.Thread):
 
     def _open_sockets(self, broker_url: str, security: Security | None, advertise_host: str | None,
                       local_ipc: bool | None) -> None:
+        # Where peers reach us: the data socket, and a bound worker's gloo connections (binding.py).
+        self.local_host = "127.0.0.1" if broker_url.startswith("ipc://") else advertise_host or route_address(broker_url)
         if broker_url.startswith("ipc://"):
             data_bind = _ipc_endpoint()
         else:
-            data_bind = f"tcp://{advertise_host or route_address(broker_url)}:*"
-        self.data = make_socket(self.ctx, zmq.PULL, security=security, curve_server=True)
+            data_bind = f"tcp://{self.local_host}:*"
+        # With CURVE, only the workers' keys may push replies here (none without worker_keys_dir).
+        self.data_keys = KeyPolicy(security.worker_keys_dir) if security else None
+        self.data = make_socket(self.ctx, zmq.PULL, security=security, admit=self.data_keys)
         # Workers may push at most the replies we wait for (and one late duplicate) before we see them whole.
         self.data_ingress = Ingress(self.data, "client.data", total=self._reply_room, bind=data_bind)
         self.data_endpoint = bound_endpoint(self.data)
@@ -664,6 +669,10 @@ class RemoteTargetModel:
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
+        if enable_nccl and security is not None:
+            raise ValueError("enable_nccl=True cannot be combined with CURVE security: the NCCL rendezvous "
+                             "(TCPStore, gloo/NCCL connections) is not authenticated; use frames "
+                             "(enable_nccl=False), which travel over CURVE")
         # End-to-end check of reply bytes (spec_serve/digest.py): "all" (default), "sampled", "off".
         self._sampler = digest.Sampler(digest.parse_verify(verify))
         self.service = service
@@ -830,6 +839,10 @@ class RemoteTargetModel:
         up with (``fingerprint``, once ``target_info`` ran), whether to digest the reply (``verify``), and
         the largest reply we take (``max_reply_bytes``: the worker refuses a bigger one instead of sending
         it, and computing it again on every retry)."""
+        security = self._io.security
+        if security is not None and security.worker_keys_dir is None:
+            raise ValueError("with CURVE this client's data socket admits only workers' keys: give "
+                             "Security(worker_keys_dir=...), the directory the broker admits workers from")
         header = dict(header, reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes)
         if self._fingerprint is not None:
             header["fingerprint"] = self._fingerprint

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import struct
 import threading
 import time
@@ -173,6 +174,15 @@ def _nccl_backend(store: dist.Store, rank: int, timeout: float) -> dist.Backend:
                     os.environ[key] = value
 
 
+def _gloo_backend(store: dist.Store, rank: int, timeout: timedelta, listen_host: str | None) -> dist.Backend:
+    if listen_host is None:
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=listen_host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
 class PairGroup:
     """A private 2-rank group (rank 0 and rank 1) that moves named tensors.
 
@@ -198,12 +208,24 @@ class PairGroup:
 
     @staticmethod
     def host_store(host: str, port: int = 0, timeout: float = 30.0) -> tuple[dist.TCPStore, int]:
-        """Host the rendezvous store now (port 0: any free port); returns (store, bound port).
+        """Host the rendezvous store on ``host`` only (port 0: any free port); returns (store, bound port).
 
         For the side that must tell its peer the port (over ZeroMQ) before both
-        build the group; pass the store to :meth:`create` as ``store=``.
+        build the group; pass the store to :meth:`create` as ``store=``. A
+        TCPStore binds every interface unless handed a listening socket: it is
+        handed one bound to ``host`` (and owns it from then on).
         """
-        store = dist.TCPStore(host, port, world_size=2, is_master=True, wait_for_workers=False, timeout=_timedelta(timeout))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, port))
+            listener.listen(128)
+            port = listener.getsockname()[1]
+        except BaseException:
+            listener.close()
+            raise
+        store = dist.TCPStore(host, port, world_size=2, is_master=True, wait_for_workers=False,
+                              timeout=_timedelta(timeout), master_listen_fd=listener.detach())
         return store, store.port
 
     @classmethod
@@ -217,8 +239,13 @@ class PairGroup:
         prefix: str,
         timeout: float = 30.0,
         store: dist.Store | None = None,
+        listen_host: str | None = None,
     ) -> PairGroup:
         """Form the group: rank 0 hosts the store at ``host:port`` (0: any port), rank 1 connects.
+
+        ``listen_host``: the local address this rank's gloo pair connections listen on (default: ``host``
+        for rank 0, gloo's choice for rank 1); nothing listens on other interfaces. NCCL's bootstrap
+        picks its own interface (``NCCL_SOCKET_IFNAME``).
 
         ``prefix`` must be unique per binding, so that a rebinding never reads a
         previous binding's keys. ``store`` reuses an existing store (from
@@ -244,7 +271,7 @@ class PairGroup:
             if device.type == "cuda":
                 backend = _nccl_backend(prefixed, rank, timeout)
             else:
-                backend = dist.ProcessGroupGloo(prefixed, rank, 2, td)
+                backend = _gloo_backend(prefixed, rank, td, host if listen_host is None and rank == 0 else listen_host)
         except Exception as exc:
             raise PairGroupError(f"pair group {prefix!r} rank {rank}: could not form the group: {exc}") from exc
         if isinstance(store, dist.TCPStore):

@@ -13,8 +13,9 @@ Options and why:
 - IMMEDIATE (``immediate=True``, a worker's sockets to client data endpoints):
   messages queue only on a connection that completed its handshake, so a
   send to an endpoint that refuses or never speaks ZeroMQ fails at once.
-- CurveZMQ when a Security is given: the broker (and a client's data socket)
-  is a CURVE server that only admits keys found in an authorized directory.
+- CurveZMQ when a Security is given: the broker's frontend admits the client
+  keys, its backend the worker keys, and a client's data socket the worker keys,
+  each socket with its own ZAP domain and policy (KeyPolicy).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import ipaddress
 import os
 import socket
 import threading
+import uuid
+import weakref
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -47,12 +50,15 @@ class Security:
 
     ``secret_key_file``: this peer's ``*.key_secret`` (from ``spec-serve keygen``).
     ``server_key_file``: the broker's public ``*.key`` (peers that connect to it).
-    ``authorized_dir``: public keys admitted by a peer that serves CURVE.
+    ``client_keys_dir``: the broker's frontend admits these clients' public keys.
+    ``worker_keys_dir``: the broker's backend admits these workers' public keys, and a client's
+    data socket admits replies from them (the same directory); without it a client gets no replies.
     """
 
     secret_key_file: Path
     server_key_file: Path | None = None
-    authorized_dir: Path | None = None
+    client_keys_dir: Path | None = None
+    worker_keys_dir: Path | None = None
 
     def keypair(self) -> tuple[bytes, bytes]:
         public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
@@ -67,22 +73,47 @@ class Security:
         return public
 
 
-_authenticators: dict[int, ThreadAuthenticator] = {}
+class KeyPolicy:
+    """The CURVE keys one server socket admits: the public keys (``*.key``) in ``directory``, read
+    once; None admits nobody. A socket's policy lives as long as the object does (its owner holds it):
+    once it is gone, the socket admits nobody."""
+
+    def __init__(self, directory: Path | None):
+        if directory is not None and not Path(directory).is_dir():
+            raise ValueError(f"CURVE key directory {directory} does not exist (make keys with spec-serve keygen)")
+        self.keys = frozenset(zmq.auth.load_certificates(str(directory))) if directory is not None else frozenset()
+        self.domain = f"spec-serve-{uuid.uuid4().hex}"  # the socket's ZAP domain
+
+
+class _Policies:
+    """The ZAP credentials provider of one context: each request goes to the policy of its socket's domain
+    (a context has one ZAP handler; without domains, the first socket's policy would answer for all)."""
+
+    def __init__(self):
+        self.by_domain: "weakref.WeakValueDictionary[str, KeyPolicy]" = weakref.WeakValueDictionary()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        policy = self.by_domain.get(domain)
+        return policy is not None and key in policy.keys
+
+
+_authenticators: dict[int, tuple[ThreadAuthenticator, _Policies]] = {}
 _auth_lock = threading.Lock()
 
 
-def _ensure_authenticator(ctx: zmq.Context, authorized_dir: Path | None) -> None:
-    """Start one ZAP handler per context that admits only the authorized keys."""
+def _admit(sock: zmq.Socket, policy: KeyPolicy) -> None:
+    """Make ``sock`` a CURVE server that admits exactly ``policy``'s keys (one ZAP handler per context)."""
     with _auth_lock:
-        if id(ctx) in _authenticators:
-            return
-        auth = ThreadAuthenticator(ctx)
-        auth.start()
-        if authorized_dir is None:
-            auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
-        else:
-            auth.configure_curve(domain="*", location=str(authorized_dir))
-        _authenticators[id(ctx)] = auth
+        entry = _authenticators.get(id(sock.context))
+        if entry is None:
+            auth = ThreadAuthenticator(sock.context)
+            auth.start()
+            entry = _authenticators[id(sock.context)] = (auth, _Policies())
+        auth, policies = entry
+        policies.by_domain[policy.domain] = policy
+        auth.configure_curve_callback(domain=policy.domain, credentials_provider=policies)
+    sock.zap_domain = policy.domain.encode()
+    sock.curve_server = True
 
 
 def make_socket(
@@ -93,7 +124,7 @@ def make_socket(
     connect: str | None = None,
     identity: bytes | None = None,
     security: Security | None = None,
-    curve_server: bool = False,
+    admit: KeyPolicy | None = None,
     curve_server_key: bytes | None = None,
     hwm: int = DEFAULT_HWM,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -101,12 +132,13 @@ def make_socket(
 ) -> zmq.Socket:
     """Create a socket with the project's options; bind or connect it.
 
-    ``curve_server_key`` overrides the server key a CURVE client connects with
-    (a worker connecting to a client's data socket learns it from the request).
+    With ``security``: ``admit`` makes it a CURVE server admitting that policy's keys (the caller
+    keeps the policy); otherwise a CURVE client of the broker, or of ``curve_server_key`` (a worker
+    connecting to a client's data socket learns that key from the request).
     """
     sock = ctx.socket(kind)
     try:
-        _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm, max_frame_bytes,
+        _configure(sock, kind, bind, connect, identity, security, admit, curve_server_key, hwm, max_frame_bytes,
                    immediate)
     except BaseException:
         sock.close(0)  # a bad endpoint or key must not leak the socket
@@ -114,9 +146,8 @@ def make_socket(
     return sock
 
 
-def _configure(sock, kind, bind, connect, identity, security, curve_server, curve_server_key, hwm,
-               max_frame_bytes, immediate) -> None:
-    ctx = sock.context
+def _configure(sock, kind, bind, connect, identity, security, admit, curve_server_key, hwm, max_frame_bytes,
+               immediate) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -134,9 +165,8 @@ def _configure(sock, kind, bind, connect, identity, security, curve_server, curv
         public, secret = security.keypair()
         sock.curve_publickey = public
         sock.curve_secretkey = secret
-        if curve_server:
-            _ensure_authenticator(ctx, security.authorized_dir)
-            sock.curve_server = True
+        if admit is not None:
+            _admit(sock, admit)
         else:
             sock.curve_serverkey = curve_server_key or security.server_public_key()
     if bind is not None:

@@ -786,6 +786,11 @@ class Worker:
         if prefix in self._released:  # released before we got to it
             self._released.discard(prefix)
             return
+        if self.security is not None:
+            self._post(Result(job, Status.ERROR, {"worker": self.name, "code": ErrorCode.UNAVAILABLE.value, "error": (
+                f"worker {self.name} runs CURVE: an NCCL binding's rendezvous (TCPStore, gloo/NCCL connections) "
+                f"is not authenticated, so it is refused; replies go as CURVE frames")}, []), wake)
+            return
         if header.get("device_type", self.device.type) != self.device.type:
             self._post(Result(job, Status.ERROR, {"worker": self.name, "code": ErrorCode.UNAVAILABLE.value, "error": (
                 f"worker device is {self.device.type}, client device is {header.get('device_type')}: the pair "
@@ -804,7 +809,7 @@ class Worker:
         self._post(Result(job, Status.OK, {"worker": self.name, "bind": info}, []), wake)
         try:
             pair = PairGroup.create(self.advertise_host, port, 0, device=self.device, prefix=prefix, timeout=timeout,
-                                    store=store)
+                                    store=store, listen_host=self.advertise_host)
         except Exception as e:  # the client falls back to frames on its side
             event(log, logging.WARNING, "worker.nccl_bind_failed", client=str(header.get("client"))[:12], error=e)
             return

@@ -50,6 +50,26 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def listening_addresses(pid: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them: 0100007F = 127.0.0.1) of a process's listening
+    TCP sockets."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                out.add(fields[1].rsplit(":", 1)[0])
+    return out
+
+
 def peak_rss_kib(pid: int) -> int:
     """Peak resident set size of a process in KiB (VmHWM), since start or ``reset_peak_rss``."""
     with open(f"/proc/{pid}/status") as f:

@@ -125,8 +125,8 @@ def test_ipc_endpoint_is_curve_protected_like_tcp(tmp_path):
     """The ipc endpoint is the same CURVE-server socket: a peer without CURVE cannot push to it."""
     broker_public, _ = keygen(tmp_path / "broker", "broker")
     _, client_secret = keygen(tmp_path / "client", "client")
-    _, worker_secret = keygen(tmp_path / "worker", "worker")
-    security = Security(client_secret, server_key_file=broker_public)
+    _, worker_secret = keygen(tmp_path / "worker", "worker")  # its directory admits worker.key (public keys only)
+    security = Security(client_secret, server_key_file=broker_public, worker_keys_dir=tmp_path / "worker")
     ctx = zmq.Context.instance()
     # No broker behind this address: only the client's data socket is exercised.
     with RemoteTargetModel(f"tcp://127.0.0.1:{free_port()}", security=security, timeout=5,

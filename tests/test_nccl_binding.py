@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from cluster_util import assert_equal_batches, wait_until, workers
+from cluster_util import assert_equal_batches, listening_addresses, wait_until, workers
 
 from spec_serve.client import RemoteTargetModel
 from spec_serve.launch import local_cluster
@@ -250,3 +250,18 @@ def test_gpu_nccl_equals_colocated_and_throughput(tiny_target_dir, tiny_vocab_ma
                                        for i in range(steps)])
     print(f"\ndelivered tokens/s, tiny target bf16, batch {batch}x{seq}, {steps} batches: "
           + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()))
+
+
+def test_rendezvous_listens_only_on_the_advertised_address(cluster, tiny_target_dir, reference):
+    """The bound worker's TCPStore and gloo connections, and the client's, listen on the address peers
+    are told (loopback here), never on every interface (a TCPStore binds all unless handed a socket)."""
+    loopback = "0100007F"
+    before = listening_addresses(os.getpid())
+    with RemoteTargetModel(cluster.frontend, **NCCL_KW) as client:
+        check(client, reference, tiny_target_dir, 11, "dspark")
+        assert client.bound_worker is not None
+        at_worker = set().union(*(listening_addresses(p.pid) for p in cluster.workers if p.poll() is None))
+        at_client = listening_addresses(os.getpid()) - before
+    print(f"\nlistening while bound: workers {at_worker}, client {at_client} ({loopback} = 127.0.0.1)")
+    assert at_worker and at_worker <= {loopback}
+    assert at_client <= {loopback}

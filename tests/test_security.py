@@ -1,47 +1,60 @@
 """CurveZMQ authentication, a loopback-only HTTP shim, and no pickle on any socket path.
 
-With CURVE on, the broker admits only the public keys in its authorized
-directory: an unauthenticated (or unknown-key) client gets no answer and an
-unauthenticated worker never registers, while authenticated peers get results
-torch.equal to the colocated forward. Replies travel worker -> client over a
-CURVE connection too (the client's data socket is a CURVE server).
+With CURVE on, the broker's frontend admits only the client keys and its backend only the
+worker keys (separate directories): an unauthenticated (or unknown-key) client gets no
+answer and a worker without a worker key never registers, while authenticated peers get
+results torch.equal to the colocated forward. Replies travel worker -> client over CURVE
+too: the client's data socket is a CURVE server that admits only the workers' keys. Every
+CURVE server socket has its own ZAP policy, whatever else shares its ZeroMQ context.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import zmq
+from click.testing import CliRunner
 
 from cluster_util import CLIENT_KW, FAST_ENV, Reference, same, wait_until, workers
+from spec_serve.broker import Broker
+from spec_serve.cli import main
 from spec_serve.client import RemoteTargetModel
 from spec_serve.launch import Cluster, free_port, local_cluster
-from spec_serve.sockets import Security, keygen
+from spec_serve.protocol import CLIENT_TAG, ClientCommand, Status, control, data_message
+from spec_serve.sockets import Security, keygen, make_socket
 
 PACKAGE = Path(__file__).resolve().parent.parent / "spec_serve"
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
+    """Keypairs (public, secret) by name; "clients" and "workers": the public keys the broker admits."""
     root = tmp_path_factory.mktemp("curve")
-    authorized = root / "authorized"
-    authorized.mkdir()
     out = {}
     for name in ("broker", "worker", "client", "stranger"):
-        out[name] = keygen(root / name, name)  # (public, secret)
-    for name in ("worker", "client"):
-        shutil.copy(out[name][0], authorized / f"{name}.key")
-    out["authorized"] = authorized
+        out[name] = keygen(root / name, name)
+    for group, member in (("clients", "client"), ("workers", "worker")):
+        (root / group).mkdir()
+        shutil.copy(out[member][0], root / group / f"{member}.key")
+        out[group] = root / group
     return out
+
+
+def client_security(keys, name="client", server="broker") -> Security:
+    return Security(keys[name][1], server_key_file=keys[server][0], worker_keys_dir=keys["workers"])
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_target_dir, keys, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("security-logs")
-    broker_args = ["--curve-secret-key", str(keys["broker"][1]), "--curve-authorized-dir", str(keys["authorized"])]
+    broker_args = ["--curve-secret-key", str(keys["broker"][1]), "--curve-client-keys-dir", str(keys["clients"]),
+                   "--curve-worker-keys-dir", str(keys["workers"])]
     worker_args = ["--curve-secret-key", str(keys["worker"][1]), "--curve-server-key", str(keys["broker"][0])]
     with local_cluster(tiny_target_dir, workers=1, broker_args=broker_args, worker_args=worker_args,
                        env=dict(FAST_ENV), log_dir=log_dir) as c:
@@ -50,8 +63,7 @@ def cluster(tiny_target_dir, keys, tmp_path_factory):
 
 def test_authenticated_client_gets_correct_results(cluster, keys, tiny_target_dir, tiny_vocab_mapping):
     reference = Reference(tiny_target_dir, tiny_vocab_mapping)
-    security = Security(keys["client"][1], server_key_file=keys["broker"][0])
-    with RemoteTargetModel(cluster.frontend, security=security, timeout=30, **CLIENT_KW) as client:
+    with RemoteTargetModel(cluster.frontend, security=client_security(keys), timeout=30, **CLIENT_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         got = [client.generate_batch(*reference.batch(seed)) for seed in range(3)]
         verified = sum(same(g, reference.expected(seed)) for seed, g in enumerate(got))
@@ -60,12 +72,13 @@ def test_authenticated_client_gets_correct_results(cluster, keys, tiny_target_di
     assert verified == 4
 
 
-@pytest.mark.parametrize("who", ["no CURVE", "unknown key", "wrong server key"])
+@pytest.mark.parametrize("who", ["no CURVE", "unknown key", "wrong server key", "a worker's key"])
 def test_unauthenticated_client_is_refused(cluster, keys, who):
     security = {
         "no CURVE": None,
-        "unknown key": Security(keys["stranger"][1], server_key_file=keys["broker"][0]),
-        "wrong server key": Security(keys["client"][1], server_key_file=keys["stranger"][0]),
+        "unknown key": client_security(keys, "stranger"),
+        "wrong server key": client_security(keys, server="stranger"),
+        "a worker's key": client_security(keys, "worker"),
     }[who]
     client = RemoteTargetModel(cluster.frontend, security=security, timeout=3, max_retries=0, **CLIENT_KW)
     start = time.monotonic()
@@ -78,21 +91,96 @@ def test_unauthenticated_client_is_refused(cluster, keys, who):
 
 
 def test_unauthenticated_worker_never_registers(cluster, keys, tiny_target_dir):
+    """No keys, an unknown key, or a key admitted on the frontend (a client's): none registers as a worker,
+    so none can serve forged batches."""
     before = len(workers(cluster))
     n = len(cluster.workers)
     cluster.start_worker(tiny_target_dir)  # no keys at all
-    cluster.start_worker(tiny_target_dir, "--curve-secret-key", str(keys["stranger"][1]),
-                         "--curve-server-key", str(keys["broker"][0]))
-    logs = [cluster.log_dir / f"worker{i}.log" for i in (n, n + 1)]
+    for name in ("stranger", "client"):
+        cluster.start_worker(tiny_target_dir, "--curve-secret-key", str(keys[name][1]),
+                             "--curve-server-key", str(keys["broker"][0]))
+    logs = [cluster.log_dir / f"worker{i}.log" for i in (n, n + 1, n + 2)]
     # Wait until both have loaded their model and sent READY, then give the broker time.
     wait_until(lambda: all(p.exists() and "worker.ready" in p.read_text(errors="replace") for p in logs),
                timeout=120, interval=0.5, what="the intruding workers sending READY")
     time.sleep(3.0)
     after = len(workers(cluster))
-    print(f"\ncurve: workers registered before {before}, after two unauthenticated workers tried: {after}")
+    print(f"\ncurve: workers registered before {before}, after three unadmitted workers tried: {after}")
     assert after == before
     for proc in cluster.workers[n:]:
         proc.terminate()
+
+
+def test_data_socket_admits_only_worker_keys(cluster, keys):
+    """A client's data socket takes replies from the workers' keys only: not from a key the broker admits
+    on its frontend (a client's), not from an unknown key, not without CURVE."""
+    ctx = zmq.Context.instance()
+    with RemoteTargetModel(cluster.frontend, security=client_security(keys), timeout=10, **CLIENT_KW) as client:
+        delivered = {}
+        for who in ("no CURVE", "stranger", "client", "worker"):
+            before = client.stats.unknown
+            security = None if who == "no CURVE" else Security(keys[who][1])
+            push = make_socket(ctx, zmq.PUSH, connect=client._io.data_endpoint, security=security,
+                               curve_server_key=client._io.data_key.encode() if security else None)
+            try:
+                push.send_multipart(data_message(Status.OK, uuid.uuid4().bytes, {"worker": who}), flags=zmq.NOBLOCK)
+                try:
+                    delivered[who] = bool(wait_until(lambda: client.stats.unknown > before, 3, what="delivery"))
+                except TimeoutError:
+                    delivered[who] = False
+            finally:
+                push.close(0)
+    print(f"\ncurve: data socket delivered from {delivered}")
+    assert delivered == {"no CURVE": False, "stranger": False, "client": False, "worker": True}
+
+
+def test_each_curve_socket_has_its_own_policy(keys, tiny_target_dir):
+    """A client's data socket (admitting workers) made first in a process must not lend its policy to a
+    broker made later in the same ZeroMQ context: the broker still admits only its client keys."""
+    with RemoteTargetModel(f"tcp://127.0.0.1:{free_port()}", security=client_security(keys), timeout=5):
+        broker = Broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", security=Security(
+            keys["broker"][1], client_keys_dir=keys["clients"], worker_keys_dir=keys["workers"]))
+        thread = threading.Thread(target=broker.run, daemon=True)
+        thread.start()
+        try:
+            answered = {who: _status_answered(broker.frontend_endpoint, keys, who) for who in ("worker", "client")}
+        finally:
+            broker.stop()
+            thread.join(10)
+    print(f"\ncurve: broker frontend answered {answered} (the worker key is admitted only by the data socket)")
+    assert answered == {"worker": False, "client": True}
+
+
+def _status_answered(endpoint: str, keys, who: str) -> bool:
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=endpoint,
+                       security=Security(keys[who][1], server_key_file=keys["broker"][0]))
+    try:
+        sock.send_multipart(control(CLIENT_TAG, ClientCommand.STATUS.value, "default", uuid.uuid4().bytes))
+        return bool(sock.poll(3000))
+    finally:
+        sock.close(0)
+
+
+def test_nccl_binding_is_refused_with_curve(cluster, keys):
+    """The NCCL rendezvous (TCPStore, gloo/NCCL connections) is not authenticated: a CURVE client refuses
+    enable_nccl at once, and a CURVE worker refuses a binding (its replies stay CURVE frames)."""
+    with pytest.raises(ValueError, match="CURVE"):
+        RemoteTargetModel(cluster.frontend, security=client_security(keys), enable_nccl=True)
+    with RemoteTargetModel(cluster.frontend, security=client_security(keys), timeout=30, **CLIENT_KW) as client:
+        client.target_info()
+        header = {"reply_to": client._io.data_endpoint, "data_key": client._io.data_key, "timeout": 10,
+                  "device_type": "cpu"}
+        future = client._io.submit(ClientCommand.BIND, "default", header, (), 10, max_retries=0)
+        with pytest.raises(Exception, match="runs CURVE") as refused:
+            future.result(30)
+    print(f"\ncurve: a BIND to a CURVE worker: {refused.value}")
+
+
+def test_one_key_directory_for_both_sockets_is_refused(tmp_path):
+    result = CliRunner().invoke(main, ["broker", "--curve-secret-key", str(tmp_path / "b.key_secret"),
+                                       "--curve-authorized-dir", str(tmp_path), "--http-port", "0"])
+    print(f"\n{result.output.strip()}")
+    assert result.exit_code == 2 and "--curve-client-keys-dir" in result.output
 
 
 def test_http_shim_binds_loopback_by_default(tiny_target_dir, tmp_path):
