@@ -2,15 +2,24 @@
 
 It reads the broker's snapshot (replaced atomically by the broker loop) and
 never touches the broker's sockets. Binds 127.0.0.1 unless told otherwise.
+
+One thread serves every connection without blocking (a selector), so a peer
+that opens many connections or sends a byte at a time costs a descriptor, not a
+thread: at most ``MAX_CONNECTIONS`` are open (a new one closes the oldest), and
+each has ``REQUEST_DEADLINE_S`` from accept to its response written, however it
+trickles. The shim therefore holds at most ``MAX_CONNECTIONS + 1`` descriptors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import selectors
+import socket
 import threading
+import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
@@ -21,6 +30,10 @@ from spec_serve.logs import event
 log = logging.getLogger("spec_serve.http")
 
 MAX_REQUEST_LINE = 4096
+# A request head (request line and headers) larger than this is refused (431).
+MAX_REQUEST_HEAD = 16 << 10
+MAX_CONNECTIONS = 32
+REQUEST_DEADLINE_S = 5.0
 
 
 def health(snapshot: dict[str, Any]) -> tuple[int, dict]:
@@ -49,49 +62,140 @@ def model_info(snapshot: dict[str, Any], service: str | None) -> tuple[int, dict
     return 200, infos
 
 
+@dataclasses.dataclass
+class _Connection:
+    sock: socket.socket
+    peer: str
+    deadline: float
+    received: bytes = b""
+    response: memoryview | None = None
+
+
 class HttpShim:
     """``GET /health``, ``/model_info[?service=]``, ``/workers``, ``/metrics``."""
 
     def __init__(self, snapshot: Callable[[], dict], registry, host: str = "127.0.0.1", port: int = 8080,
                  refresh: Callable[[], None] | None = None):
-        shim = self
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "spec-serve"
-            timeout = 10  # a peer that stalls mid-request loses its thread after this (no slowloris)
-
-            def log_message(self, fmt, *args):  # quiet: structured log at DEBUG instead
-                event(log, logging.DEBUG, "http.request", peer=self.client_address[0], line=fmt % args)
-
-            def do_GET(self):
-                shim._handle(self)
-
-            def _refuse(self):
-                self.send_error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET is served")
-
-            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
-
         self._snapshot = snapshot
         self._registry = registry
         self._refresh = refresh
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.host, self.port = self.server.server_address[:2]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="spec-serve-http", daemon=True)
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._listener.setblocking(False)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._connections: dict[socket.socket, _Connection] = {}  # oldest first
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="spec-serve-http", daemon=True)
 
     def start(self) -> "HttpShim":
         self._thread.start()
         return self
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._stop.set()
+        self._wake_w.send(b"x")
+        self._thread.join(5)
+        for conn in list(self._connections.values()):
+            self._drop(conn)
+        self._selector.close()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
 
-    def _handle(self, h: BaseHTTPRequestHandler) -> None:
-        if len(h.path) > MAX_REQUEST_LINE:
-            h.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+    # ------------------------------------------------------------- the loop
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.5):
+                if key.fileobj is self._listener:
+                    self._accept()
+                    continue
+                conn = self._connections.get(key.fileobj)
+                if conn is None:  # the wake-up, or a connection dropped earlier in this round
+                    continue
+                try:
+                    self._on_ready(conn)
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:  # reset by the peer
+                    self._drop(conn)
+                except Exception as e:  # a peer must never stop the shim
+                    log.exception("http.failed error=%s", e)
+                    self._drop(conn)
+            now = time.monotonic()
+            for conn in [c for c in self._connections.values() if c.deadline < now]:
+                event(log, logging.DEBUG, "http.deadline", peer=conn.peer)
+                self._drop(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. the process is out of descriptors: try again shortly
+                event(log, logging.WARNING, "http.accept_failed", error=e)
+                time.sleep(0.1)
+                return
+            if len(self._connections) >= MAX_CONNECTIONS:
+                self._drop(next(iter(self._connections.values())))  # the oldest: a stalled peer, not a quick one
+            sock.setblocking(False)
+            conn = _Connection(sock, str(addr[0]), time.monotonic() + REQUEST_DEADLINE_S)
+            self._connections[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _on_ready(self, conn: _Connection) -> None:
+        if conn.response is not None:
+            sent = conn.sock.send(conn.response)
+            conn.response = conn.response[sent:]
+            if not conn.response:
+                self._drop(conn)
             return
-        url = urlsplit(h.path)
+        data = conn.sock.recv(4096)
+        conn.received += data
+        end = conn.received.find(b"\r\n\r\n")
+        if end < 0 and len(conn.received) > MAX_REQUEST_HEAD:
+            self._respond(conn, *_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE))
+        elif end >= 0:
+            self._respond(conn, *self._route(conn.received[:end]))
+        elif not data:  # the peer ended its side before a whole request
+            self._respond(conn, *_error(HTTPStatus.BAD_REQUEST))
+
+    def _respond(self, conn: _Connection, code: int, content_type: str, body: bytes) -> None:
+        head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nServer: spec-serve\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        conn.response = memoryview(head + body)
+        event(log, logging.DEBUG, "http.request", peer=conn.peer, code=code)
+        self._selector.modify(conn.sock, selectors.EVENT_WRITE)
+
+    def _drop(self, conn: _Connection) -> None:
+        self._connections.pop(conn.sock, None)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    # ------------------------------------------------------------- routes
+
+    def _route(self, head: bytes) -> tuple[int, str, bytes]:
+        line = head.split(b"\r\n", 1)[0]
+        parts = line.split(b" ")
+        if len(parts) != 3:
+            return _error(HTTPStatus.BAD_REQUEST)
+        method, target, version = parts
+        if version not in (b"HTTP/1.0", b"HTTP/1.1"):
+            return _error(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
+        if method != b"GET":
+            return _error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET is served")
+        if len(target) > MAX_REQUEST_LINE:
+            return _error(HTTPStatus.REQUEST_URI_TOO_LONG)
+        return self._handle(target.decode("latin-1"))
+
+    def _handle(self, path: str) -> tuple[int, str, bytes]:
+        url = urlsplit(path)
         query = parse_qs(url.query)
         snap = self._snapshot()
         if url.path == "/health":
@@ -103,19 +207,12 @@ class HttpShim:
         elif url.path == "/metrics":
             if self._refresh is not None:
                 self._refresh()
-            data = generate_latest(self._registry)
-            h.send_response(200)
-            h.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            h.send_header("Content-Length", str(len(data)))
-            h.end_headers()
-            h.wfile.write(data)
-            return
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
         else:
             code, body = 404, {"error": f"no route {url.path}", "routes": ["/health", "/model_info", "/workers",
                                                                            "/metrics"]}
-        data = json.dumps(body).encode()
-        h.send_response(code)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+        return code, "application/json", json.dumps(body).encode()
+
+
+def _error(status: HTTPStatus, message: str | None = None) -> tuple[int, str, bytes]:
+    return status.value, "application/json", json.dumps({"error": message or status.phrase}).encode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -298,3 +299,66 @@ def test_hung_worker_misses_the_deadline_and_its_requests_move(cluster, tiny_tar
     finally:
         fake.stop()
         wait_until(lambda: len(workers(cluster, "default")) == 1, 30, what="the fake leaving")
+
+
+# ------------------------------------------------------------------------ the HTTP shim
+
+TRICKLERS = 200
+SHIM_CONNECTIONS = 32  # http_shim.MAX_CONNECTIONS
+SHIM_DEADLINE_S = 5.0  # http_shim.REQUEST_DEADLINE_S
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_http_shim_cannot_be_starved(cluster):
+    """A slowloris: 200 connections that each send a byte now and then and never finish a request. The
+    broker's descriptors and threads stay bounded, /health still answers at once, a new ZeroMQ client is
+    served, and every trickling connection is cut by the whole-request deadline."""
+    pid = cluster.broker.pid
+    fds_before, threads_before = _open_fds(pid), len(os.listdir(f"/proc/{pid}/task"))
+    tricklers = []
+    for _ in range(TRICKLERS):
+        sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=5)
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        tricklers.append(sock)
+    time.sleep(1.0)
+    fds_during, threads_during = _open_fds(pid), len(os.listdir(f"/proc/{pid}/task"))
+    start = time.monotonic()
+    code, _ = cluster.get("/health")
+    health_s = time.monotonic() - start
+    with RemoteTargetModel(cluster.frontend, timeout=30, **CLIENT_KW) as client:
+        assert client.status()["workers"]
+    open_after = _trickle_until_closed(tricklers, SHIM_DEADLINE_S + 5)
+    print(f"\nslowloris of {TRICKLERS}: broker fds {fds_before} -> {fds_during}, threads {threads_before} -> "
+          f"{threads_during}; /health {code} in {health_s:.2f}s; still open after the deadline: {open_after}")
+    assert fds_during - fds_before <= SHIM_CONNECTIONS + 2
+    assert threads_during - threads_before <= 2
+    assert code == 200 and health_s < 5
+    assert open_after == 0
+
+
+def _trickle_until_closed(socks: list, seconds: float) -> int:
+    """Send a header byte on each open connection every 0.5 s until all are closed or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    open_socks = list(socks)
+    while open_socks and time.monotonic() < deadline:
+        still = []
+        for sock in open_socks:
+            try:
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1) == b"":
+                        raise ConnectionResetError  # closed by the shim (EOF)
+                except BlockingIOError:
+                    pass
+                sock.send(b"X")
+                still.append(sock)
+            except OSError:
+                sock.close()
+        open_socks = still
+        time.sleep(0.5)
+    for sock in open_socks:
+        sock.close()
+    return len(open_socks)
