@@ -9,20 +9,23 @@ kernel has passed to libzmq on it (``TCP_INFO`` ``tcpi_bytes_received``), and su
 socket's owner was handed from that connection (every message names its connection, ``ZMQ_SRCFD``).
 A connection whose unaccounted bytes pass ``per_connection``, or the largest one when a socket's
 connections together pass ``total``, is shut down, and libzmq frees the partial message with it.
+A connection the owner is still draining (a message of it was delivered since the check before) is
+spared: its bytes may be whole messages waiting in libzmq's queue. A message that never ends stops
+every delivery from its connection (a connection is one ordered stream), so it is never spared.
 
-Invariant, checked every ``CHECK_INTERVAL_S``: a connection holds at most ``per_connection +
-GRANT_BYTES`` bytes that were not delivered, plus what arrives within one check (the link's rate
-times the interval); a socket at most ``total`` plus the same. Bytes that are never delivered
-(ZMTP handshakes and heartbeats) are forgiven up to ``GRANT_BYTES`` each time the connection
-delivers a message, so a silent peer that keeps sending without ending its message is never
-forgiven. Only TCP is watched: ``ipc://`` sockets have no byte counter (their file mode admits only
-the owner's user).
+Invariant, checked every ``CHECK_INTERVAL_S``: a connection that is not draining holds at most
+``per_connection + GRANT_BYTES`` bytes that were not delivered, plus what arrives within two checks
+(the link's rate times the interval); a socket at most ``total`` plus the same. Bytes that are
+never delivered (ZMTP handshakes and heartbeats) are forgiven up to ``GRANT_BYTES`` each time the
+connection delivers a message. Only TCP is watched: ``ipc://`` sockets have no byte counter (their
+file mode admits only the owner's user).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import select
 import socket
 import struct
 import threading
@@ -61,6 +64,8 @@ class _Conn:
     peer: tuple
     base: int  # received - delivered bytes already accounted for (forgiven)
     seen: int  # delivered message count at the last check
+    held: int = 0  # undelivered bytes at the last check
+    draining: bool = False  # a message was delivered since the check before
 
 
 class Ingress:
@@ -154,7 +159,12 @@ def _shutdown_if(peer: tuple) -> Callable[[socket.socket], bool]:
 
 
 class _Watcher(threading.Thread):
-    """Polls every watched socket's monitor and checks its connections each ``CHECK_INTERVAL_S``."""
+    """Polls every watched socket's monitor and checks its connections each ``CHECK_INTERVAL_S``.
+
+    Only connections that received bytes (an edge-triggered epoll on libzmq's descriptors) or
+    delivered a message since the last check cost a ``TCP_INFO`` call; every connection is swept
+    once a second regardless.
+    """
 
     def __init__(self):
         super().__init__(name="spec-serve-ingress", daemon=True)
@@ -162,6 +172,9 @@ class _Watcher(threading.Thread):
         self._added: list[tuple[Ingress, zmq.Socket]] = []
         self._watched: dict[Ingress, tuple[zmq.Socket, dict[int, _Conn]]] = {}
         self._poke = threading.Event()
+        self._epoll = select.epoll()
+        self._owners: dict[int, _Conn] = {}  # fd -> the connection it is now (descriptors are reused)
+        self._next_sweep = 0.0
 
     def add(self, ingress: Ingress, monitor: zmq.Socket) -> None:
         with self._lock:  # also publishes the monitor socket to this thread
@@ -191,8 +204,14 @@ class _Watcher(threading.Thread):
             self._poke.wait(CHECK_INTERVAL_S)
             ready = {}
         self._poke.clear()
+        dirty = {fd for fd, _ in self._epoll.poll(0)}
+        sweep = time.monotonic() >= self._next_sweep
+        if sweep:
+            self._next_sweep = time.monotonic() + 1.0
         for ingress, (monitor, conns) in list(self._watched.items()):
             if ingress._closed.is_set():
+                for conn in list(conns.values()):
+                    self._forget(conns, conn)
                 poller.unregister(monitor)
                 monitor.close(0)
                 del self._watched[ingress]
@@ -200,7 +219,7 @@ class _Watcher(threading.Thread):
                 continue
             if monitor in ready:
                 self._events(ingress, monitor, conns)
-            self._check(ingress, conns)
+            self._check(ingress, conns, dirty, sweep)
 
     def _events(self, ingress: Ingress, monitor: zmq.Socket, conns: dict[int, _Conn]) -> None:
         while True:
@@ -213,43 +232,68 @@ class _Watcher(threading.Thread):
                 peer = _borrow(fd, socket.socket.getpeername)
                 if peer is not None and _borrow(fd, _received) is not None:
                     # Counted from the connection's first byte: a flood that began before this event is not forgiven.
-                    conns[fd] = _Conn(fd, peer, -ingress.bytes.get(fd, 0), ingress.count.get(fd, 0))
-            else:
-                conns.pop(fd, None)
+                    conn = conns[fd] = self._owners[fd] = _Conn(fd, peer, -ingress.bytes.get(fd, 0),
+                                                                ingress.count.get(fd, 0))
+                    self._listen(fd)
+                    conn.held = -1  # checked in this round
+            elif fd in conns:
+                self._forget(conns, conns[fd])
 
-    def _check(self, ingress: Ingress, conns: dict[int, _Conn]) -> None:
-        held = {}
+    def _listen(self, fd: int) -> None:
+        try:
+            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
+        except FileExistsError:  # a reused descriptor whose old registration is still there
+            self._epoll.modify(fd, select.EPOLLIN | select.EPOLLET)
+        except OSError:  # already closed: the sweep still finds nothing to check
+            pass
+
+    def _forget(self, conns: dict[int, _Conn], conn: _Conn) -> None:
+        conns.pop(conn.fd, None)
+        if self._owners.get(conn.fd) is conn:  # not if the descriptor already serves a newer connection
+            del self._owners[conn.fd]
+            try:
+                self._epoll.unregister(conn.fd)
+            except OSError:
+                pass
+
+    def _check(self, ingress: Ingress, conns: dict[int, _Conn], dirty: set[int], sweep: bool) -> None:
         per_connection = ingress.limit(ingress.per_connection)
         for fd, conn in list(conns.items()):
+            count = ingress.count.get(fd, 0)
+            if not (sweep or fd in dirty or count != conn.seen or conn.held < 0):
+                continue  # nothing arrived and nothing was delivered: its count stands
             received = _borrow(fd, _received)
             if received is None:
-                conns.pop(fd)
+                self._forget(conns, conn)
                 continue
-            excess = received - ingress.bytes.get(fd, 0) - conn.base
-            if excess < 0:  # more accounted than received: a reused descriptor's counts; start afresh
-                conn.base += excess
-                excess = 0
-            count = ingress.count.get(fd, 0)
-            if count != conn.seen:
-                conn.seen = count
-                grant = min(excess, GRANT_BYTES)
-                conn.base += grant
-                excess -= grant
-            if excess > per_connection:
-                self._drop(ingress, conns, conn, excess, f"more than {per_connection} bytes undelivered")
-            else:
-                held[fd] = excess
+            self._account(ingress, conn, received, count)
+            if conn.held > per_connection and not conn.draining:
+                self._drop(ingress, conns, conn, f"more than {per_connection} bytes undelivered")
         total = ingress.limit(ingress.total)
-        while held and sum(held.values()) > total:
-            fd = max(held, key=held.get)
-            self._drop(ingress, conns, conns[fd], held.pop(fd), f"connections together past {total} bytes")
+        stuck = sorted((c for c in conns.values() if not c.draining), key=lambda c: c.held)
+        while stuck and sum(c.held for c in conns.values()) > total:
+            self._drop(ingress, conns, stuck.pop(), f"connections together past {total} bytes")
 
-    def _drop(self, ingress: Ingress, conns: dict[int, _Conn], conn: _Conn, held: int, why: str) -> None:
-        conns.pop(conn.fd, None)
+    @staticmethod
+    def _account(ingress: Ingress, conn: _Conn, received: int, count: int) -> None:
+        excess = received - ingress.bytes.get(conn.fd, 0) - conn.base
+        if excess < 0:  # more accounted than received: a reused descriptor's counts; start afresh
+            conn.base += excess
+            excess = 0
+        conn.draining = count != conn.seen
+        if conn.draining:  # a message was delivered: forgive what never reaches the owner
+            conn.seen = count
+            grant = min(excess, GRANT_BYTES)
+            conn.base += grant
+            excess -= grant
+        conn.held = excess
+
+    def _drop(self, ingress: Ingress, conns: dict[int, _Conn], conn: _Conn, why: str) -> None:
+        self._forget(conns, conn)
         if _borrow(conn.fd, _shutdown_if(conn.peer)):
             ingress.dropped += 1
             event(log, logging.WARNING, "ingress.dropped", socket=ingress.name, peer=f"{conn.peer[0]}:{conn.peer[1]}",
-                  held=held, reason=why)
+                  held=conn.held, reason=why)
 
 
 _instance: _Watcher | None = None
