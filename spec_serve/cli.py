@@ -180,6 +180,12 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
                    "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")
+@click.option("--host-pool/--no-host-pool", default=None, envvar="SPEC_SERVE_HOST_POOL",
+              help="Copy replies into reused host slabs, each lent to ZeroMQ until every frame is sent; "
+                   "default: on for a GPU, off for a CPU engine (on there runs the GPU reply path's "
+                   "lending and reuse in CPU tests) [env SPEC_SERVE_HOST_POOL=1/0].")
+@click.option("--host-pool-buffers", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_HOST_POOL_BUFFERS",
+              help="Slabs in the host pool; default capacity + 2 [env SPEC_SERVE_HOST_POOL_BUFFERS].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
@@ -187,8 +193,8 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
 @log_level_option
 @engine_options
 def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           packing, max_batch_tokens, advertise_host, curve_secret_key, curve_server_key, log_level,
-           **engine_values):
+           packing, max_batch_tokens, advertise_host, host_pool, host_pool_buffers, curve_secret_key,
+           curve_server_key, log_level, **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
 
     Before registering, the worker runs one tiny forward; an engine that fails it (or dies later:
@@ -235,6 +241,7 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
     try:
         _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
                       max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
+                      host_pool=host_pool, host_pool_buffers=host_pool_buffers,
                       security=_security(curve_secret_key, curve_server_key))
     finally:
         close = getattr(engine_obj, "close", None)

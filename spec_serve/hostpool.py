@@ -4,10 +4,12 @@ A GPU engine's outputs must land in host memory before ZeroMQ can send them. ``t
 allocates fresh pageable memory every time (a page fault per 4 KiB, and pageable device->host copies
 run at about a quarter of pinned ones on the H200 machine: 15.5 versus 54.8 GB/s). Instead a worker
 copies every output of one forward into one slab taken from a small pool of pinned buffers and hands
-views of it to the codec (zero copy). The slab goes back to the pool when ZeroMQ is done with every
-frame that borrows it (``send_multipart(copy=False, track=True)`` -> ``MessageTracker``); a batched
-forward's slab is shared by several replies and is released after the last. The pool holds at most
-``max_buffers`` slabs, so a client that stops reading bounds the worker's memory: ``acquire`` waits.
+views of it to the codec (zero copy). The slab goes back to the pool when libzmq has let go of every
+frame that borrows it (``sockets.send_lent``: one tracker over all frames, never the last frame's
+alone); a batched forward's slab is shared by several replies and is released after the last. The pool
+holds at most ``max_buffers`` slabs, so a client that stops reading bounds the worker's memory:
+``acquire`` waits. A pool made with ``copy_host_tensors`` takes CPU outputs too (a CPU worker with
+``--host-pool``), so the same lending and reuse runs in CPU tests.
 """
 
 from __future__ import annotations
@@ -48,13 +50,18 @@ class Lease:
 
 
 class HostBufferPool:
-    """At most ``max_buffers`` host slabs, pinned when ``pin`` (and CUDA is available)."""
+    """At most ``max_buffers`` host slabs, pinned when ``pin`` (and CUDA is available).
 
-    def __init__(self, max_buffers: int = 4, pin: bool = True):
+    ``copy_host_tensors``: ``to_host`` copies outputs that are already on the host into a slab too
+    (otherwise it passes them through and only GPU outputs use the pool).
+    """
+
+    def __init__(self, max_buffers: int = 4, pin: bool = True, copy_host_tensors: bool = False):
         if max_buffers < 1:
             raise ValueError("max_buffers must be >= 1")
         self.max_buffers = max_buffers
         self.pin = bool(pin) and torch.cuda.is_available()
+        self.copy_host_tensors = bool(copy_host_tensors)
         self._free: list[torch.Tensor] = []
         self._lent = 0
         self._cond = threading.Condition()
@@ -102,7 +109,8 @@ class HostBufferPool:
 
 def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None,
             copy_stream: "torch.cuda.Stream | None" = None) -> tuple[dict, Lease | None, "torch.cuda.Event | None"]:
-    """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU, else unchanged.
+    """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU (or the pool copies
+    host tensors too), else unchanged.
 
     Returns ``(tensors, lease, ready)``; release the lease once the views are no longer read (sent).
     Without ``copy_stream`` the copies are complete on return and ``ready`` is None. With one (a CUDA
@@ -110,7 +118,7 @@ def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None,
     tensors and this returns at once, so the next forward overlaps this one's device->host copy: read
     the views only once ``ready`` (an event on that stream) has completed.
     """
-    if pool is None or all(t.device.type == "cpu" for t in tensors.values()):
+    if pool is None or (not pool.copy_host_tensors and all(t.device.type == "cpu" for t in tensors.values())):
         return {k: v.to("cpu") for k, v in tensors.items()}, None, None
     if copy_stream is not None and any(t.device not in (copy_stream.device, torch.device("cpu"))
                                        for t in tensors.values()):

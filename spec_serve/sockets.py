@@ -175,6 +175,22 @@ def _configure(sock, kind, bind, connect, identity, security, admit, curve_serve
         sock.connect(connect)
 
 
+def send_lent(sock: zmq.Socket, frames, flags: int = 0) -> zmq.MessageTracker:
+    """Send a multipart message whose frames borrow memory the caller will reuse; return a tracker
+    that is done only once libzmq has let go of *every* frame.
+
+    ``send_multipart(copy=False, track=True)`` is not enough: it returns the tracker of the last frame
+    only, and pyzmq copies any frame under the socket's ``copy_threshold`` and gives it a tracker that
+    is done at once. A reply ending in a small frame looked sent while its large frames were still
+    queued (issue 12). Here each frame is a zero-copy ``zmq.Frame`` with its own tracker, whatever its
+    size or position, and the caller keeps no frame object (a live one would hold its tracker open).
+    """
+    lent = [zmq.Frame(f, track=True, copy=False) for f in frames]
+    tracker = zmq.MessageTracker(*lent)
+    sock.send_multipart(lent, flags=flags, copy=False, track=True)
+    return tracker
+
+
 def bound_endpoint(sock: zmq.Socket) -> str:
     """The endpoint a socket bound to, with the real port of a ``:*`` bind."""
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)

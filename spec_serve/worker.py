@@ -53,6 +53,7 @@ from spec_serve.sockets import (
     local_ipc_enabled,
     make_socket,
     route_address,
+    send_lent,
 )
 
 log = logging.getLogger("spec_serve.worker")
@@ -199,6 +200,8 @@ class Worker:
         max_batch_tokens: int = 0,
         advertise_host: str | None = None,
         packing: bool = False,
+        host_pool: bool | None = None,
+        host_pool_buffers: int | None = None,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -244,13 +247,19 @@ class Worker:
         self.packing = bool(packing)
         self.max_batch_tokens = int(max_batch_tokens)
         self.batches = 0  # packed forwards run for several requests
-        # GPU outputs are copied into pooled pinned slabs, reused once ZeroMQ has sent them.
-        self.host_pool = HostBufferPool(max_buffers=capacity + 2)
+        # Replies are copied into pooled (pinned) host slabs, each reused once ZeroMQ has let go of every
+        # frame that borrows it. On by default for GPU outputs; host_pool=True also pools a CPU engine's
+        # outputs (SPEC_SERVE_HOST_POOL=1), so the reuse rules run in CPU tests; False: fresh host tensors.
+        if host_pool_buffers is not None and host_pool_buffers < 1:
+            raise ValueError("host_pool_buffers must be >= 1")
         self.device = device
+        pooled = device.type == "cuda" if host_pool is None else bool(host_pool)
+        self.host_pool = HostBufferPool(max_buffers=host_pool_buffers or capacity + 2,
+                                        copy_host_tensors=device.type != "cuda") if pooled else None
         # The device->host copy of a reply runs on its own stream, so the next forward starts at once
         # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._tracked: list = []  # (MessageTracker, Lease) of replies still borrowing a slab
+        self._tracked: list = []  # (MessageTracker over every frame, Lease) of replies still borrowing a slab
         self._data_sockets: "collections.OrderedDict[str, ReplySocket]" = collections.OrderedDict()  # I/O thread
         # NCCL data plane (docs/nccl.md): at most one client bound at a time. The pair is used only
         # on the compute thread; the I/O thread only records released prefixes.
@@ -499,7 +508,9 @@ class Worker:
         if not reply_socket.closed:
             frames = data_message(result.status, result.job.request_id, result.header, result.frames)
             try:
-                tracker = reply_socket.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                # One tracker over every frame (not the last frame's alone, which pyzmq may have copied and
+                # finished at once): a slab goes back, and a reply counts as sent, only once all have left.
+                tracker = send_lent(reply_socket.sock, frames, zmq.NOBLOCK)
             except zmq.Again:
                 if now - reply_socket.created < CONNECT_GRACE_S:
                     return None

@@ -2,7 +2,7 @@
 
 import torch
 
-from spec_serve.hostpool import HostBufferPool, RecyclingAllocator
+from spec_serve.hostpool import HostBufferPool, RecyclingAllocator, to_host
 
 
 def test_recycling_allocator_replaces_an_idle_buffer_when_full():
@@ -31,3 +31,17 @@ def test_host_pool_reuses_and_replaces_slabs():
     bigger = pool.acquire(1 << 20)  # nothing fits and the pool is full: the smallest slab is replaced
     assert pool.stats()["allocations"] == 3 and pool.stats()["free"] == 1
     bigger.release()
+
+
+def test_to_host_pools_cpu_outputs_only_when_asked():
+    tensors = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "m": torch.tensor([True, False])}
+    out, lease, ready = to_host(tensors, HostBufferPool(max_buffers=1))
+    assert lease is None and ready is None and out["a"] is tensors["a"]  # a CPU engine's outputs pass through
+    pool = HostBufferPool(max_buffers=1, copy_host_tensors=True)  # a CPU worker with --host-pool
+    out, lease, ready = to_host(tensors, pool)
+    assert lease is not None and ready is None and pool.stats()["lent"] == 1
+    start, end = lease.buffer.data_ptr(), lease.buffer.data_ptr() + lease.buffer.numel()
+    for name, t in tensors.items():  # equal copies, inside the lent slab
+        assert torch.equal(out[name], t) and start <= out[name].data_ptr() < end
+    lease.release()
+    assert pool.stats() == {"allocations": 1, "acquisitions": 1, "lent": 0, "free": 1}

@@ -1,0 +1,165 @@
+"""Memory lent to a transport is never reused before the transport lets go of it (issue 12).
+
+A worker copies each forward's outputs into a pooled host slab and lends views of it to ZeroMQ. It
+used to take the slab back once the tracker of the reply's *last* frame was done; pyzmq copies small
+frames and gives them a finished tracker, and full EAGLE-3 replies end with the small
+``position_mask``: the slab was lent again and overwritten by the next forward while libzmq was
+still sending the big frames. On an H200 8 of 9 batches came back wrong, silently.
+
+Here a CPU worker runs that same pooled path (``--host-pool``) with a pool of one slab, and the
+client is a slow reader: its data socket queues one message (RCVHWM 1) and it reads no reply until
+the worker has run every forward it was sent (or waits for its slab), so replies sit half-sent in
+the worker's libzmq while later forwards want the slab. Every batch must still equal the colocated
+forward, bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, workers
+
+import spec_serve.client as client_module
+from spec_serve import packing
+from spec_serve.client import RemoteTargetModel
+from spec_serve.launch import local_cluster
+from spec_serve.sockets import bound_endpoint, make_socket, send_lent
+from spec_serve.tiny import sample_batch
+
+# 4 x 512 tokens of full EAGLE-3 on the tiny target (about 5 MB a batch, each shard more than the
+# kernel buffers of a stalled reader), its position_mask frame (1 KiB a shard) under pyzmq's copy
+# threshold and last.
+ROWS, SEQ, BATCHES, PREFETCH = 4, 512, 6, 4
+# The reader's stall ends when the worker has computed every request it was sent, or made no progress
+# for this long (a correct worker waits for its one slab); the broker's status is refreshed every 0.2 s.
+STALL_QUIET_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir):
+    with local_cluster(tiny_target_dir, workers=0, env=FAST_ENV) as c:
+        pooled = ("--host-pool", "--host-pool-buffers", "1")
+        c.start_worker(tiny_target_dir, *pooled, service="pooled")
+        c.start_worker(tiny_target_dir, *pooled, "--packing", "--max-batch-tokens", str(ROWS * SEQ), service="packing")
+        c.wait_workers(2)
+        yield c
+
+
+@pytest.fixture
+def slow_reader(monkeypatch):
+    """Clients made now queue at most one reply in libzmq (RCVHWM 1), so a stalled reader stalls the
+    sender: the rest of a reply stays in the worker's libzmq, borrowing its slab."""
+    make_socket = client_module.make_socket
+
+    def one_queued_reply(ctx, kind, **kwargs):
+        if kind == zmq.PULL:
+            kwargs["hwm"] = 1
+        return make_socket(ctx, kind, **kwargs)
+
+    monkeypatch.setattr(client_module, "make_socket", one_queued_reply)
+
+
+def _stall_replies(client: RemoteTargetModel) -> threading.Event:
+    """While the returned event is set, the client's I/O thread reads no reply (it still heartbeats)."""
+    stalled = threading.Event()
+    io = client._io
+    drain = io._drain
+
+    def drain_unless_stalled(sock, handler):
+        if sock is io.data and stalled.is_set():
+            time.sleep(0.01)  # the socket stays readable: do not spin
+            return
+        drain(sock, handler)
+
+    io._drain = drain_unless_stalled
+    return stalled
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_target_dir, colocated_target):
+    """The test batches and the colocated forward's answer to each."""
+    reference = colocated_target()
+    inputs = [sample_batch(tiny_target_dir, ROWS, SEQ, seed=seed) for seed in range(BATCHES)]
+    return [(batch, reference.generate_batch(*batch, kind="eagle3")) for batch in inputs]
+
+
+def _completed(cluster, service: str) -> int:
+    (worker,) = workers(cluster, service)
+    return worker["completed"]
+
+
+def _wait_until_worker_settles(cluster, service: str, target: int) -> None:
+    """Until the worker has completed ``target`` requests (every forward it was sent ran, each into the
+    one slab) or stopped making progress (it waits for its slab)."""
+    last, quiet_since, deadline = -1, time.monotonic(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done = _completed(cluster, service)
+        if done >= target:
+            return
+        if done != last:
+            last, quiet_since = done, time.monotonic()
+        elif time.monotonic() - quiet_since > STALL_QUIET_S:
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("service,shards,local_ipc", [
+    ("pooled", 2, False),  # tcp loopback
+    ("pooled", 2, True),  # ipc: the same socket code, another transport
+    ("packing", 2, False),  # the shards of a batch computed in one packed forward: their replies share a slab
+])
+def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_vocab_mapping, service, shards,
+                                           local_ipc):
+    with RemoteTargetModel(cluster.frontend, service=service, prefetch_depth=PREFETCH, num_shards=shards,
+                           timeout=120, local_ipc=local_ipc, **CLIENT_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        stalled = _stall_replies(client)
+        stalled.set()
+        target = _completed(cluster, service) + PREFETCH * shards
+        futures = [client.generate_batch_async(*batch, kind="eagle3") for batch, _ in batches[:PREFETCH]]
+        _wait_until_worker_settles(cluster, service, target)
+        stalled.clear()
+        futures += [client.generate_batch_async(*batch, kind="eagle3") for batch, _ in batches[PREFETCH:]]
+        results = [f.result(timeout=120) for f in futures]
+        assert client.stats.retried == 0
+        if local_ipc:
+            assert client.stats.local_replies == BATCHES * shards
+        if service == "packing":
+            assert client.stats.batched > 0
+    for (batch, want), got in zip(batches, results):
+        if service == "packing":  # a packed forward matches the padded one within a tolerance (docs/packing.md)
+            report = packing.compare(got, want, batch[1])
+            assert packing.violations(report, packing.TOLERANCE[torch.float32]) == [], report
+        else:
+            assert_equal_batches(got, want)
+
+
+def test_send_lent_tracker_waits_for_every_frame():
+    """In-process: a message of a large frame then a small one, to a reader that reads nothing yet. The
+    last frame's own tracker (pyzmq copied it) is done at once; ``send_lent``'s is done only once libzmq
+    has let go of the large frame too."""
+    ctx = zmq.Context()
+    pull = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:*", hwm=1)
+    push = make_socket(ctx, zmq.PUSH, connect=bound_endpoint(pull))
+    try:
+        big = memoryview(torch.zeros(8 << 20, dtype=torch.uint8).numpy())
+        small = b"\x01" * 64
+        assert push.send_multipart([big, small], copy=False, track=True).done  # the trap: looks sent
+        # The reader's libzmq holds one queued and one half-decoded message; the kernel a few MiB more.
+        trackers = [send_lent(push, [big, small]) for _ in range(4)]
+        time.sleep(0.5)
+        assert not trackers[-1].done
+        for _ in range(5):
+            assert pull.poll(10_000) and len(pull.recv_multipart()) == 2
+        deadline = time.monotonic() + 10
+        while not all(t.done for t in trackers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(t.done for t in trackers)
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
