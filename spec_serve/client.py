@@ -763,10 +763,12 @@ class RemoteTargetModel:
             bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(self.num_shards, rows))]
             requests, expects = [], []
             for lo, hi in bounds:
+                # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
+                # after a broker restart, while the caller may already refill its input tensors.
                 payload = wire.encode({
-                    "input_ids": input_ids[lo:hi].to("cpu"),
-                    "attention_mask": attention_mask[lo:hi].to("cpu"),
-                    "loss_mask": loss_mask[lo:hi].to("cpu"),
+                    "input_ids": input_ids[lo:hi].to("cpu", copy=True),
+                    "attention_mask": attention_mask[lo:hi].to("cpu", copy=True),
+                    "loss_mask": loss_mask[lo:hi].to("cpu", copy=True),
                 })
                 self._check_request_size(payload, f"request for rows {lo}:{hi}")
                 header = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
@@ -797,7 +799,10 @@ class RemoteTargetModel:
 
         def run():
             try:
-                out.set_result(expand_compact(compact.result(), weight, mask))
+                expanded = expand_compact(compact.result(), weight, mask)
+                if self.device.type == "cuda":  # resolved means complete, as for frames and NCCL replies,
+                    torch.cuda.current_stream(self.device).synchronize()  # whichever stream reads it
+                out.set_result(expanded)
             except BaseException as e:
                 out.set_exception(e)
 

@@ -173,12 +173,16 @@ class RecyclingAllocator:
     Fresh buffers over 32 MiB come straight from mmap and fault on every 4 KiB page (measured here:
     that copy, not the socket, dominated the codec path). This keeps up to ``max_buffers`` buffers
     and hands one out again, same size, when its storage has no user left (the trainer dropped the
-    batch), so a steady workload allocates nothing after warm-up. ``pin`` for a GPU client.
+    batch), so a steady workload allocates nothing after warm-up.
+
+    The buffers are pageable, never pinned: a ``non_blocking`` host->device copy the trainer starts
+    from one has read it when the call returns (CUDA stages pageable memory), so dropping the batch
+    right after cannot let a reuse overwrite bytes a copy still reads. A pinned buffer would need an
+    event per copy before reuse.
     """
 
-    def __init__(self, max_buffers: int = 8, pin: bool = False):
+    def __init__(self, max_buffers: int = 8):
         self.max_buffers = max_buffers
-        self.pin = bool(pin) and torch.cuda.is_available()
         self._buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.allocations = 0
@@ -190,7 +194,7 @@ class RecyclingAllocator:
                 if buf.numel() == nbytes and _storage_refs(buf) == 1:  # only our list holds it
                     self.reuses += 1
                     return buf
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            buf = torch.empty(nbytes, dtype=torch.uint8)
             self.allocations += 1
             if _storage_refs(buf) is not None:
                 if len(self._buffers) >= self.max_buffers:

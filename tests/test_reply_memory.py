@@ -163,3 +163,87 @@ def test_send_lent_tracker_waits_for_every_frame():
         push.close(0)
         pull.close(0)
         ctx.term()
+
+
+def test_request_inputs_may_be_refilled_once_submitted(cluster, batches, tiny_vocab_mapping):
+    """The request's frames are the client's own copies: a caller that refills its input tensors right
+    after ``generate_batch_async`` returns (a reused loader buffer) still gets its batch's answer. Before,
+    the frames were views of the caller's tensors, sent later by the I/O thread and again on a retry."""
+    (batch, want), (other, _) = batches[0], batches[1]
+    with RemoteTargetModel(cluster.frontend, service="pooled", timeout=60, **CLIENT_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        inputs = tuple(t.clone() for t in batch)
+        release = threading.Event()
+        client._io.call(release.wait)  # the I/O thread sends nothing until the inputs were refilled
+        future = client.generate_batch_async(*inputs, kind="eagle3")
+        for buffer, refill in zip(inputs, other):
+            buffer.copy_(refill)
+        release.set()
+        assert_equal_batches(future.result(timeout=60), want)
+
+
+def test_held_batches_keep_their_receive_buffers(cluster, batches, tiny_vocab_mapping):
+    """A CPU client assembles sharded replies into recycled buffers (hostpool.RecyclingAllocator): one is
+    reused only once no tensor of the batch it held is alive, so a batch a trainer keeps stays intact
+    while later batches flow, and dropped ones are recycled."""
+    with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, prefetch_depth=2, timeout=60,
+                           **CLIENT_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        (first, first_want), rest = batches[0], batches[1:]
+        held = client.generate_batch(*first, kind="eagle3")
+        held_view = held["aux_hidden_states"][1:]  # a view alone keeps the buffer too
+        del held
+        for _ in range(2):
+            for batch, want in rest:
+                assert_equal_batches(client.generate_batch(*batch, kind="eagle3"), want)
+        assert torch.equal(held_view, first_want["aux_hidden_states"][1:])
+        assert client._io.recv_alloc.reuses > 0
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_copies_from_recycled_buffers_survive_their_reuse(cluster, batches, tiny_vocab_mapping):
+    """A CPU client's batch copied to a GPU with ``non_blocking=True`` and dropped at once: its recycled
+    buffer is reused by the next batch, and the copy must still hold the first batch's values."""
+    with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, timeout=60, **CLIENT_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        copies = []
+        for _ in range(2):
+            for batch, want in batches:
+                got = client.generate_batch(*batch, kind="eagle3")
+                copies.append(({k: v.to("cuda:0", non_blocking=True) for k, v in got.items()}, want))
+                del got
+        torch.cuda.synchronize("cuda:0")
+        assert client._io.recv_alloc.reuses > 0
+    for got, want in copies:
+        assert_equal_batches(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compact_batches_are_complete_when_resolved(tiny_target_dir, tiny_vocab_mapping):
+    """The compact expander resolves a batch only once its kernels ran, as frames and NCCL replies are:
+    a trainer may read it on any stream."""
+    from spec_serve.compact import expand_compact, lm_head_slice
+    from spec_serve.engines.hf import HFTarget
+
+    device = torch.device("cuda:0")
+    colocated = HFTarget(tiny_target_dir, device=device, dtype="bfloat16")
+    colocated.set_vocab_mapping(*tiny_vocab_mapping)
+    head = lm_head_slice(colocated.get_output_embeddings().weight, tiny_vocab_mapping[0])
+    side = torch.cuda.Stream(device)
+    with local_cluster(tiny_target_dir, workers=1, worker_args=("--device", "cuda:0", "--dtype", "bfloat16")) as c, \
+            RemoteTargetModel(c.frontend, device=device, compact=True, timeout=60, **CLIENT_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        for seed in range(3):
+            batch = sample_batch(tiny_target_dir, 8, 256, seed=seed)
+            got = client.generate_batch(*batch, kind="eagle3")
+            assert torch.cuda.current_stream(device).query()  # nothing of this batch is still queued
+            with torch.cuda.stream(side):
+                read = {k: v.clone() for k, v in got.items()}
+            side.synchronize()
+            want = expand_compact(colocated.generate_batch(*batch, kind="eagle3_compact"), head, tiny_vocab_mapping[1])
+            assert_equal_batches(read, want)
