@@ -33,12 +33,13 @@ def eagle3_targets(
 
     ``next_draft_logits`` ``[B,S-1,Vd]``: row ``t`` holds the draft-vocab logits of position ``t+1``.
     ``argmax_ids`` ``[B,S]`` and ``shifted_loss_mask`` ``[B,S]`` are already shifted left by one.
-    The last position has no next token: its probs row is all zero and its mask false.
+    The last position has no next token: its logits are a zero row, so its probs are the float32
+    softmax of zeros, uniform ``1/Vd`` (bit for bit what NeMo AutoModel's server returns), and its
+    mask is false.
     """
     batch, seq = argmax_ids.shape
     padded = torch.cat([next_draft_logits, next_draft_logits.new_zeros(batch, 1, next_draft_logits.shape[-1])], dim=1)
     target_probs = torch.softmax(padded.float(), dim=-1)
-    target_probs[:, -1] = 0
     position_mask = selected_token_mask[argmax_ids.long()] & shifted_loss_mask.bool()
     position_mask[:, -1] = False
     return target_probs, position_mask.unsqueeze(-1)

@@ -52,6 +52,11 @@ def test_compact_remote_equals_colocated(cluster, tiny_target_dir, tiny_vocab_ma
             assert torch.equal(got["position_mask"], full["position_mask"])
             assert torch.equal(got["aux_hidden_states"], full["aux_hidden_states"])
             torch.testing.assert_close(got["target_probs"], full["target_probs"], rtol=1e-4, atol=1e-6)
+            # No next token at S-1: remote full, remote compact and colocated all give NeMo's softmax of zeros.
+            uniform = torch.softmax(torch.zeros(len(ids_map)), dim=-1).expand(batch[0].shape[0], -1)
+            colocated = engine.generate_batch(*batch, kind="eagle3")
+            for probs in (got["target_probs"], full["target_probs"], colocated["target_probs"]):
+                assert torch.equal(probs[:, -1], uniform)
         # Asking for the compact kind explicitly returns the raw compact tensors.
         batch = sample_batch(tiny_target_dir, 2, 32, seed=9)
         raw = remote.generate_batch(*batch, kind="eagle3_compact")

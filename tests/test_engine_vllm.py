@@ -98,7 +98,9 @@ def test_vllm_matches_hf(engines, batch, kind):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         if name == "target_probs":
             assert (a[next_valid] - b[next_valid]).abs().max() <= probs_abs, name
-            assert not a[~next_valid].any()
+            uniform = torch.softmax(torch.zeros(a.shape[-1]), dim=-1)  # no next token at S-1: NeMo's 1/Vd
+            assert torch.equal(a[:, -1], uniform.expand_as(a[:, -1])) and torch.equal(b[:, -1], a[:, -1])
+            assert not a[:, :-1][~next_valid[:, :-1]].any(), "target_probs is not zero before padding"
         elif a.is_floating_point():
             x, y = a[valid].float(), b[valid].float()
             cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)

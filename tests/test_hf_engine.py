@@ -32,8 +32,7 @@ def reference(model, input_ids, attention_mask, loss_mask, aux_ids, dspark_ids, 
         return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
 
     next_logits = shifted(logits)
-    probs = torch.softmax(next_logits.index_select(-1, selected_ids).float(), dim=-1)
-    probs[:, -1] = 0
+    probs = torch.softmax(next_logits.index_select(-1, selected_ids).float(), dim=-1)  # last: softmax of zeros
     position_mask = selected_mask[next_logits.argmax(-1)] & shifted(loss_mask).bool()
     position_mask[:, -1] = False
     return {
@@ -129,6 +128,19 @@ def test_compact_expands_to_eagle3(engine, batch, dtype):
     bound = 1e-6 if dtype == torch.float32 else 1e-2
     assert float((expanded["target_probs"] - eagle3["target_probs"]).abs().max()) <= bound
     assert torch.equal(expand_compact(compact, head, selected_mask)["target_probs"], expanded["target_probs"])
+
+
+def test_last_position_is_the_softmax_of_zeros(engine, batch):
+    """No next token at S-1: NeMo AutoModel's server returns the softmax of a zero row there, uniform
+    1/Vd, not zeros. The engine and the compact expansion give exactly the float32 softmax of zeros."""
+    selected_ids, selected_mask = engine.vocab_mapping()
+    uniform = torch.softmax(torch.zeros(len(selected_ids)), dim=-1)
+    assert float(uniform[0]) == pytest.approx(1 / len(selected_ids), rel=1e-7)
+    head = lm_head_slice(engine.get_output_embeddings().weight, selected_ids)
+    expanded = expand_compact(engine.generate_batch(*batch, kind="eagle3_compact"), head, selected_mask)
+    for out in (engine.generate_batch(*batch, kind="eagle3"), expanded):
+        assert torch.equal(out["target_probs"][:, -1], uniform.expand(batch[0].shape[0], -1))
+        assert not out["position_mask"][:, -1].any()
 
 
 def test_compact_and_dspark_need_no_vocab_mapping(colocated_target, tiny_target_dir):

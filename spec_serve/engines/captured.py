@@ -168,6 +168,8 @@ class CapturedHead:
         ``layers`` maps each of :meth:`needed_layer_ids` to HF ``hidden_states[id+1]``; ``last`` is
         the final-norm output. The last valid position of a row has padding as its next token:
         its ``target_probs`` row is zero and its ``position_mask`` false, like the padding itself.
+        The last position of every row (index ``S-1``) is the softmax of a zero row, ``1/Vd``, as
+        the HF engine and NeMo give it.
         """
 
         def layer(i: int) -> torch.Tensor:
@@ -199,7 +201,9 @@ class CapturedHead:
         target_probs, position_mask = eagle3_targets(
             logits[:, 1:].index_select(-1, selected_ids), argmax, selected_mask, shifted_loss
         )
-        target_probs *= next_valid.unsqueeze(-1)
+        kept = next_valid.clone()
+        kept[:, -1] = True  # no next token anywhere: eagle3_targets' softmax of zeros, kept as is
+        target_probs *= kept.unsqueeze(-1)
         position_mask &= next_valid.unsqueeze(-1)
         return {
             "aux_hidden_states": aux,
