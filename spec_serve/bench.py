@@ -50,6 +50,16 @@ is right-padded to its longest row, as a trainer's collator pads: with 4 rows, l
 about 58% real tokens. Figures report useful (non-pad) tokens/s, which the ratios compare, next to
 padded tokens/s (rows x padded length).
 
+Every remote scenario verifies what it timed: each timed batch is compared with the colocated forward
+of the same input, computed as the client received it (``spec_serve.verify``: per shard; compact
+against colocated compact, expanded on the client's device), with ``torch.equal``; a packing worker's
+replies within ``packing.TOLERANCE`` instead (``verify_packed``). The results are kept during the run
+(the futures hold them anyway) and compared after the clock stops: the check adds no timed work.
+Figures show ``verified=N/M``; a ratio with a wrong batch on either side prints INVALID instead of
+its value, and a remote/colocated ratio above 1.10 is flagged IMPLAUSIBLE (remote runs the same
+forward plus transport). On CPU the colocated forward runs with the math threads one worker gets
+(``worker_threads``).
+
 Also reported: bytes per token of the full and compact EAGLE-3 replies, measured on the target and
 computed analytically at the Llama-3.1-8B shape.
 """
@@ -250,10 +260,36 @@ def verify_packed(engine, batches, outputs, compact_mask: torch.Tensor | None = 
     return result
 
 
+def verified(passed: int, total: int) -> dict[str, Any]:
+    """A figure's verification fields: ``verified`` "N/M", and ``status: INVALID`` unless all M passed."""
+    return {"verified": f"{passed}/{total}", **({} if passed == total and total else {"status": "INVALID"})}
+
+
+@contextlib.contextmanager
+def worker_threads(device: torch.device):
+    """On CPU, run with the math threads one worker gets (``launch`` starts each with OMP_NUM_THREADS,
+    1 unless set): more threads than that, on cores the workers share, measure oversubscription (on
+    the loaded 2-core box a 2-thread forward ran 25x slower than a 1-thread one) instead of the forward."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------------- colocated
 
 
 def run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[str, Any]:
+    with worker_threads(ctx.device):
+        return _run_colocated(ctx, compact, packed)
+
+
+def _run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[str, Any]:
     """The target's own forward, batch after batch: padded (what a trainer runs), compact, or packed
     (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it; verified after)."""
     from spec_serve.compact import expand_compact, lm_head_slice
@@ -292,7 +328,8 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
     flight) and the clock runs from the completion of the last warm-up batch to that of the last
     batch, so the figure excludes filling and draining the pipeline, as a long training run would.
-    ``packed``: the service's worker packs; every timed batch is verified afterwards."""
+    Every timed batch is verified once the clock has stopped: bit for bit against the colocated
+    forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE."""
     from spec_serve.client import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
@@ -310,27 +347,31 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
             future = client.generate_batch_async(*b, kind="eagle3")
             future.add_done_callback(lambda _, i=i: done_at.setdefault(i, time.perf_counter()))
             futures.append(future)
-        nbytes, outputs = 0, []
+        nbytes, outputs = 0, []  # the timed results, kept (the futures hold them anyway) and verified after
         for i, f in enumerate(futures):
             out = f.result()
             if i >= warmup:
                 nbytes += _nbytes(out)
-                if packed:
-                    outputs.append(out)
+                outputs.append(out)
         _sync(device)
         seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
-        tokens, padded = _tokens(batches[warmup:])
-        wire_kind = "eagle3_compact" if compact else "eagle3"
-        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact else None) \
-            if packed else {}
-        return _figure(name, tokens, nbytes, seconds, padded, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
-                       retried=client.stats.retried, nccl_batches=client.stats.nccl_batches,
-                       nccl_fallbacks=client.stats.nccl_fallbacks, local_replies=client.stats.local_replies,
-                       batched=client.stats.batched, **checked)
+        stats = client.stats
+    tokens, padded = _tokens(batches[warmup:])
+    wire_kind = "eagle3_compact" if compact else "eagle3"
+    if packed:
+        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact else None)
+    else:
+        checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact, device=device)
+                               for b, out in zip(batches[warmup:], outputs)), len(outputs))
+    return _figure(name, tokens, nbytes, seconds, padded, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
+                   retried=stats.retried, nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
+                   local_replies=stats.local_replies, batched=stats.batched, **checked)
 
 
 def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
-    """Several ranks at once, each with small requests in flight: what batching is for."""
+    """Several ranks at once, each with small requests in flight: what batching is for. Every request is
+    verified after the clock against the colocated forward of it alone: bit for bit, or within
+    packing.TOLERANCE where the worker packs (small_batched)."""
     from spec_serve.client import RemoteTargetModel
 
     cfg = ctx.cfg
@@ -342,14 +383,14 @@ def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
             c.set_vocab_mapping(*ctx.mapping)
         batched = [0]
         barrier = threading.Barrier(cfg.small_ranks + 1)
+        timed: list[tuple[tuple, dict]] = []  # (request, result), verified once the clock stopped
 
         def rank(r: int, client) -> None:
             reqs = [make_batch(1, cfg.small_seq, vocab, seed=1000 * r + i) for i in range(cfg.small_requests)]
             client.generate_batch(*reqs[0], kind="eagle3")  # warm-up
             barrier.wait()
             futures = [client.generate_batch_async(*b, kind="eagle3") for b in reqs]
-            for f in futures:
-                f.result()
+            timed.extend(zip(reqs, [f.result() for f in futures]))
 
         threads = [threading.Thread(target=rank, args=(r, c)) for r, c in enumerate(clients)]
         for t in threads:
@@ -364,8 +405,16 @@ def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
         for c in clients:
             c.close()
     tokens = cfg.small_ranks * cfg.small_requests * cfg.small_seq
+    requests = cfg.small_ranks * cfg.small_requests
+    if service == "batch":  # a packing worker
+        checked = verify_packed(ctx.engine(), [b for b, _ in timed], [out for _, out in timed])
+        checked = {**checked, "verified": f"{checked['verified'].split('/')[0]}/{requests}"}
+    else:
+        checked = {"verified": f"{sum(ctx.verify(b, out) for b, out in timed)}/{requests}"}
+    if checked["verified"] != f"{requests}/{requests}":
+        checked["status"] = "INVALID"
     return _figure(name, tokens, tokens * ctx.reply_bytes_per_token["eagle3"], seconds,
-                   requests=cfg.small_ranks * cfg.small_requests, batched_replies=batched[0])
+                   requests=requests, batched_replies=batched[0], **checked)
 
 
 # ------------------------------------------------------------------- transport
@@ -562,12 +611,21 @@ def run_broker_null(ctx: "Context") -> dict[str, Any]:
         futures = [client.generate_batch_async(*batch) for _ in range(cfg.transport_messages)]
         nbytes = sum(_nbytes(f.result()) for f in futures)
         seconds = time.perf_counter() - start
+    from spec_serve.verify import mismatch
+
+    want = null_tensors(1, cfg.transport_seq, T_HIDDEN, T_VD)  # what the null engine answers
     tokens = cfg.transport_messages * cfg.transport_seq
-    return _figure("broker_null", tokens, nbytes, seconds)
+    return _figure("broker_null", tokens, nbytes, seconds,
+                   **verified(sum(mismatch(f.result(), want) is None for f in futures), len(futures)))
 
 
 def run_worker_pool(ctx: "Context") -> dict[str, Any]:
     """The worker's hot path in-process: forward, host copy (pinned pool on a GPU), encode; release as sent."""
+    with worker_threads(ctx.device):  # as a worker process runs it
+        return _run_worker_pool(ctx)
+
+
+def _run_worker_pool(ctx: "Context") -> dict[str, Any]:
     from spec_serve import wire
     from spec_serve.worker import Job, Worker
 
@@ -585,9 +643,9 @@ def run_worker_pool(ctx: "Context") -> dict[str, Any]:
         if result.lease is not None:
             result.lease.release()  # what the I/O thread does once ZeroMQ has sent the frames
     seconds = time.perf_counter() - start
-    stats = worker.host_pool.stats()
+    pool = worker.host_pool  # None for a CPU engine (no --host-pool): replies borrow its outputs
     return _figure("worker_pool", n * int(batch["attention_mask"].sum()), 0, seconds, messages=n,
-                   pool_allocations=stats["allocations"], pooled=engine.device.type == "cuda")
+                   pool_allocations=pool.stats()["allocations"] if pool else 0, pooled=pool is not None)
 
 
 def _fresh(ctx: "Context") -> dict[str, Any]:
@@ -642,6 +700,20 @@ class Context:
                                     aux_layer_ids=self._aux_ids())
             self._engine.set_vocab_mapping(*self.mapping)
         return self._engine
+
+    def verify(self, batch: tuple, got: dict, *, shards: int = 1, compact: bool = False,
+               device: torch.device | None = None) -> bool:
+        """Whether ``got`` equals, bit for bit, the colocated forward of ``batch`` as a client with
+        ``shards`` shards (and ``compact``, expanded on ``device``) receives it; a mismatch is printed."""
+        from spec_serve.verify import colocated_reference, mismatch
+
+        with worker_threads(self.device):
+            want = colocated_reference(self.engine(), batch, "eagle3", shards=shards, compact=compact,
+                                       device=device, selected=self.mapping)
+        wrong = mismatch(got, want)
+        if wrong is not None:
+            print(f"[bench] a batch differs from the colocated forward: {wrong}", file=sys.stderr, flush=True)
+        return wrong is None
 
     def _aux_ids(self):
         return [int(i) for i in LLAMA_8B_AUX_LAYERS.split(",")] if self.cfg.gpu_8b else None
@@ -804,16 +876,8 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
         finally:
             ctx.close()
         figures = {name: _median_figure([rd[name] for rd in rounds]) for name in names}
-        ratios = []
-        for label, a, b, goal in RATIOS:
-            if a in figures and b in figures:
-                key = _rate_key(figures[a], figures[b])
-                values = sorted(rd[a][key] / rd[b][key] for rd in rounds if rd[a][key] and rd[b][key])
-                ratio = {"ratio": label, "of": key, "value": round(_median(values), 3) if values else None,
-                         "h200_target": goal}
-                if len(values) > 1:
-                    ratio["rounds"] = [round(v, 3) for v in values]
-                ratios.append(ratio)
+        ratios = [_ratio(label, a, b, goal, figures, rounds) for label, a, b, goal in RATIOS
+                  if a in figures and b in figures]
         report = {
             "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -832,6 +896,28 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
             "ratios": ratios,
         }
     return report
+
+
+# A remote scenario runs the very forward the colocated one times, plus transport: faster than that by
+# more than noise means the figure measures something else (wrong or missing work, a slowed colocated run).
+IMPLAUSIBLE_OVER_COLOCATED = 1.10
+
+
+def _ratio(label: str, a: str, b: str, goal, figures: dict, rounds: list[dict]) -> dict[str, Any]:
+    """One ratio row: the median over rounds; status "invalid" (and no value) if either side had a wrong
+    batch in any round, "implausible" for a remote padded scenario over 1.10x its colocated one."""
+    key = _rate_key(figures[a], figures[b])
+    values = sorted(rd[a][key] / rd[b][key] for rd in rounds if rd[a][key] and rd[b][key])
+    ratio = {"ratio": label, "of": key, "value": round(_median(values), 3) if values else None,
+             "h200_target": goal, "status": "ok"}
+    if len(values) > 1:
+        ratio["rounds"] = [round(v, 3) for v in values]
+    if any(rd[n].get("status") == "INVALID" for rd in rounds for n in (a, b)):
+        ratio.update(status="invalid", value=None)
+    elif a.startswith("remote") and not a.endswith("_packed") and b.startswith("colocated") \
+            and (ratio["value"] or 0) > IMPLAUSIBLE_OVER_COLOCATED:  # (packing skips padding: it may be faster)
+        ratio["status"] = "implausible"
+    return ratio
 
 
 def _rate_key(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -878,7 +964,11 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["ratios"]:
         goal = f">= {r['h200_target']}" if r["h200_target"] else "-"
         spread = " ".join(map(str, r.get("rounds", ())))
-        lines.append(f"{r['ratio']:<48}{r['value'] if r['value'] is not None else '-':>8}{goal:>13}  {spread}")
+        value = "INVALID" if r["status"] == "invalid" else (r["value"] if r["value"] is not None else "-")
+        flag = {"invalid": "  (a batch was wrong: see verified= above)",
+                "implausible": f"  IMPLAUSIBLE: remote above {IMPLAUSIBLE_OVER_COLOCATED}x its colocated forward"
+                }.get(r["status"], "")
+        lines.append(f"{r['ratio']:<48}{value:>8}{goal:>13}  {spread}{flag}")
     bpt = report["bytes_per_token"]
     full, comp = bpt["llama_8b_shape_vd32000_bf16"]["eagle3"], bpt["llama_8b_shape_vd32000_bf16"]["eagle3_compact"]
     lines.append("")

@@ -436,8 +436,11 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
 
     Colocated versus remote, broker path versus a direct socket for the same bytes, 1 versus 2
     workers, EAGLE-3 full versus compact, packed versus padded forwards, packed versus unpacked small
-    requests, the frames codec versus raw ZeroMQ. Prints a table of figures (useful and padded
-    tokens/s) and ratios and writes JSON. Scenarios: colocated, colocated_compact, colocated_packed,
+    requests, the frames codec versus raw ZeroMQ. Every timed remote batch is compared with the
+    colocated forward of the same input after the clock stops (verified=N/N); a ratio with a wrong
+    batch prints INVALID, a remote faster than colocated by over 10% is flagged IMPLAUSIBLE. Prints a
+    table of figures (useful and padded tokens/s) and ratios and writes JSON. Scenarios: colocated,
+    colocated_compact, colocated_packed,
     remote_1w_packed, remote_1w_compact_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,

@@ -759,8 +759,7 @@ class RemoteTargetModel:
         bound = self._binding.ensure() if self._binding is not None else None
         self._credits.acquire()
         try:
-            rows = input_ids.shape[0]
-            bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(self.num_shards, rows))]
+            bounds = shard_bounds(input_ids.shape[0], self.num_shards)
             requests, expects = [], []
             for lo, hi in bounds:
                 # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
@@ -1017,6 +1016,11 @@ class RemoteTargetModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def shard_bounds(rows: int, num_shards: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` row ranges a batch of ``rows`` rows is sent as: ``num_shards`` near-equal parts."""
+    return [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(num_shards, rows))]
 
 
 Reply = Mapping[str, "wire.TensorSpan | torch.Tensor"]  # frames replies: spans; NCCL replies: device tensors

@@ -41,6 +41,11 @@ def test_bench_runs_and_writes_json(tmp_path):
         assert figure["seconds"] > 0 and figure["bytes"] > 0
     ratios = {r["ratio"]: r["value"] for r in report["ratios"]}
     assert "remote 1 worker / colocated" in ratios and "frames / raw ZeroMQ (same bytes)" in ratios
+    # Every timed remote batch was compared with the colocated forward of the same input.
+    for name in ("remote_1w", "remote_1w_compact"):
+        assert report["figures"][name]["verified"] == "2/2" and "status" not in report["figures"][name]
+    assert "verified=2/2" in result.output
+    assert all(r["status"] in ("ok", "implausible") for r in report["ratios"])
     # Compact replies carry fewer bytes a token than full ones, on the wire.
     assert report["figures"]["remote_1w_compact"]["wire_bytes_per_token"] < \
         report["figures"]["remote_1w"]["wire_bytes_per_token"]
@@ -176,3 +181,52 @@ def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):
     checked = verify_packed(engine, batches, outputs)
     assert checked["verified"] == "1/2" and checked["status"] == "INVALID"
     assert checked["first_failures"][0].startswith("aux_hidden_states: max_error")
+
+
+def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch):
+    """One timed batch unequal to the colocated forward: the scenario reports verified=1/2 and every
+    ratio it is part of prints INVALID instead of a value."""
+    import spec_serve.verify as verify
+
+    reference = verify.colocated_reference
+    calls = []
+
+    def one_wrong(*args, **kwargs):
+        out = reference(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:  # the first timed batch of remote_1w
+            out = dict(out, aux_hidden_states=out["aux_hidden_states"] + 1)
+        return out
+
+    monkeypatch.setattr(verify, "colocated_reference", one_wrong)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", "--only", "colocated,remote_1w", "--steps", "2", "--warmup", "1",
+                                       "--batch", "2", "--seq", "32", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    figure = report["figures"]["remote_1w"]
+    assert figure["verified"] == "1/2" and figure["status"] == "INVALID"
+    (ratio,) = [r for r in report["ratios"] if r["ratio"] == "remote 1 worker / colocated"]
+    assert ratio["status"] == "invalid" and ratio["value"] is None
+    line = next(x for x in result.output.splitlines() if x.startswith("remote 1 worker / colocated"))
+    assert "INVALID" in line
+
+
+def test_remote_faster_than_colocated_is_flagged():
+    from spec_serve.bench import _ratio, format_table
+
+    def figure(name, rate):
+        return {"scenario": name, "tokens": 100, "bytes": 1, "seconds": 1.0, "tokens_per_s": rate, "gb_per_s": 0.1}
+
+    rounds = [{"colocated": figure("colocated", 1000.0), "remote_1w": figure("remote_1w", 1200.0),
+               "remote_1w_packed": figure("remote_1w_packed", 1500.0)}]
+    ratio = _ratio("remote 1 worker / colocated", "remote_1w", "colocated", 0.95, rounds[0], rounds)
+    assert ratio["status"] == "implausible" and ratio["value"] == 1.2
+    # A packing worker skips the padding: faster than the padded colocated forward is its point.
+    assert _ratio("p", "remote_1w_packed", "colocated", 1.5, rounds[0], rounds)["status"] == "ok"
+    report = {"figures": rounds[0], "ratios": [ratio], "bytes_per_token": {
+        "llama_8b_shape_vd32000_bf16": {"eagle3": 2, "eagle3_compact": 1}, "this_target": {"eagle3": 2,
+        "eagle3_compact": 1}, "measured": {}}}
+    assert "IMPLAUSIBLE" in format_table(report)
+    rounds = [{"colocated": figure("colocated", 1000.0), "remote_1w": figure("remote_1w", 1050.0)}]
+    assert _ratio("r", "remote_1w", "colocated", None, rounds[0], rounds)["status"] == "ok"
