@@ -1,0 +1,66 @@
+"""benchmarks/gpu_matrix.py, the GPU equality matrix, in its CPU mode: every cell runs through a real
+broker and worker (the pooled reply path forced on) and is all equal; a cell that cannot run is
+reported as such instead of stopping the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_matrix.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_matrix", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_covers_the_paths():
+    matrix = _module()
+    one_gpu, skipped = matrix.plan(["cuda:0"])
+    names = [c.name for c in one_gpu]
+    assert len(one_gpu) == 13 and all(c.path == "frames" for c in one_gpu)
+    assert {(c.compact, c.prefetch, c.shards) for c in one_gpu if c.kind == "eagle3"} == {
+        (compact, p, s) for compact in (False, True) for p in (1, 2, 4) for s in (1, 2)}
+    assert any("dspark" in n for n in names) and len(skipped) == 3  # other GPU, nccl full and compact
+    two_gpus, skipped = matrix.plan(["cuda:0", "cuda:1"])
+    assert not skipped and len(two_gpus) == 28
+    assert {c.client_device for c in two_gpus if c.path == "nccl"} == {"cuda:1"}
+    cpu, skipped = matrix.plan(["cpu"])
+    assert not skipped and [c.compact for c in cpu if c.path == "nccl"] == [False, True]  # gloo on CPU
+
+
+def test_matrix_on_cpu_is_all_equal(tmp_path):
+    out = tmp_path / "matrix.json"
+    env = {**os.environ, "SPEC_SERVE_HOST_POOL": "1", "SPEC_SERVE_HOST_POOL_BUFFERS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--batches", "2", "--rows", "2",
+                           "--seq", "32", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["all_equal"] and len(report["cells"]) == 15
+    for row in report["cells"]:
+        assert row["status"] == "ok" and row["equal"] == row["total"] == 2, row
+    assert all(r["nccl_batches"] == 2 for r in report["cells"] if r["path"] == "nccl")
+    assert "ALL EQUAL" in proc.stdout and "nccl   eagle3_compact" in proc.stdout
+
+
+def test_a_cell_that_cannot_run_is_reported(tiny_target_dir, tiny_vocab_mapping, colocated_target):
+    matrix = _module()
+    refs = matrix.References(colocated_target(), matrix.make_batches(1, 2, 16, 512), tiny_vocab_mapping)
+    cell = matrix.Cell("frames", "eagle3", False, 1, 1, "cpu")
+    start = time.monotonic()
+    row = matrix.run_with_timeout(cell, "tcp://127.0.0.1:9", refs, cell_timeout=2)  # nothing listens there
+    assert row["status"] in ("error", "timeout") and time.monotonic() - start < 30
+    assert row["status"] in matrix.format_matrix([row], [])
+    assert torch.equal(refs.get(0, cell)["input_ids"], refs.get(0, cell)["input_ids"])  # references are cached
