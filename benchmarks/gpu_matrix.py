@@ -116,8 +116,9 @@ class References:
         return expanded(raw, self.lm_head, self.mapping[1], cell.client_device) if cell.compact else raw
 
 
-def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float) -> dict:
-    """Every batch of ``refs`` through one client configured as ``cell``; counts equal batches."""
+def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float, verify: str) -> dict:
+    """Every batch of ``refs`` through one client configured as ``cell``; counts equal batches. With the
+    end-to-end digest on (``verify``), a reply it caught (and had computed again) fails the cell too."""
     from spec_serve.client import RemoteTargetModel
 
     row = {"equal": 0, "total": len(refs.batches), "first_mismatch": None}
@@ -125,7 +126,7 @@ def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float
         row["equal_to_unsharded"] = 0  # informative: a GPU may give rows computed with others other low bits
     with RemoteTargetModel(frontend, device=cell.client_device, prefetch_depth=cell.prefetch, num_shards=cell.shards,
                            compact=cell.compact, enable_nccl=cell.path == "nccl", timeout=request_timeout,
-                           max_retries=1) as client:
+                           max_retries=1, verify=verify) as client:
         client.set_vocab_mapping(*refs.mapping)
         futures = [client.generate_batch_async(*b, kind=cell.kind) for b in refs.batches]
         for i, future in enumerate(futures):
@@ -138,22 +139,21 @@ def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float
                 row["equal_to_unsharded"] += mismatch(got, refs.get(i, cell, shards=1)) is None
             del got
         stats = client.stats
-    row.update(retried=stats.retried, nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks)
+    row.update(retried=stats.retried, nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
+               digest_checks=stats.digest_checks, digest_mismatches=stats.digest_mismatches)
     if cell.path == "nccl" and stats.nccl_batches < row["total"]:
         row["note"] = f"only {stats.nccl_batches} of {row['total']} batches came over NCCL (fell back to frames)"
     return row
 
 
-def run_with_timeout(cell: Cell, frontend: str, refs: References, cell_timeout: float) -> dict:
+def run_with_timeout(cell: Cell, frontend: str, refs: References, cell_timeout: float, verify: str = "all") -> dict:
     """``run_cell`` in a thread of its own: a cell that hangs is reported and left behind."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="matrix-cell")
     start = time.monotonic()
-    future = pool.submit(run_cell, cell, frontend, refs, cell_timeout)
+    future = pool.submit(run_cell, cell, frontend, refs, cell_timeout, verify)
     try:
         row = future.result(timeout=cell_timeout)
-        row["status"] = "ok" if row["equal"] == row["total"] and not row.get("note") else "DIFFERS"
-        if row.get("note") and row["equal"] == row["total"]:
-            row["status"] = "fallback"
+        row["status"] = _status(row)
     except concurrent.futures.TimeoutError:
         row = {"status": "timeout", "error": f"not done within {cell_timeout:g}s"}
     except Exception as e:  # reported per cell; the matrix goes on
@@ -161,6 +161,16 @@ def run_with_timeout(cell: Cell, frontend: str, refs: References, cell_timeout: 
     pool.shutdown(wait=False)
     row["seconds"] = round(time.monotonic() - start, 2)
     return {**dataclasses.asdict(cell), "cell": cell.name, **row}
+
+
+def _status(row: dict) -> str:
+    """ok only when every batch was equal, no reply failed the digest (the path corrupted it, even if the
+    retry came back right) and an NCCL cell really used NCCL."""
+    if row["equal"] != row["total"]:
+        return "DIFFERS"
+    if row.get("digest_mismatches"):
+        return "DIGEST"
+    return "fallback" if row.get("note") else "ok"
 
 
 def start_worker(target: Path, device: str, gpu_8b: bool, log_dir: Path | None):
@@ -188,6 +198,8 @@ def format_matrix(rows: list[dict], skipped: list[tuple[str, str]]) -> str:
     for r in rows:
         equal = f"{r['equal']}/{r['total']}" if "total" in r else "-"
         extra = r.get("first_mismatch") or r.get("error") or r.get("note") or ""
+        if r.get("digest_mismatches"):
+            extra = (extra + "; " if extra else "") + f"{r['digest_mismatches']} replies failed the digest check"
         if "equal_to_unsharded" in r:
             extra = (extra + "; " if extra else "") + f"unsharded-equal {r['equal_to_unsharded']}/{r['total']}"
         lines.append(f"{r['cell']:<58}{equal:>9}  {r['status']}  {extra}".rstrip())
@@ -208,6 +220,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cell-timeout", type=float, default=150.0, help="seconds one cell may take")
     p.add_argument("--budget", type=float, default=420.0,
                    help="seconds for the whole run; cells not started by then are reported as not run")
+    p.add_argument("--verify", default="all", choices=("all", "sampled", "off"),
+                   help="the clients' end-to-end digest check (a reply it catches fails the cell)")
     p.add_argument("--only", default="", help="run only cells whose name contains one of these, comma-separated")
     p.add_argument("--json", default=None, help="report path; default $OUT/gpu_matrix.json or ./gpu_matrix.json")
     return p.parse_args(argv)
@@ -230,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
         "config": {"target": "tiny" if a.tiny else "llama-3.1-8b-shape-random-bf16", "device": device,
                    "other_client_devices": others, "batches": a.batches, "rows": a.rows, "seq": seq,
-                   "draft_vocab": draft_vocab}, "cells": [], "skipped": skipped}
+                   "draft_vocab": draft_vocab, "verify": a.verify}, "cells": [], "skipped": skipped}
     with tempfile.TemporaryDirectory(prefix="spec-serve-matrix-") as tmp:
         return _run(a, device, seq, draft_vocab, cells, skipped, report, out_path, Path(tmp))
 
@@ -259,7 +273,7 @@ def _run(a, device, seq, draft_vocab, cells, skipped, report, out_path: Path, tm
             if time.monotonic() - started > a.budget:
                 skipped.append((cell.name, f"not run: the {a.budget:g}s budget was spent"))
                 continue
-            row = run_with_timeout(cell, cluster.frontend, refs, a.cell_timeout)
+            row = run_with_timeout(cell, cluster.frontend, refs, a.cell_timeout, a.verify)
             report["cells"].append(row)
             print(f"[matrix] {row['cell']}: {row.get('equal', '-')}/{row.get('total', '-')} {row['status']} "
                   f"({row['seconds']}s) {row.get('first_mismatch') or row.get('error') or ''}", flush=True)

@@ -114,8 +114,10 @@ def _wait_until_worker_settles(cluster, service: str, target: int) -> None:
 ])
 def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_vocab_mapping, service, shards,
                                            local_ipc):
+    # verify="off": the end-to-end digest would catch a reused slab and retry; this test watches the data
+    # path itself.
     with RemoteTargetModel(cluster.frontend, service=service, prefetch_depth=PREFETCH, num_shards=shards,
-                           timeout=120, local_ipc=local_ipc, **CLIENT_KW) as client:
+                           timeout=120, local_ipc=local_ipc, verify="off", **CLIENT_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         stalled = _stall_replies(client)
         stalled.set()
@@ -143,13 +145,15 @@ def test_send_lent_tracker_waits_for_every_frame():
     last frame's own tracker (pyzmq copied it) is done at once; ``send_lent``'s is done only once libzmq
     has let go of the large frame too."""
     ctx = zmq.Context()
-    pull = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:*", hwm=1)
+    pull = make_socket(ctx, zmq.PULL, hwm=1)
+    pull.setsockopt(zmq.RCVBUF, 64 << 10)  # before bind: the accepted connection's kernel buffer stays small
+    pull.bind("tcp://127.0.0.1:*")
     push = make_socket(ctx, zmq.PUSH, connect=bound_endpoint(pull))
     try:
-        big = memoryview(torch.zeros(8 << 20, dtype=torch.uint8).numpy())
+        big = memoryview(torch.zeros(16 << 20, dtype=torch.uint8).numpy())
         small = b"\x01" * 64
         assert push.send_multipart([big, small], copy=False, track=True).done  # the trap: looks sent
-        # The reader's libzmq holds one queued and one half-decoded message; the kernel a few MiB more.
+        # The reader's libzmq holds one queued and one decoded message, the kernels at most a few MiB more.
         trackers = [send_lent(push, [big, small]) for _ in range(4)]
         time.sleep(0.5)
         assert not trackers[-1].done
@@ -172,6 +176,7 @@ def test_request_inputs_may_be_refilled_once_submitted(cluster, batches, tiny_vo
     (batch, want), (other, _) = batches[0], batches[1]
     with RemoteTargetModel(cluster.frontend, service="pooled", timeout=60, **CLIENT_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
+        client.target_info()  # fetched now: generate_batch_async must not wait on the stalled I/O thread
         inputs = tuple(t.clone() for t in batch)
         release = threading.Event()
         client._io.call(release.wait)  # the I/O thread sends nothing until the inputs were refilled
