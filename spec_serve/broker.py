@@ -11,6 +11,7 @@ the broker only sees a small DONE. Method names follow the Majordomo spec:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -24,7 +25,7 @@ import zmq
 from spec_serve import wire
 from spec_serve.contract import TargetInfo, validate_vocab_mapping
 from spec_serve.ingress import Ingress
-from spec_serve.logs import event
+from spec_serve.logs import Throttle, event
 from spec_serve.metrics import BrokerMetrics
 from spec_serve.protocol import (
     CLIENT_TAG,
@@ -86,6 +87,28 @@ BACKEND_CONNECTION_BYTES = 1 << 20
 BACKEND_TOTAL_BYTES = 64 << 20
 # Requests one worker may hold at once, whatever it claims: a claim of 10^6 must not draw the queue.
 MAX_WORKER_CAPACITY = 64
+# A peer on the wrong port is answered every time, but logged once per this many seconds.
+WRONG_PORT_LOG_INTERVAL_S = 60.0
+
+
+class BindError(OSError):
+    """The broker cannot bind one of its endpoints; ``role`` says which ("frontend" or "backend")."""
+
+    def __init__(self, role: str, endpoint: str, reason: str):
+        super().__init__(f"cannot bind the {role} {endpoint}: {reason}")
+        self.role, self.endpoint, self.reason = role, endpoint, reason
+
+
+@contextlib.contextmanager
+def _binding(role: str, endpoint: str):
+    """Turn a failed bind of ``endpoint`` into a BindError that names the role and the likely cause."""
+    try:
+        yield
+    except zmq.ZMQError as e:
+        reason = e.strerror
+        if e.errno == zmq.EADDRINUSE:
+            reason = "address already in use (another broker running? choose a free port)"
+        raise BindError(role, endpoint, reason) from e
 
 
 @dataclasses.dataclass
@@ -226,13 +249,22 @@ class Broker:
                                    max_frame_bytes=BACKEND_FRAME_BYTES)
         # What a peer can make libzmq hold before a message is whole (ingress.py); the sockets bind
         # once watched. A request up to twice the limit still gets its error reply.
-        self.ingress = {
-            self.frontend: Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
-                                   per_connection=2 * self.max_message_bytes + CONTROL_SLACK_BYTES,
-                                   total=max_held_bytes + CONTROL_SLACK_BYTES),
-            self.backend: Ingress(self.backend, "broker.backend", bind=backend, router=True,
-                                  per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES),
-        }
+        front = None
+        try:
+            with _binding("frontend", frontend):
+                front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
+                                per_connection=2 * self.max_message_bytes + CONTROL_SLACK_BYTES,
+                                total=max_held_bytes + CONTROL_SLACK_BYTES)
+            with _binding("backend", backend):
+                back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
+                               per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES)
+        except BindError:  # the one that failed closed its socket; close the rest
+            if front is not None:
+                front.close()
+            self.frontend.close(0)
+            self.backend.close(0)
+            raise
+        self.ingress = {self.frontend: front, self.backend: back}
         # A reconnecting peer keeps its identity and takes over its old route.
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -247,11 +279,11 @@ class Broker:
         self.killers: "collections.OrderedDict[bytes, str]" = collections.OrderedDict()  # request id -> error
         self.metrics = BrokerMetrics()
         self.started_at = time.time()
-        self.started_monotonic = time.monotonic()
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
         self._snapshot_stale = False  # rebuilt once per loop turn, not once per message (O(workers) each)
         self._stop = threading.Event()
+        self._wrong_port_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------------ loop
 
@@ -297,6 +329,8 @@ class Broker:
                 return
             self.ingress[sock].delivered(frames)
             identity, body = frames[0].bytes, frames[1:]
+            if self._wrong_port(sock, identity, body):
+                continue
             try:
                 handler(identity, body)
             except ProtocolError as e:
@@ -307,6 +341,30 @@ class Broker:
             except Exception as e:  # a bug must not take the broker down
                 self.metrics.bad_messages.inc()
                 log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
+
+    def _wrong_port(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
+        """A client on the workers' port, or a worker on the clients' port: tell it which port it
+        reached (it fails fast with that) and log it, rate-limited. True if it was one."""
+        tag = frames[0].bytes if frames else b""
+        clients, workers = _port_name(self.frontend_endpoint), _port_name(self.backend_endpoint)
+        if sock is self.backend and tag == CLIENT_TAG:
+            port, tag, command = "backend", CLIENT_TAG, ClientCommand.ERROR.value
+            error = (f"this is the spec-serve broker's worker port ({workers}); clients connect to its "
+                     f"client port ({clients}, --frontend)")
+        elif sock is self.frontend and tag == WORKER_TAG:
+            port, tag, command = "frontend", WORKER_TAG, WorkerCommand.REFUSED.value
+            error = (f"this is the spec-serve broker's client port ({clients}); workers connect to its "
+                     f"worker port ({workers}, --backend)")
+        else:
+            return False
+        self.metrics.errors.labels(code=ErrorCode.WRONG_PORT.value).inc()
+        self._send(sock, identity, control(tag, command, "", b"", {"code": ErrorCode.WRONG_PORT.value,
+                                                                     "error": error}))
+        held = self._wrong_port_log.ready(port, time.monotonic())
+        if held is not None:
+            event(log, logging.WARNING, "broker.wrong_port", port=port, peer=identity.hex()[:12],
+                  peer_type="client" if tag == CLIENT_TAG else "worker", similar_since_last=held)
+        return True
 
     # --------------------------------------------------------------- clients
 
@@ -939,8 +997,9 @@ class Broker:
                 self._snapshot_stale = True
 
     def _unknown(self, name: str, now: float) -> bool:
-        """No worker ever served it, and the start-up grace (workers still loading) is over."""
-        return name not in self.served and now - self.started_monotonic > UNKNOWN_SERVICE_GRACE
+        """No worker ever served it, and the grace since its first use (workers still loading) is over."""
+        service = self.services.get(name)
+        return name not in self.served and service is not None and now - service.created_at > UNKNOWN_SERVICE_GRACE
 
     def _unknown_message(self, name: str) -> str:
         known = sorted(s for s, st in self.services.items() if st.workers)
@@ -1004,6 +1063,7 @@ class Broker:
         return {
             "broker": self.instance_id,
             "uptime_s": round(time.time() - self.started_at, 3),
+            "unknown_service_grace_s": UNKNOWN_SERVICE_GRACE,
             "clients": len(self.clients),
             "inflight": sum(1 for r in self.requests.values() if r.worker is not None),
             "queued": sum(s.queue_depth() for s in self.services.values()),
@@ -1047,6 +1107,11 @@ class Broker:
         """The latest status, safe to read from another thread (the HTTP shim)."""
         with self._snapshot_lock:
             return self._snapshot
+
+
+def _port_name(endpoint: str) -> str:
+    """The port number of a tcp endpoint, the endpoint itself otherwise."""
+    return endpoint.rpartition(":")[2] if endpoint.startswith("tcp://") else endpoint
 
 
 def _request_timeout(header: dict[str, Any]) -> float:

@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from spec_serve import digest, wire
+from spec_serve.connwatch import ConnectWatch, connect_watched
 from spec_serve.contract import (
     Kind,
     ReplySpecs,
@@ -43,8 +44,11 @@ from spec_serve.ingress import Ingress
 from spec_serve.logs import event
 from spec_serve.metrics import CLIENT_INTEGRITY_FAILURES
 from spec_serve.protocol import (
+    CLIENT_PORT_HINT,
     CLIENT_TAG,
+    CONNECT_TIMEOUT,
     CONTROL_SLACK_BYTES,
+    FRONTEND_PORT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
     ClientCommand,
@@ -62,6 +66,7 @@ from spec_serve.sockets import (
     KeyPolicy,
     Security,
     bound_endpoint,
+    check_connect_url,
     local_host_key,
     local_ipc_enabled,
     make_socket,
@@ -105,6 +110,14 @@ class _Received(dict):
         super().__init__(tensors)
         self.header = header
         self.request_id = request_id
+
+
+class BrokerUnreachable(ConnectionError, TimeoutError):
+    """No spec-serve broker answered at the client's address (or another kind of port did).
+
+    A ``TimeoutError`` too, so code written for the older behaviour (every request timing out)
+    still catches it.
+    """
 
 
 @dataclasses.dataclass
@@ -177,10 +190,18 @@ class _ClientIO(threading.Thread):
 
     def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
                  max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
-                 local_ipc: bool | None = None):
+                 local_ipc: bool | None = None, connect_timeout: float = CONNECT_TIMEOUT):
         super().__init__(name="spec-serve-client-io", daemon=True)
+        self.broker_url = check_connect_url(broker_url, CLIENT_PORT_HINT, FRONTEND_PORT)
         self.ctx = zmq.Context.instance()
-        self.broker_url = broker_url
+        self.connect_timeout = connect_timeout
+        self._created_at = time.monotonic()
+        self._heard = False  # any valid message from the broker yet (on this or an earlier socket)
+        self._lost_since: float | None = None  # broker silent past its liveness window, since when
+        # Set while requests cannot reach a broker: new ones fail at once with it instead of waiting.
+        self._unreachable: BrokerUnreachable | None = None
+        self._misdirected = False  # the broker said we reached its workers' port
+        self._watch: ConnectWatch | None = None
         self.security = security
         self.max_retries = max_retries
         self.heartbeat_interval = heartbeat_interval
@@ -248,8 +269,13 @@ class _ClientIO(threading.Thread):
                 os.close(fd)
 
     def _connect(self) -> zmq.Socket:
-        return make_socket(self.ctx, zmq.DEALER, connect=self.broker_url, identity=self.identity,
-                           security=self.security)
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security)
+        if self._heard:  # reached once: what went wrong since is a lost broker, not a wrong address
+            sock.connect(self.broker_url)
+            self._watch = None
+        else:
+            self._watch = connect_watched(sock, self.broker_url)
+        return sock
 
     def _reply_room(self) -> int:
         """Bytes the data socket may hold undelivered (read by the ingress watcher thread)."""
@@ -366,30 +392,73 @@ class _ClientIO(threading.Thread):
                     self._drain(self.dealer, self._on_control)
                 if self.data in events:
                     self._drain(self.data, self._on_data)
-                if now >= next_beat:
+                if now >= next_beat and not self._misdirected:
                     self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
                     next_beat = now + self.heartbeat_interval
                 if now > broker_expiry:
-                    event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url)
-                    poller.unregister(self.dealer)
-                    self.dealer.close(0)
-                    self.dealer = self._connect()
-                    poller.register(self.dealer, zmq.POLLIN)
-                    self.stats.broker_reconnects += 1
                     broker_expiry = now + self.heartbeat_interval * self.liveness
-                    self._resend_all()
+                    if self._heard:  # never reached: libzmq keeps retrying the same socket
+                        self._reconnect(poller, now)
+                self._check_reached(now)
                 self._check_timeouts(now)
         finally:
             for pending in self._pending.values():
                 if not pending.future.done():
                     pending.future.set_exception(RuntimeError("client closed"))
             self._pending.clear()
+            if self._watch is not None:
+                self._watch.close()
             self.dealer.close(linger=500)  # let a final DISCONNECT leave
             self.data_ingress.close()
             self.data.close(0)
             for path in self._ipc_files:  # libzmq leaves a named ipc socket's file behind
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+    def _reconnect(self, poller: zmq.Poller, now: float) -> None:
+        """Lazy Pirate: the broker went silent; a fresh socket, and every outstanding request again."""
+        if self._lost_since is None:  # one line per outage, not one per liveness window
+            self._lost_since = now
+            event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url,
+                  silent_s=round(self.heartbeat_interval * self.liveness, 1))
+        poller.unregister(self.dealer)
+        self.dealer.close(0)
+        self.dealer = self._connect()
+        poller.register(self.dealer, zmq.POLLIN)
+        self.stats.broker_reconnects += 1
+        self._resend_all()
+
+    def _broker_answered(self) -> None:
+        """A valid message from the broker: we are (again) connected."""
+        if self._lost_since is not None:
+            event(log, logging.WARNING, "client.broker_regained", broker=self.broker_url,
+                  after_s=round(time.monotonic() - self._lost_since, 1))
+            self._lost_since = None
+        if self._unreachable is not None:
+            event(log, logging.WARNING, "client.broker_reached", broker=self.broker_url)
+            self._unreachable = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        self._heard = True
+
+    def _check_reached(self, now: float) -> None:
+        """Fail fast, naming the address and the likely cause, when no broker ever answered."""
+        if self._heard or self._unreachable is not None:
+            return
+        self._watch.read()  # keep the monitor's queue short; cause() needs only what it saw
+        if now - self._created_at > self.connect_timeout:
+            self._fail_all(BrokerUnreachable(
+                f"no spec-serve broker answered at {self.broker_url} within {self.connect_timeout:g}s: "
+                f"{self._watch.cause()}. Clients connect to {CLIENT_PORT_HINT}"))
+
+    def _fail_all(self, error: BrokerUnreachable) -> None:
+        """Requests cannot reach a broker: fail those pending, and every new one at once, with ``error``."""
+        if self._unreachable is None:
+            event(log, logging.WARNING, "client.broker_unreachable", broker=self.broker_url, error=error)
+        self._unreachable = error
+        for pending in list(self._pending.values()):
+            self._fail(pending, BrokerUnreachable(str(error)))
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(64):
@@ -413,6 +482,9 @@ class _ClientIO(threading.Thread):
             pass  # not connected or saturated: timeouts and heartbeats recover
 
     def _send_new(self, pending: _Pending) -> None:
+        if self._unreachable is not None:
+            pending.future.set_exception(BrokerUnreachable(str(self._unreachable)))
+            return
         self.largest_reply = max(self.largest_reply, pending.expect_bytes)
         self._pending[pending.request_id] = pending
         self.stats.sent += 1
@@ -483,6 +555,11 @@ class _ClientIO(threading.Thread):
     def _on_control(self, frames: list) -> None:
         msg = parse_control(frames, CLIENT_TAG, ClientCommand)
         command = ClientCommand(msg.command)
+        if command is ClientCommand.ERROR and msg.header.get("code") == ErrorCode.WRONG_PORT.value:
+            self._misdirected = True  # no use heartbeating a port that only says so again
+            self._fail_all(BrokerUnreachable(f"{self.broker_url}: {msg.header.get('error')}"))
+            return
+        self._broker_answered()
         if command is ClientCommand.HEARTBEAT:
             instance = msg.header.get("broker")
             if self._broker_instance is not None and instance != self._broker_instance:
@@ -666,6 +743,7 @@ class RemoteTargetModel:
         nccl_retry_s: float = 30.0,
         local_ipc: bool | None = None,
         verify: str | None = None,
+        connect_timeout: float | None = None,
     ):
         if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
             raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
@@ -673,6 +751,9 @@ class RemoteTargetModel:
             raise ValueError("enable_nccl=True cannot be combined with CURVE security: the NCCL rendezvous "
                              "(TCPStore, gloo/NCCL connections) is not authenticated; use frames "
                              "(enable_nccl=False), which travel over CURVE")
+        connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else float(connect_timeout)
+        if connect_timeout <= 0:
+            raise ValueError("connect_timeout must be > 0")
         # End-to-end check of reply bytes (spec_serve/digest.py): "all" (default), "sampled", "off".
         self._sampler = digest.Sampler(digest.parse_verify(verify))
         self.service = service
@@ -683,7 +764,8 @@ class RemoteTargetModel:
         self._credits = threading.BoundedSemaphore(prefetch_depth)
         self._io = _ClientIO(broker_url, security=security, advertise_host=advertise_host, max_retries=max_retries,
                              heartbeat_interval=heartbeat_interval, liveness=liveness,
-                             max_message_bytes=max_message_bytes, local_ipc=local_ipc)
+                             max_message_bytes=max_message_bytes, local_ipc=local_ipc,
+                             connect_timeout=connect_timeout)
         self._io.start()
         try:
             self._setup(compact, enable_nccl, nccl_timeout, nccl_retry_s)
@@ -942,7 +1024,10 @@ class RemoteTargetModel:
             query["after"] = cursor
 
     def _worker_infos(self, wait: bool = True) -> dict[str, dict]:
-        deadline = time.monotonic() + self.timeout
+        """Target info of this service's workers, waiting for one to register: up to ``timeout`` for a
+        service that has had workers (they may be restarting), up to the broker's unknown-service grace
+        (SPEC_SERVE_UNKNOWN_SERVICE_GRACE) for one that never had any (a ValueError listing those that do)."""
+        started = time.monotonic()
         while True:
             status = self.status(self.service)
             workers = [w for w in status["workers"] if w["service"] == self.service]
@@ -952,7 +1037,15 @@ class RemoteTargetModel:
             infos = {w["id"]: w["target_info"] for w in workers}
             if infos or not wait:
                 return infos
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            never_served = not (status["services"].get(self.service) or {}).get("ever_had_workers")
+            grace = status.get("unknown_service_grace_s")
+            if never_served and grace is not None and waited > grace:
+                served = sorted(name for name, s in self.status()["services"].items() if s["workers"])
+                raise ValueError(f"unknown service {self.service!r}: no worker has registered for it within "
+                                 f"{grace:g}s (SPEC_SERVE_UNKNOWN_SERVICE_GRACE on the broker); services with "
+                                 f"workers: {served}")
+            if waited > self.timeout:
                 raise TimeoutError(f"no worker registered for service {self.service!r} within {self.timeout:g}s")
             time.sleep(0.2)
 

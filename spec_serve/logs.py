@@ -33,8 +33,10 @@ def event(logger: logging.Logger, level: int, name: str, **fields) -> None:
 
 
 def quiet_transformers() -> None:
-    """No weight-loading progress bars from transformers unless logging at DEBUG."""
-    if logging.getLogger("spec_serve").getEffectiveLevel() > logging.DEBUG:
+    """Weight-loading (and hub download) progress bars from transformers only where someone watches:
+    on a terminal, or when logging at DEBUG; never into a log file."""
+    watched = sys.stderr.isatty() or logging.getLogger("spec_serve").getEffectiveLevel() <= logging.DEBUG
+    if not watched:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -43,3 +45,20 @@ def quiet_transformers() -> None:
 def one_line(exc: BaseException) -> str:
     """``Type: message`` on one line (engines' messages often span several)."""
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}".rstrip(": ")
+
+
+class Throttle:
+    """At most one log line per ``interval`` seconds per key; counts the lines it held back."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def ready(self, key: str, now: float) -> int | None:
+        """None: stay quiet; else log now, and the number returned were held back since the last line."""
+        if now - self._last.get(key, float("-inf")) < self.interval:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# No `*_created` series: a timestamp per counter and histogram that scrapers store as data.
+prometheus_client.disable_created_metrics()
 
 # Client side, in prometheus_client's default registry: a trainer exposes it with its own exporter
 # (e.g. prometheus_client.start_http_server). check: "digest" (bytes changed between the worker's

@@ -30,6 +30,12 @@ CLIENT_TAG = b"SPSC01"
 WORKER_TAG = b"SPSW01"
 DATA_TAG = b"SPSD01"
 
+# The broker's default ports, and what listens on each (for errors that name the fix).
+FRONTEND_PORT = 5555
+BACKEND_PORT = 5556
+CLIENT_PORT_HINT = f"the broker's client port, its --frontend (default {FRONTEND_PORT})"
+WORKER_PORT_HINT = f"the broker's worker port, its --backend (default {BACKEND_PORT})"
+
 # Frames before the payload in a control message, and in a data message.
 CONTROL_FRAMES = 5
 DATA_FRAMES = 4
@@ -70,7 +76,7 @@ class WorkerCommand(bytes, enum.Enum):
     SET_VOCAB = b"\x06"  # broker -> worker: a mapping the next requests will name
     BIND = b"\x07"  # broker -> worker: pair with this client
     RELEASE = b"\x08"  # broker -> worker: the binding ended
-    REFUSED = b"\x09"  # broker -> worker: registration refused (header: error); the worker exits
+    REFUSED = b"\x09"  # broker -> worker: registration refused (header: error), e.g. on the client port; it exits
     LEAVE = b"\x0a"  # worker -> broker: my engine is dead, forget me now (header: reason)
 
 
@@ -92,6 +98,7 @@ class ErrorCode(str, enum.Enum):
     TARGET_CHANGED = "target_changed"  # never retried: the service serves another target than the client set up with
     KILLED_WORKERS = "killed_workers"  # workers died while serving it, too often: never retried
     ENGINE_DEAD = "engine_dead"  # the engine died serving it; never retried (it may be what killed it)
+    WRONG_PORT = "wrong_port"  # a client reached the workers' port, or a worker the clients' port
 
 
 class Op(str, enum.Enum):
@@ -235,3 +242,6 @@ HEARTBEAT_LIVENESS = int(env_float("SPEC_SERVE_HEARTBEAT_LIVENESS", 4))
 UNKNOWN_SERVICE_GRACE = env_float("SPEC_SERVE_UNKNOWN_SERVICE_GRACE", 10.0)
 # A service with no worker, no request and no client mapping is forgotten after this long.
 IDLE_SERVICE_GRACE = env_float("SPEC_SERVE_IDLE_SERVICE_GRACE", 60.0)
+# How long a client waits for any answer from a broker it has never heard from before it fails
+# its requests with the address and the likely cause (RemoteTargetModel(connect_timeout=...)).
+CONNECT_TIMEOUT = env_float("SPEC_SERVE_CONNECT_TIMEOUT", 30.0)

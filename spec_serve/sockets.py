@@ -246,3 +246,49 @@ def local_ipc_enabled(default: bool) -> bool:
     """
     value = os.environ.get("SPEC_SERVE_LOCAL_IPC")
     return default if value is None else value != "0"
+
+
+def check_connect_url(url: object, expect: str, default_port: int) -> str:
+    """``url`` if a socket can connect to it (``tcp://host:port``, ``ipc://path``, ``inproc://name``);
+    else a ``ValueError`` with the likely fix. ``expect`` says what should listen there, e.g.
+    "the broker's client port, its --frontend (default 5555)"."""
+    url = _check_url(url, expect, default_port, host_example="BROKER")
+    if url.startswith("tcp://") and "*" in url[6:]:
+        raise ValueError(f"{url!r}: '*' is for binding; connect to the broker's host name or address, "
+                         f"e.g. tcp://BROKER:{default_port}; expected {expect}")
+    return url
+
+
+def check_bind_url(url: object, expect: str, default_port: int) -> str:
+    """``url`` if a socket can bind it (``tcp://*:port``, ``tcp://host:port``, ``ipc://path``), else a
+    ``ValueError`` with the likely fix."""
+    return _check_url(url, expect, default_port, host_example="*")
+
+
+def _check_url(url: object, expect: str, default_port: int, host_example: str) -> str:
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"expected a ZeroMQ endpoint such as tcp://{host_example}:{default_port}, got {url!r}; "
+                         f"expected {expect}")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        host, colon, port = url.rpartition(":")
+        if url.isdigit():
+            fix = f"tcp://{host_example}:{url}"
+        else:
+            fix = f"tcp://{url}" if colon and port.isdigit() and host else f"tcp://{url}:{default_port}"
+        raise ValueError(f"{url!r} has no scheme: did you mean {fix}? Expected {expect}")
+    if scheme in ("http", "https"):
+        host = urlsplit(url).hostname or host_example
+        raise ValueError(f"{url!r} is an HTTP URL, but spec-serve peers talk ZeroMQ: use tcp://{host}:{default_port}, "
+                         f"{expect}; the broker's HTTP port serves only /health, /model_info, /workers, /metrics")
+    if scheme in ("ipc", "inproc"):
+        if not rest:
+            raise ValueError(f"{url!r} names no {scheme} path")
+        return url
+    if scheme != "tcp":
+        raise ValueError(f"{url!r}: unsupported scheme {scheme!r}; use tcp://{host_example}:{default_port}, {expect}")
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not (port.isdigit() and 0 < int(port) < 65536 or port == "*"):
+        raise ValueError(f"{url!r} needs a host and a port, e.g. tcp://{host or rest or host_example}:"
+                         f"{default_port}; expected {expect}")
+    return url

@@ -32,9 +32,12 @@ from spec_serve.hostpool import HostBufferPool, Lease, to_host
 from spec_serve.ingress import Ingress
 from spec_serve.logs import event, one_line
 from spec_serve.protocol import (
+    BACKEND_PORT,
+    CONNECT_TIMEOUT,
     CONTROL_SLACK_BYTES,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
+    WORKER_PORT_HINT,
     WORKER_TAG,
     ErrorCode,
     Message,
@@ -49,12 +52,14 @@ from spec_serve.protocol import (
 from spec_serve.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
+    check_connect_url,
     local_host_key,
     local_ipc_enabled,
     make_socket,
     route_address,
     send_lent,
 )
+from spec_serve.threads import ThreadShare
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -107,7 +112,8 @@ def local_reply_endpoint(header: dict, host_key: str | None) -> str | None:
 
 
 class WorkerRefused(RuntimeError):
-    """The broker refused to register this worker (its target differs from the service's)."""
+    """The broker refused to register this worker: its target differs from the service's, or it reached
+    the broker's client port instead of the worker port."""
 
 
 def _check_packing(engine) -> None:
@@ -202,6 +208,7 @@ class Worker:
         packing: bool = False,
         host_pool: bool | None = None,
         host_pool_buffers: int | None = None,
+        threads: ThreadShare | None = None,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -214,7 +221,8 @@ class Worker:
             _check_packing(engine)
         device = torch.device(getattr(engine, "device", "cpu"))
         self.engine = engine
-        self.broker_url = broker_url
+        self.threads = threads  # math threads: this worker's share of the host's cores, kept between forwards
+        self.broker_url = check_connect_url(broker_url, WORKER_PORT_HINT, BACKEND_PORT)
         self.service = service
         self.capacity = capacity
         self.security = security
@@ -269,6 +277,12 @@ class Worker:
         self._pair_prefix: str | None = None
         self._released: set[str] = set()
         self.nccl_sent = 0
+        # Broker link, for lifecycle log lines: registered, lost, regained, never reached.
+        self._started = time.monotonic()
+        self._registered = False  # the broker has answered our latest READY
+        self._ever_registered = False
+        self._lost_since: float | None = None
+        self._unreachable_logged = False
         # Test-only fault injection: abort the pair instead of the next N sends (tests/test_nccl_binding.py).
         self._test_fail_sends = int(os.environ.get("SPEC_SERVE_TEST_FAIL_NCCL_SEND", "0") or 0)
         # Test-only fault injection: flip one bit of the next N generate replies after their digests were
@@ -296,21 +310,8 @@ class Worker:
                 timeout = 5 if outbox or self._tracked else self.heartbeat_interval * 250
                 events = dict(poller.poll(timeout))
                 now = time.monotonic()
-                if broker in events:
-                    while True:
-                        try:
-                            frames = broker.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._broker_ingress.delivered(frames)
-                        broker_expiry = now + self.heartbeat_interval * self.liveness
-                        try:
-                            reregister = self._process_broker(broker, parse_control(frames, WORKER_TAG, WorkerCommand))
-                        except ProtocolError as e:
-                            event(log, logging.WARNING, "worker.bad_message", error=e)
-                            continue
-                        if reregister:
-                            self._send_ready(broker)
+                if broker in events and self._receive_broker(broker):
+                    broker_expiry = now + self.heartbeat_interval * self.liveness
                 if wake in events or self.engine_error is not None:  # a dead engine's last answers: never wait
                     while True:
                         try:
@@ -346,7 +347,7 @@ class Worker:
                     self._close_idle(data_sockets, now)
                 if now > broker_expiry:
                     # Lazy-Pirate style: the broker went silent; reconnect and register again.
-                    event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url)
+                    self._broker_silent(now)
                     poller.unregister(broker)
                     self._broker_ingress.close()
                     broker.close(0)
@@ -378,6 +379,50 @@ class Worker:
         self._send_ready(sock)
         return sock
 
+    def _receive_broker(self, broker: zmq.Socket) -> bool:
+        """Handle what the broker sent; True if any of it was a valid message."""
+        heard = False
+        while True:
+            try:
+                frames = broker.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return heard
+            self._broker_ingress.delivered(frames)
+            try:
+                msg = parse_control(frames, WORKER_TAG, WorkerCommand)
+            except ProtocolError as e:
+                event(log, logging.WARNING, "worker.bad_message", error=e)
+                continue
+            heard = True
+            if self._process_broker(broker, msg):
+                self._send_ready(broker)
+            elif not self._registered:
+                self._on_registered()
+
+    def _on_registered(self) -> None:
+        """The broker answered our READY: we serve from now on."""
+        self._registered = self._ever_registered = True
+        now = time.monotonic()
+        if self._lost_since is not None:
+            event(log, logging.INFO, "worker.broker_regained", broker=self.broker_url,
+                  after_s=round(now - self._lost_since, 1))
+            self._lost_since = None
+        event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url,
+              target=self.info.model_name, capacity=self.capacity)
+
+    def _broker_silent(self, now: float) -> None:
+        """Log a broker outage once (not once per liveness window), and why a broker never answered."""
+        if self._lost_since is None:
+            self._lost_since = now
+            if self._registered:
+                event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url,
+                      silent_s=round(self.heartbeat_interval * self.liveness, 1))
+        never_answered = not self._ever_registered and not self._unreachable_logged
+        if never_answered and now - self._started > CONNECT_TIMEOUT:
+            self._unreachable_logged = True
+            event(log, logging.WARNING, "worker.broker_unreachable", broker=self.broker_url,
+                  waited_s=round(now - self._started), expected=WORKER_PORT_HINT, action="still trying")
+
     def _release(self, prefix) -> None:
         """I/O thread: the binding ``prefix`` ended; queued sends to it are skipped, the pair closed in order."""
         if isinstance(prefix, str):
@@ -399,7 +444,8 @@ class Worker:
         header = {"target_info": self.info.to_dict(), "capacity": self.capacity, "pid": os.getpid(),
                   "host": socket.gethostname(), "max_message_bytes": self.max_message_bytes}
         sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
-        event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url)
+        self._registered = False
+        event(log, logging.DEBUG, "worker.registering", worker=self.name, service=self.service, broker=self.broker_url)
 
     def _process_broker(self, broker: zmq.Socket, msg: Message) -> bool:
         """Handle one broker message; True if we must register again."""
@@ -541,6 +587,8 @@ class Worker:
                     if job is None:
                         return
                     backlog.append(job)
+                if self.threads is not None:
+                    self.threads.rebalance()
                 if backlog[0].control is not None:  # bind/release, in order with the jobs before it
                     self._pair_control(backlog.popleft(), wake)
                     continue
