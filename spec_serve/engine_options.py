@@ -19,7 +19,8 @@ SGLANG = "SGLang engine options (--engine sglang; passed to sglang's ServerArgs)
 BOTH = "Options for the vllm and sglang engines"
 # Keywords that worker flags own; --engine-arg may not set them.
 WORKER_KEYWORDS = {"device": "--device", "dtype": "--dtype", "aux_layer_ids": "--aux-layer-ids",
-                   "dspark_layer_ids": "--dspark-layer-ids", "model_name": None, "path": "--target"}
+                   "dspark_layer_ids": "--dspark-layer-ids", "model_name": None, "path": "--target",
+                   "trust_remote_code": "--trust-remote-code"}
 
 
 class EngineOption(click.Option):

@@ -62,9 +62,12 @@ class Cluster:
     def start_worker(self, target: str | Path, *extra: str, service: str = "default", env: dict | None = None,
                      command: Sequence[str] | None = None) -> subprocess.Popen:
         """A worker process; ``env`` adds to the cluster's environment (a None value unsets a variable),
-        ``command`` replaces ``python -m spec_serve.cli`` (e.g. another venv's ``spec-serve``)."""
+        ``command`` replaces ``python -m spec_serve.cli`` (e.g. another venv's ``spec-serve``). It runs on
+        the CPU unless ``extra`` names a --device, as the colocated references here do (a worker alone
+        picks a GPU when one is visible)."""
+        device = () if "--device" in extra else ("--device", "cpu")
         proc = self._spawn(f"worker{len(self.workers)}", [
-            "worker", "--target", str(target), "--broker", self.backend, "--service", service, *extra],
+            "worker", "--target", str(target), "--broker", self.backend, "--service", service, *device, *extra],
             env=env, command=command)
         self.workers.append(proc)
         return proc

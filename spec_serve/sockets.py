@@ -25,6 +25,7 @@ import functools
 import ipaddress
 import os
 import socket
+import tempfile
 import threading
 import uuid
 import weakref
@@ -197,10 +198,20 @@ def bound_endpoint(sock: zmq.Socket) -> str:
 
 
 def keygen(directory: Path, name: str) -> tuple[Path, Path]:
-    """Write a CURVE keypair ``name.key`` / ``name.key_secret`` into ``directory``."""
+    """Write a CURVE keypair ``name.key`` / ``name.key_secret`` into ``directory``; the secret 0600.
+
+    Both are made in a private (0700) scratch directory and moved in, so the secret is never
+    readable by others, not even for a moment.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(directory), name)
-    return Path(public), Path(secret)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".keygen-") as scratch:
+        made = [Path(p) for p in zmq.auth.create_certificates(scratch, name)]
+        os.chmod(made[1], 0o600)
+        os.chmod(made[0], 0o644)
+        public, secret = (directory / p.name for p in made)
+        os.replace(made[0], public)
+        os.replace(made[1], secret)
+    return public, secret
 
 
 def route_address(broker_url: str) -> str:

@@ -173,7 +173,7 @@ def write_random_init_target(out_dir: str | Path, config: dict, seed: int = 0) -
     return out
 
 
-def _random_init_model(config, marker: Path, dtype, device: torch.device):
+def _random_init_model(config, marker: Path, dtype, device: torch.device, trust_remote_code: bool = False):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -182,7 +182,7 @@ def _random_init_model(config, marker: Path, dtype, device: torch.device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model
 
 
@@ -204,6 +204,7 @@ class HFTarget:
         aux_layer_ids: Sequence[int] | None = None,
         dspark_layer_ids: Sequence[int] | None = None,
         model_name: str | None = None,
+        trust_remote_code: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -211,7 +212,7 @@ class HFTarget:
         # Several devices: one target spread over them (spread_model); outputs live on the last.
         self.devices = parse_devices(device)
         self.device = self.devices[-1]
-        config = AutoConfig.from_pretrained(str(self.path))
+        config = AutoConfig.from_pretrained(str(self.path), trust_remote_code=trust_remote_code)
         for key in ("final_logit_softcapping", "logit_scale"):
             # Such models post-process lm_head's output; our logits would not equal HF's.
             if getattr(config, key, None) not in (None, 1.0):
@@ -227,9 +228,11 @@ class HFTarget:
         )
         # `dtype=` replaced `torch_dtype=` in transformers 4.56; both 4.57 and 5.x accept it.
         if (self.path / RANDOM_INIT_FILE).exists():
-            model = _random_init_model(config, self.path / RANDOM_INIT_FILE, parse_dtype(dtype), self.devices[0])
+            model = _random_init_model(config, self.path / RANDOM_INIT_FILE, parse_dtype(dtype), self.devices[0],
+                                       trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype))
+            model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype),
+                                                         trust_remote_code=trust_remote_code)
         if len(self.devices) > 1:
             spread_model(model, self.devices)
         else:
