@@ -357,6 +357,7 @@ class Broker:
                      f"worker port ({workers}, --backend)")
         else:
             return False
+        self.metrics.bad_messages.inc()
         self.metrics.errors.labels(code=ErrorCode.WRONG_PORT.value).inc()
         self._send(sock, identity, control(tag, command, "", b"", {"code": ErrorCode.WRONG_PORT.value,
                                                                      "error": error}))

@@ -48,7 +48,7 @@ class ConnectWatch:
                     "--curve-authorized-dir, or the server key is not the broker's")
         if self.seen & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
             return ("a TCP connection was made but the ZeroMQ handshake failed: that port belongs to another "
-                    "program (the broker's HTTP port, say), or CURVE is on at one end only")
+                    "program (the broker's HTTP port, say), or the two ends' CURVE settings or keys differ")
         if self.seen & zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return "a ZeroMQ peer accepted the connection but never answered: it is not a spec-serve broker"
         if self.seen & zmq.EVENT_CONNECTED:

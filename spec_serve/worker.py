@@ -412,11 +412,10 @@ class Worker:
 
     def _broker_silent(self, now: float) -> None:
         """Log a broker outage once (not once per liveness window), and why a broker never answered."""
-        if self._lost_since is None:
+        if self._registered:  # it was there: an outage starts (while it lasts, _registered stays False)
             self._lost_since = now
-            if self._registered:
-                event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url,
-                      silent_s=round(self.heartbeat_interval * self.liveness, 1))
+            event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url,
+                  silent_s=round(self.heartbeat_interval * self.liveness, 1))
         never_answered = not self._ever_registered and not self._unreachable_logged
         if never_answered and now - self._started > CONNECT_TIMEOUT:
             self._unreachable_logged = True
