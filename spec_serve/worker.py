@@ -411,7 +411,7 @@ class Worker:
               target=self.info.model_name, capacity=self.capacity)
 
     def _broker_silent(self, now: float) -> None:
-        """Log a broker outage once (not once per liveness window), and why a broker never answered."""
+        """Log a broker outage once (not once per liveness window), and a broker that never answered."""
         if self._registered:  # it was there: an outage starts (while it lasts, _registered stays False)
             self._lost_since = now
             event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url,

@@ -1,0 +1,438 @@
+"""What a user sees off the happy path: fast failures that name the cause, lifecycle log lines,
+GPU-user defaults, and operations (health, threads, keys, JSON errors), with real processes.
+
+Issue 15. Every timing bound here is a generous "fails fast instead of hanging" bound.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import http.client
+import json
+import logging
+import os
+import contextlib
+import pty
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import termios
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
+from click.testing import CliRunner
+
+from spec_serve.cli import device_and_dtype, join_int_lists, main
+from spec_serve.client import BrokerUnreachable, RemoteTargetModel
+from spec_serve.launch import Cluster, free_port, local_cluster
+from spec_serve.threads import ThreadShare, is_worker_cmdline, local_workers
+from spec_serve.tiny import sample_batch
+
+GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE and SPEC_SERVE_IDLE_SERVICE_GRACE of the cluster below
+ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S), "SPEC_SERVE_IDLE_SERVICE_GRACE": str(GRACE_S)}
+ENV.pop("SPEC_SERVE_LOG_LEVEL")  # workers log at their default level
+# (Clients here heartbeat as often as this broker expects: CLIENT_KW.)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir, tmp_path_factory):
+    """A broker and one worker started with NeMo-style space-separated aux layer ids."""
+    log_dir = tmp_path_factory.mktemp("operability-logs")
+    with local_cluster(tiny_target_dir, workers=1, env=ENV, log_dir=log_dir,
+                       worker_args=("--aux-layer-ids", "1", "3", "4")) as c:
+        yield c
+
+
+def spec_serve(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would, in its own process."""
+    return subprocess.run([sys.executable, "-m", "spec_serve.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The CLI failed with one ``Error: ...`` line and no traceback; returns that line."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------- fail fast
+
+
+def test_unreachable_broker_fails_within_connect_timeout():
+    url = f"tcp://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with _captured("spec_serve.client") as lines, \
+            RemoteTargetModel(url, connect_timeout=1.5, timeout=60, heartbeat_interval=0.1, liveness=3) as target:
+        with pytest.raises(BrokerUnreachable) as err:
+            target.target_info()
+        elapsed = time.monotonic() - started
+        with pytest.raises(BrokerUnreachable):  # later calls fail at once too
+            target.status()
+    message = str(err.value)
+    assert elapsed < 15, f"took {elapsed:.1f}s"
+    assert url in message and "nothing accepts connections" in message and "--frontend" in message
+    assert isinstance(err.value, TimeoutError)  # what callers caught before
+    # One line for the failure; no client.broker_lost every liveness window (0.3 s here).
+    assert not [line for line in lines if "broker_lost" in line], lines
+    assert sum("broker_unreachable" in line for line in lines) == 1, lines
+
+
+def test_connect_timeout_from_the_environment():
+    code = ("from spec_serve.client import RemoteTargetModel as R, BrokerUnreachable as B\n"
+            f"t = R('tcp://127.0.0.1:{free_port()}', timeout=60)\n"
+            "try:\n    t.status()\nexcept B as e:\n    print('unreachable:', e)\nt.close()\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "SPEC_SERVE_CONNECT_TIMEOUT": "1"})
+    assert "unreachable:" in out.stdout and "within 1s" in out.stdout, out.stdout + out.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_http_port_is_reported_as_another_program(cluster):
+    """The broker's HTTP port accepts TCP but speaks no ZeroMQ: the error says so."""
+    with RemoteTargetModel(f"tcp://127.0.0.1:{cluster.http_port}", connect_timeout=2, timeout=60) as target:
+        with pytest.raises(BrokerUnreachable, match="another program"):
+            target.status()
+
+
+def test_client_on_the_worker_port_is_told_which_port(cluster):
+    started = time.monotonic()
+    for _ in range(2):  # two misdirected clients: the broker logs one line
+        with RemoteTargetModel(cluster.backend, connect_timeout=30, timeout=60) as target:
+            with pytest.raises(BrokerUnreachable) as err:
+                target.status()
+    assert time.monotonic() - started < 20
+    frontend_port = cluster.frontend.rpartition(":")[2]
+    assert "worker port" in str(err.value) and frontend_port in str(err.value) and "--frontend" in str(err.value)
+    log = (cluster.log_dir / "broker.log").read_text()
+    assert log.count("broker.wrong_port") == 1, log
+
+
+def test_worker_on_the_client_port_exits_with_one_line(cluster, tiny_target_dir):
+    proc = spec_serve("worker", "--target", str(tiny_target_dir), "--device", "cpu", "--broker", cluster.frontend,
+                      env=ENV)
+    line = error_line(proc)
+    assert "client port" in line and cluster.backend.rpartition(":")[2] in line and "--backend" in line
+
+
+@pytest.mark.parametrize("url, hint", [
+    ("http://broker.example:8080/v1", "tcp://broker.example:5555"),
+    ("broker.example:5555", "tcp://broker.example:5555"),
+    ("broker.example", "tcp://broker.example:5555"),
+    ("tcp://*:5555", "tcp://BROKER:5555"),
+])
+def test_bad_broker_urls_say_what_to_write(url, hint):
+    with pytest.raises(ValueError) as err:
+        RemoteTargetModel(url)
+    assert hint in str(err.value) and "--frontend" in str(err.value)
+
+
+def test_unknown_service_fails_after_the_grace_listing_services(cluster):
+    started = time.monotonic()
+    with RemoteTargetModel(cluster.frontend, service="no-such-target", timeout=60, **CLIENT_KW) as target:
+        with pytest.raises(ValueError) as err:
+            target.target_info()
+    elapsed = time.monotonic() - started
+    assert GRACE_S <= elapsed < 30, f"took {elapsed:.1f}s"
+    message = str(err.value)
+    assert "no-such-target" in message and "'default'" in message and "SPEC_SERVE_UNKNOWN_SERVICE_GRACE" in message
+
+
+def test_missing_target_directory_fails_at_once(tmp_path):
+    started = time.monotonic()
+    proc = spec_serve("worker", "--target", "./does-not-exist", "--device", "cpu")
+    assert "target directory ./does-not-exist does not exist" in error_line(proc)
+    assert time.monotonic() - started < 20, "no hub retries for a path that looks local"
+    hub = spec_serve("worker", "--target", "org/not-cached", "--device", "cpu",
+                     env={"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert "nor in the Hugging Face cache" in error_line(hub) and "HF_HUB_OFFLINE" in error_line(hub)
+
+
+def test_cli_errors_are_one_line(tiny_target_dir, tmp_path):
+    """Bad values and load errors: one ``Error:`` line each; a traceback only at --log-level debug."""
+    busy = f"tcp://127.0.0.1:{free_port()}"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(tiny_target_dir / "config.json", broken)
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    worker = ("worker", "--broker", f"tcp://127.0.0.1:{free_port()}")
+    cases = {
+        "aux": ((*worker, "--target", str(tiny_target_dir), "--aux-layer-ids", "1", "2", "99"),
+                "--aux-layer-ids"),
+        "load": ((*worker, "--target", str(broken), "--device", "cpu"), f"cannot load {broken}"),
+        "load-debug": ((*worker, "--target", str(broken), "--device", "cpu", "--log-level", "DEBUG"), None),
+        "port": (("broker", "--frontend", busy, "--backend", f"tcp://127.0.0.1:{free_port()}", "--http-port", "0"),
+                 "--frontend"),
+        "bind-url": (("broker", "--frontend", "5555"), "tcp://*:5555"),
+        "status": (("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "2"),
+                   "no spec-serve broker answered"),
+    }
+    if not torch.cuda.is_available():
+        cases["cuda"] = ((*worker, "--target", str(tiny_target_dir), "--device", "cuda:0"), "use --device cpu")
+    import zmq
+
+    holder = zmq.Context.instance().socket(zmq.ROUTER)
+    holder.bind(busy)  # the port in use
+    try:
+        procs = {name: subprocess.Popen([sys.executable, "-m", "spec_serve.cli", *args], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                 for name, (args, _) in cases.items()}
+        outputs = {name: p.communicate(timeout=120) for name, p in procs.items()}
+        results = {name: subprocess.CompletedProcess(p.args, p.returncode, *outputs[name]) for name, p in procs.items()}
+    finally:
+        holder.close(0)
+    for name, (_, expected) in cases.items():
+        if expected is None:
+            assert results[name].returncode != 0 and "Traceback" in results[name].stderr, results[name].stderr
+        else:
+            assert expected in error_line(results[name]), (name, results[name].stderr)
+    assert "address already in use" in error_line(results["port"])
+
+
+# ------------------------------------------------------------------------ say what is happening
+
+
+def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
+    """loading, loaded (seconds, memory), ready only once the broker answered, broker lost once per
+    outage however long, then regained."""
+    c = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(), env=ENV,
+                log_dir=tmp_path)
+    try:
+        c.start_worker(tiny_target_dir)
+        log = tmp_path / "worker0.log"
+        wait_until(lambda: "worker.loaded" in log.read_text(), timeout=120, what="worker.loaded")
+        time.sleep(1.5)  # a few liveness windows with no broker
+        text = log.read_text()
+        assert "worker.loading" in text and "device=cpu" in text and "memory=" in text and "seconds=" in text
+        assert "worker.ready" not in text, "ready before any broker answered"
+        c.start_broker()
+        wait_until(lambda: "worker.ready" in log.read_text(), timeout=60, what="worker.ready")
+        kill(c.broker)
+        time.sleep(3)  # 3 s of silence: 3 liveness windows
+        c.start_broker()
+        wait_until(lambda: "worker.broker_regained" in log.read_text(), timeout=60, what="regained")
+    finally:
+        c.stop()
+    text = log.read_text()
+    assert text.count("worker.broker_lost") == 1, text
+    assert text.count("worker.ready") == 2, text
+
+
+def test_weight_loading_shows_a_progress_bar_on_a_tty(tiny_target_dir):
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "spec_serve.cli", "worker", "--target", str(tiny_target_dir),
+                             "--device", "cpu", "--broker", f"tcp://127.0.0.1:{free_port()}"],
+                            stdin=secondary, stdout=secondary, stderr=secondary, env={**os.environ, **ENV},
+                            start_new_session=True)
+    os.close(secondary)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 120
+        while b"worker.loaded" not in seen and time.monotonic() < deadline:
+            if select.select([primary], [], [], 1.0)[0]:
+                try:
+                    seen += os.read(primary, 65536)
+                except OSError:  # the worker exited and closed the terminal
+                    break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        os.close(primary)
+    assert b"Loading weights" in seen and b"100%" in seen, seen[-2000:]
+
+
+# ----------------------------------------------------------------- defaults a GPU user expects
+
+
+def test_device_and_dtype_defaults():
+    assert device_and_dtype(None, None, cuda_available=True) == ("cuda", "bfloat16")
+    assert device_and_dtype(None, None, cuda_available=False) == ("cpu", None)  # the checkpoint's dtype
+    assert device_and_dtype("cuda:1", "float32", cuda_available=True) == ("cuda:1", "float32")
+    assert device_and_dtype("cpu", None, cuda_available=True) == ("cpu", None)
+
+
+def test_space_separated_layer_ids(cluster, tiny_target_dir):
+    """The module's worker was started with ``--aux-layer-ids 1 3 4``."""
+    with RemoteTargetModel(cluster.frontend, timeout=60, **CLIENT_KW) as target:
+        assert target.target_info().aux_layer_ids == (1, 3, 4)
+    assert join_int_lists(["--dspark-layer-ids", "-1", "3", "5", "--capacity", "3"]) == \
+        ["--dspark-layer-ids", "-1,3,5", "--capacity", "3"]
+    assert join_int_lists(["--aux-layer-ids", "1,15,28", "--service", "x"]) == \
+        ["--aux-layer-ids", "1,15,28", "--service", "x"]
+
+
+def _hub_cache(tmp_path: Path, target_dir: Path, repo: str) -> Path:
+    """An HF_HOME whose hub cache holds ``target_dir`` as ``repo`` (models--org--name/snapshots/REV + refs/main)."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    entry = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(target_dir, entry / "snapshots" / revision)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(revision)
+    return tmp_path / "hf"
+
+
+def test_target_hub_id_from_an_offline_cache(cluster, tiny_target_dir, tmp_path, colocated_target):
+    hf_home = _hub_cache(tmp_path, tiny_target_dir, "acme/tiny-llama")
+    proc = cluster.start_worker("acme/tiny-llama", service="hub", env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    try:
+        cluster.wait_workers(1, service="hub", timeout=120)
+        with RemoteTargetModel(cluster.frontend, service="hub", timeout=60, **CLIENT_KW) as target:
+            info = target.target_info()
+            assert info.model_name == "acme/tiny-llama"
+            assert info.fingerprint == colocated_target().target_info().fingerprint
+            inputs = sample_batch(tiny_target_dir, batch=2, seq=12, seed=5)
+            assert_equal_batches(target.generate_batch(*inputs, kind="dspark"),
+                                 colocated_target().generate_batch(*inputs, kind="dspark"))
+    finally:
+        kill(proc)
+
+
+def _remote_code_target(tmp_path: Path, target_dir: Path) -> Path:
+    """The tiny target re-declared as a model whose code ships with the checkpoint (auto_map)."""
+    out = tmp_path / "remote-code"
+    shutil.copytree(target_dir, out)
+    (out / "configuration_acme.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass AcmeConfig(LlamaConfig):\n    model_type = 'acme-llama'\n")
+    (out / "modeling_acme.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_acme import AcmeConfig\n\n\n"
+        "class AcmeForCausalLM(LlamaForCausalLM):\n    config_class = AcmeConfig\n")
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type="acme-llama", architectures=["AcmeForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_acme.AcmeConfig",
+                            "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_trust_remote_code(tiny_target_dir, tmp_path, colocated_target, tiny_vocab_mapping):
+    from spec_serve.engines.hf import HFTarget
+
+    path = _remote_code_target(tmp_path, tiny_target_dir)
+    refused = spec_serve("worker", "--target", str(path), "--device", "cpu", "--broker",
+                         f"tcp://127.0.0.1:{free_port()}", env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert "--trust-remote-code" in error_line(refused)
+    engine = HFTarget(path, trust_remote_code=True)
+    assert type(engine.model).__name__ == "AcmeForCausalLM"
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    inputs = sample_batch(tiny_target_dir, batch=2, seq=12, seed=6)
+    assert_equal_batches(engine.generate_batch(*inputs), colocated_target().generate_batch(*inputs))
+
+
+# ------------------------------------------------------------------------------------ operations
+
+
+def _health(cluster) -> int:
+    return cluster.get("/health")[0]
+
+
+def test_health_forgets_a_service_whose_workers_left(cluster, tiny_target_dir, tiny_vocab_mapping):
+    """A worker of service `other` leaves: 503 while a client still uses `other`, then, once no
+    client has for SPEC_SERVE_IDLE_SERVICE_GRACE, 200 again (the old broker: 503 forever).
+    The worker also shows --threads taking effect."""
+    proc = cluster.start_worker(tiny_target_dir, "--threads", "3", service="other")
+    cluster.wait_workers(1, service="other", timeout=120)
+    log = (cluster.log_dir / f"worker{len(cluster.workers) - 1}.log").read_text()
+    assert "worker.threads threads=3 source=--threads" in log, log
+    # (Workers of earlier tests' services left: their services expire within a few seconds.)
+    wait_until(lambda: _health(cluster) == 200, timeout=30, what="200 with workers for every service")
+    # A client using `other` (heartbeating as often as this broker expects, or it is forgotten).
+    user = RemoteTargetModel(cluster.frontend, service="other", timeout=60, **CLIENT_KW)
+    user.set_vocab_mapping(*tiny_vocab_mapping)
+    kill(proc)
+    wait_until(lambda: _health(cluster) == 503, timeout=30, what="503 after the worker left")
+    time.sleep(GRACE_S + 1.5)
+    assert _health(cluster) == 503, "a service a client still uses counts"
+    user.close()
+    wait_until(lambda: _health(cluster) == 200, timeout=30, what="200 once nobody uses `other`")
+    assert "other" not in cluster.get("/workers")[1]["services"]
+
+
+def test_threads_option_and_default(tmp_path):
+    share = ThreadShare(3)
+    before = torch.get_num_threads()
+    try:
+        assert share.apply() == 3 and torch.get_num_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+    finally:
+        torch.set_num_threads(before)
+        os.environ.pop("OMP_NUM_THREADS", None)
+    with pytest.raises(ValueError):
+        ThreadShare(0)
+    assert is_worker_cmdline(["/venv/bin/python", "/venv/bin/spec-serve", "worker", "--target", "x"])
+    assert is_worker_cmdline(["python", "-m", "spec_serve.cli", "worker"])
+    assert not is_worker_cmdline(["python", "-m", "spec_serve.cli", "broker"])
+    assert not is_worker_cmdline(["vim", "worker"])
+    proc = tmp_path / "proc"
+    for pid, args in {"10": ["spec-serve", "worker"], "11": ["python", "-m", "spec_serve.cli", "worker"],
+                      "12": ["spec-serve", "broker"], "13": []}.items():
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
+    assert local_workers(proc) == 2
+    assert local_workers(tmp_path / "absent") == 1
+
+
+def test_keygen_secret_is_private_and_authorize_copies_only_the_public_key(tmp_path):
+    result = CliRunner().invoke(main, ["keygen", str(tmp_path / "keys"), "--name", "worker0",
+                                       "--authorize", str(tmp_path / "keys" / "authorized")])
+    assert result.exit_code == 0, result.output
+    secret, public = tmp_path / "keys" / "worker0.key_secret", tmp_path / "keys" / "worker0.key"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    assert sorted(p.name for p in (tmp_path / "keys" / "authorized").iterdir()) == ["worker0.key"]
+    assert not list((tmp_path / "keys").glob(".keygen-*"))  # no scratch left behind
+    help_text = CliRunner().invoke(main, ["keygen", "--help"]).output
+    for line in help_text.splitlines():
+        if line.strip().startswith("spec-serve keygen"):
+            assert "authorized" not in line.split("--authorize")[0], f"a secret key into the authorized dir: {line}"
+
+
+def test_every_shim_response_is_json(cluster):
+    request = urllib.request.Request(cluster.http_url + "/model_info", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == 405 and err.value.headers["Content-Type"] == "application/json"
+    assert "error" in json.loads(err.value.read())
+    # A request head too large, an unknown method, a path too long, a malformed request line.
+    for line, status in ((b"GET / HTTP/1.1\r\nX-Long: " + b"a" * 70000, 431), (b"BREW /pot HTTP/1.1", 405),
+                         (b"GET /" + b"a" * 5000 + b" HTTP/1.1", 414), (b"NONSENSE", 400)):
+        with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=10) as s:
+            s.sendall(line + b"\r\n\r\n")
+            reply = http.client.HTTPResponse(s)
+            reply.begin()
+            assert reply.status == status and reply.headers["Content-Type"] == "application/json"
+            assert "error" in json.loads(reply.read())
+
+
+def test_metrics_have_no_created_series(cluster):
+    code, text = cluster.get("/metrics")
+    assert code == 200 and "spec_serve_requests" in text
+    assert "_created" not in text
+
+
+@contextlib.contextmanager
+def _captured(logger_name: str):
+    """Lines logged to ``logger_name`` (INFO and up) while inside, whatever its handlers."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
