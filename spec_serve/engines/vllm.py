@@ -40,6 +40,10 @@ RESERVED_KWARGS = {"model": "--target", "dtype": "--dtype", "speculative_config"
 # before being killed. vLLM's own default, 5 s, is what its teardown alone gives its model-runner
 # process before a SIGTERM; on a loaded CPU host the whole teardown takes several times that.
 SHUTDOWN_TIMEOUT_S = 60.0
+# A signal sent to the whole process group (Ctrl-C) reaches the engine process too, but it may not
+# have reset its SIGTERM handler yet when this process gets to close(): give it this long to start
+# its own teardown before deciding it needs vLLM's shutdown (a SIGTERM).
+TEARDOWN_START_GRACE_S = 3.0
 
 
 @contextlib.contextmanager
@@ -226,12 +230,23 @@ class VLLMTarget(CapturedTarget):
             manager = getattr(getattr(client, "resources", None), "engine_manager", None)
             deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
             for proc in getattr(manager, "processes", ()):
-                if self._engine_died or _tearing_down(proc.pid):
+                if self._engine_died or _starts_teardown(proc, TEARDOWN_START_GRACE_S):
                     proc.join(max(0.0, deadline - time.monotonic()))
             shutdown = getattr(client, "shutdown", None)
             if shutdown is not None:
                 shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         shutil.rmtree(self._spool, ignore_errors=True)
+
+
+def _starts_teardown(proc, grace: float) -> bool:
+    """Whether the engine process (a child of this one) tears itself down, or exits, within ``grace`` s."""
+    deadline = time.monotonic() + grace
+    while True:
+        if not proc.is_alive() or _tearing_down(proc.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _tearing_down(pid: int | None) -> bool:
