@@ -5,10 +5,15 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
 
   colocated           HFTarget.generate_batch in this process (forward + supervision on the device)
   colocated_compact   the compact kind + expand_compact on the same device (what the client does)
-  remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full
+  colocated_dspark    the DSpark kind
+  remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full, replies as
+                      frames (the same-host plane off: what a client on another host gets)
   remote_1w_compact   the same with RemoteTargetModel(compact=True)
-  remote_*_ipc        remote_1w, remote_1w_compact, remote_2w_compact with same-host replies over
-                      ipc (local_ipc=True) instead of tcp loopback, the default
+  remote_1w_dspark    the same, DSpark
+  samehost_1w         one worker, replies through the same-host plane (CUDA IPC between GPUs, shared
+                      memory otherwise); verified like every remote scenario
+  samehost_1w_compact, samehost_1w_dspark, samehost_2w, samehost_2w_compact   likewise
+  samehost_1w_own_gpu the client on the last device (two GPUs: peer copies from the worker's GPU)
   remote_1w*_own_gpu  the same two with the client on the last device (a trainer's own GPU)
   remote_2w           two workers, each batch sharded in two (num_shards=2)
   remote_2w_compact
@@ -24,10 +29,11 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
   broker_null         transport only: a worker whose engine returns ready tensors of the EAGLE-3
                       reply size, through the broker (request via broker, reply straight back)
+  samehost_null       the same bytes lent through the same-host plane
   direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
   zmq_raw             raw ZeroMQ PUSH->PULL over loopback: pre-built 16 MiB frames, same bytes
   frames              the codec path over the same socket pair: wire.encode -> send -> wire.decode
-  zmq_raw_ipc, frames_ipc   the same two over ipc:// (what same-host replies use)
+  zmq_raw_ipc, frames_ipc   the same two over ipc:// (unix sockets)
   worker_pool         the worker's hot path in-process (serve, host copy into the pinned pool,
                       encode): pool allocations against messages (flat = no fresh host memory)
   remote_nccl         a client bound to its own worker (enable_nccl=True): metadata over ZeroMQ,
@@ -284,13 +290,13 @@ def worker_threads(device: torch.device):
 # ------------------------------------------------------------------- colocated
 
 
-def run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[str, Any]:
+def run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
     with worker_threads(ctx.device):
-        return _run_colocated(ctx, compact, packed)
+        return _run_colocated(ctx, compact, packed, dspark)
 
 
-def _run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[str, Any]:
-    """The target's own forward, batch after batch: padded (what a trainer runs), compact, or packed
+def _run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
+    """The target's own forward, batch after batch: padded (what a trainer runs), compact, DSpark, or packed
     (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it; verified after)."""
     from spec_serve.compact import expand_compact, lm_head_slice
 
@@ -308,13 +314,16 @@ def _run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[
         elif packed:
             out = engine.generate_packed([b], kind="eagle3")[0]
             outputs.append(out)
+        elif dspark:
+            out = engine.generate_batch(*b, kind="dspark")
         else:
             out = engine.generate_batch(*b, kind="eagle3")
         nbytes += _nbytes(out)
     _sync(device)
     seconds = time.perf_counter() - start
     tokens, padded = _tokens(ctx.batches[warmup:])
-    name = "colocated_compact" if compact else "colocated_packed" if packed else "colocated"
+    name = "colocated_compact" if compact else "colocated_packed" if packed else "colocated_dspark" if dspark \
+        else "colocated"
     checked = verify_packed(engine, ctx.batches[warmup:], outputs) if packed else {}
     return _figure(name, tokens, nbytes, seconds, padded, **checked)
 
@@ -322,14 +331,15 @@ def _run_colocated(ctx: "Context", compact: bool, packed: bool = False) -> dict[
 # ---------------------------------------------------------------------- remote
 
 
-def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str,
-               nccl: bool = False, own_device: bool = False, local_ipc: bool | None = None,
-               packed: bool = False) -> dict[str, Any]:
+def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str, nccl: bool = False,
+               own_device: bool = False, packed: bool = False, plane: bool = False,
+               dspark: bool = False) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
     flight) and the clock runs from the completion of the last warm-up batch to that of the last
     batch, so the figure excludes filling and draining the pipeline, as a long training run would.
     Every timed batch is verified once the clock has stopped: bit for bit against the colocated
-    forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE."""
+    forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE.
+    ``plane``: replies through the same-host plane, else frames; ``dspark``: the DSpark kind."""
     from spec_serve.client import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
@@ -339,12 +349,12 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
     batches = ctx.batches[: warmup + ctx.cfg.steps]
     with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl,
-                           local_ipc=local_ipc) as client:
+                           same_host_plane=plane) as client:
         client.set_vocab_mapping(*ctx.mapping)
         done_at: dict[int, float] = {}
         futures = []
         for i, b in enumerate(batches):
-            future = client.generate_batch_async(*b, kind="eagle3")
+            future = client.generate_batch_async(*b, kind="dspark" if dspark else "eagle3")
             future.add_done_callback(lambda _, i=i: done_at.setdefault(i, time.perf_counter()))
             futures.append(future)
         nbytes, outputs = 0, []  # the timed results, kept (the futures hold them anyway) and verified after
@@ -357,15 +367,18 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
         seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
         stats = client.stats
     tokens, padded = _tokens(batches[warmup:])
-    wire_kind = "eagle3_compact" if compact else "eagle3"
+    wire_kind = "dspark" if dspark else "eagle3_compact" if compact else "eagle3"
     if packed:
         checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact else None)
     else:
-        checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact, device=device)
+        checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact, device=device,
+                                          kind="dspark" if dspark else "eagle3")
                                for b, out in zip(batches[warmup:], outputs)), len(outputs))
-    return _figure(name, tokens, nbytes, seconds, padded, wire_bytes_per_token=ctx.reply_bytes_per_token[wire_kind],
-                   retried=stats.retried, nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
-                   local_replies=stats.local_replies, batched=stats.batched, **checked)
+    extra = {"wire_bytes_per_token": ctx.reply_bytes_per_token[wire_kind]} if not dspark else {}
+    return _figure(name, tokens, nbytes, seconds, padded, **extra, retried=stats.retried,
+                   nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
+                   plane_replies=stats.plane_replies, plane_fallbacks=stats.plane_fallbacks, batched=stats.batched,
+                   **checked)
 
 
 def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
@@ -377,7 +390,7 @@ def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
     cfg = ctx.cfg
     vocab = ctx.info["vocab_size"]
     clients = [RemoteTargetModel(ctx.cluster.frontend, service=service, device=ctx.device, prefetch_depth=4,
-                                 timeout=600) for _ in range(cfg.small_ranks)]
+                                 timeout=600, same_host_plane=False) for _ in range(cfg.small_ranks)]
     try:
         for c in clients:
             c.set_vocab_mapping(*ctx.mapping)
@@ -598,11 +611,14 @@ def run_direct(ctx: "Context") -> dict[str, Any]:
     return _figure("direct_null", tokens, nbytes, seconds)
 
 
-def run_broker_null(ctx: "Context") -> dict[str, Any]:
+def run_broker_null(ctx: "Context", plane: bool = False) -> dict[str, Any]:
+    """Transport only: 8B-shaped EAGLE-3 replies from the null worker, as frames or (``plane``) lent through
+    the same-host plane; every reply checked after the clock."""
     from spec_serve.client import RemoteTargetModel
 
     cfg = ctx.cfg
-    with RemoteTargetModel(ctx.cluster.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600) as client:
+    with RemoteTargetModel(ctx.cluster.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600,
+                           same_host_plane=plane) as client:
         client.set_vocab_mapping(*ctx.mapping)
         batch = make_batch(1, cfg.transport_seq, ctx.info["vocab_size"], 0)
         for _ in range(cfg.warmup or 1):
@@ -611,11 +627,12 @@ def run_broker_null(ctx: "Context") -> dict[str, Any]:
         futures = [client.generate_batch_async(*batch) for _ in range(cfg.transport_messages)]
         nbytes = sum(_nbytes(f.result()) for f in futures)
         seconds = time.perf_counter() - start
+        plane_replies = client.stats.plane_replies
     from spec_serve.verify import mismatch
 
     want = null_tensors(1, cfg.transport_seq, T_HIDDEN, T_VD)  # what the null engine answers
     tokens = cfg.transport_messages * cfg.transport_seq
-    return _figure("broker_null", tokens, nbytes, seconds,
+    return _figure("samehost_null" if plane else "broker_null", tokens, nbytes, seconds, plane_replies=plane_replies,
                    **verified(sum(mismatch(f.result(), want) is None for f in futures), len(futures)))
 
 
@@ -702,13 +719,13 @@ class Context:
         return self._engine
 
     def verify(self, batch: tuple, got: dict, *, shards: int = 1, compact: bool = False,
-               device: torch.device | None = None) -> bool:
+               device: torch.device | None = None, kind: str = "eagle3") -> bool:
         """Whether ``got`` equals, bit for bit, the colocated forward of ``batch`` as a client with
         ``shards`` shards (and ``compact``, expanded on ``device``) receives it; a mismatch is printed."""
         from spec_serve.verify import colocated_reference, mismatch
 
         with worker_threads(self.device):
-            want = colocated_reference(self.engine(), batch, "eagle3", shards=shards, compact=compact,
+            want = colocated_reference(self.engine(), batch, kind, shards=shards, compact=compact,
                                        device=device, selected=self.mapping)
         wrong = mismatch(got, want)
         if wrong is not None:
@@ -782,12 +799,11 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "remote_1w_packed": ({"packed"}, lambda c: run_remote(c, "packed", False, 1, "remote_1w_packed", packed=True)),
     "remote_1w_compact_packed": ({"packed"}, lambda c: run_remote(c, "packed", True, 1, "remote_1w_compact_packed",
                                                                   packed=True)),
+    "colocated_dspark": (set(), lambda c: run_colocated(c, compact=False, dspark=True)),
+    # Replies as frames (the same-host plane off), as a client on another host gets them.
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
-    # Same-host replies over ipc (opt-in) instead of tcp loopback.
-    "remote_1w_ipc": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_ipc", local_ipc=True)),
-    "remote_1w_compact_ipc": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact_ipc",
-                                                           local_ipc=True)),
+    "remote_1w_dspark": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_dspark", dspark=True)),
     # The same worker, the client (and its H2D copies, compact expansion) on the last device, as a
     # trainer on a GPU of its own would be; on one device identical to the above.
     "remote_1w_own_gpu": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_own_gpu", own_device=True)),
@@ -795,8 +811,15 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
                                                                own_device=True)),
     "remote_2w": ({"w2"}, lambda c: run_remote(c, "w2", False, 2, "remote_2w")),
     "remote_2w_compact": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact")),
-    "remote_2w_compact_ipc": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "remote_2w_compact_ipc",
-                                                           local_ipc=True)),
+    # The same-host plane (CUDA IPC between GPUs, shared memory otherwise).
+    "samehost_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "samehost_1w", plane=True)),
+    "samehost_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "samehost_1w_compact", plane=True)),
+    "samehost_1w_dspark": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "samehost_1w_dspark", plane=True,
+                                                        dspark=True)),
+    "samehost_1w_own_gpu": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "samehost_1w_own_gpu", own_device=True,
+                                                         plane=True)),
+    "samehost_2w": ({"w2"}, lambda c: run_remote(c, "w2", False, 2, "samehost_2w", plane=True)),
+    "samehost_2w_compact": ({"w2"}, lambda c: run_remote(c, "w2", True, 2, "samehost_2w_compact", plane=True)),
     # Bound worker on the first device, client on the last, tensors over a private NCCL pair group
     # (gloo on CPU). Needs two devices on a GPU host.
     "remote_nccl": ({"nccl"}, lambda c: run_remote(c, "nccl", False, 1, "remote_nccl", nccl=True)),
@@ -804,10 +827,11 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "small_unbatched": ({"w1"}, lambda c: run_small(c, "w1", "small_unbatched")),
     "small_batched": ({"batch"}, lambda c: run_small(c, "batch", "small_batched")),
     "broker_null": ({"null"}, run_broker_null),
+    "samehost_null": ({"null"}, lambda c: run_broker_null(c, plane=True)),
     "direct_null": (set(), run_direct),
     "zmq_raw": (set(), lambda c: run_push(c, "raw")),
     "frames": (set(), lambda c: run_push(c, "wire")),
-    # The same over ipc://, the transport a client and a worker on one host use for replies.
+    # The same over ipc:// (unix sockets).
     "zmq_raw_ipc": (set(), lambda c: run_push(c, "raw", "ipc")),
     "frames_ipc": (set(), lambda c: run_push(c, "wire", "ipc")),
     # Before/after of the receive-buffer recycling (hostpool.RecyclingAllocator) on the same bytes.
@@ -828,9 +852,14 @@ RATIOS = [
     ("remote 1 worker compact, client on its own GPU / colocated compact", "remote_1w_compact_own_gpu",
      "colocated_compact", 0.95),
     ("compact / full, remote 1 worker", "remote_1w_compact", "remote_1w", None),
-    ("same-host replies: ipc / tcp, remote 1 worker", "remote_1w_ipc", "remote_1w", None),
-    ("same-host replies: ipc / tcp, remote 1 worker compact", "remote_1w_compact_ipc", "remote_1w_compact", None),
-    ("same-host replies: ipc / tcp, 2 workers compact", "remote_2w_compact_ipc", "remote_2w_compact", None),
+    ("remote 1 worker DSpark / colocated DSpark", "remote_1w_dspark", "colocated_dspark", None),
+    ("same-host plane 1 worker / colocated", "samehost_1w", "colocated", 0.95),
+    ("same-host plane 1 worker compact / colocated compact", "samehost_1w_compact", "colocated_compact", 0.95),
+    ("same-host plane 1 worker DSpark / colocated DSpark", "samehost_1w_dspark", "colocated_dspark", 0.95),
+    ("same-host plane, client on its own GPU / colocated", "samehost_1w_own_gpu", "colocated", 0.95),
+    ("same-host plane / frames, 1 worker", "samehost_1w", "remote_1w", None),
+    ("same-host plane 2 workers / 1 worker", "samehost_2w", "samehost_1w", 1.9),
+    ("same-host plane 2 workers / 1 worker, compact", "samehost_2w_compact", "samehost_1w_compact", 1.9),
     ("remote NCCL / colocated", "remote_nccl", "colocated", 0.95),
     ("remote NCCL / remote frames, 1 worker", "remote_nccl", "remote_1w", None),
     ("remote NCCL compact / colocated compact", "remote_nccl_compact", "colocated_compact", 0.95),
@@ -838,6 +867,8 @@ RATIOS = [
     ("2 workers / 1 worker, compact", "remote_2w_compact", "remote_1w_compact", 1.9),
     ("small requests: batched / unbatched", "small_batched", "small_unbatched", None),
     ("broker path / direct socket (same bytes)", "broker_null", "direct_null", None),
+    ("same-host plane / frames through the broker, transport only (same bytes)", "samehost_null", "broker_null",
+     None),
     ("frames / raw ZeroMQ (same bytes)", "frames", "zmq_raw", 0.9),
     ("frames / raw ZeroMQ, ipc (same bytes)", "frames_ipc", "zmq_raw_ipc", 0.9),
     ("raw ZeroMQ: ipc / tcp loopback", "zmq_raw_ipc", "zmq_raw", None),
@@ -890,7 +921,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
                 "this_target": ctx.reply_bytes_per_token,
                 "llama_8b_shape_vd32000_bf16": bytes_per_token(4096, 32000, 2),
                 "measured": {n: round(f["bytes"] / f["tokens"], 1) for n, f in figures.items()
-                             if f["tokens"] and n.startswith(("colocated", "remote"))},
+                             if f["tokens"] and n.startswith(("colocated", "remote", "samehost"))},
             },
             "figures": figures,
             "ratios": ratios,

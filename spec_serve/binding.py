@@ -2,10 +2,10 @@
 
 Message sequence (control on ZeroMQ, tensor bytes on a private PairGroup):
 
-1. client -> broker ``BIND`` {reply_to, reply_local?, data_key?, timeout, device_type}
+1. client -> broker ``BIND`` {reply_to, data_key?, timeout, device_type}
 2. broker: no unbound worker of the service -> ``BOUND`` {ok: false, error} at once (client falls
    back to frames). Else it marks the worker ``bound_to = client`` (no more pool dispatch to it)
-   and sends the worker ``BIND`` {client, reply_to, reply_local?, data_key?, prefix, timeout, device_type}.
+   and sends the worker ``BIND`` {client, reply_to, data_key?, prefix, timeout, device_type}.
 3. worker compute thread (after the jobs already queued): hosts a TCPStore on its broker-facing
    address and PUSHes the client a data message with the BIND request id and header
    {bind: {store_host, store_port, prefix, worker, timeout}}; then both sides ``PairGroup.create``
@@ -130,8 +130,6 @@ class ClientBinding:
         header = {"reply_to": self.io.data_endpoint, "timeout": self.timeout, "device_type": self.device.type}
         if self.io.data_key:
             header["data_key"] = self.io.data_key
-        if self.io.reply_local:
-            header["reply_local"] = self.io.reply_local
         try:
             reply = self.io.submit(ClientCommand.BIND, self.service, header, (), self.timeout,
                                    max_retries=0).result()

@@ -504,8 +504,6 @@ class Broker:
                   "timeout": timeout, "device_type": device_type}
         if data_key is not None:
             header["data_key"] = data_key
-        if msg.header.get("reply_local") is not None:  # checked by the worker, which alone knows its host
-            header["reply_local"] = msg.header["reply_local"]
         if not self._send(self.backend, worker.identity, control(WORKER_TAG, WorkerCommand.BIND.value, msg.service,
                                                                  msg.request_id, header)):
             worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""

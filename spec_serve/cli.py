@@ -286,6 +286,13 @@ def _start_shim(b, host: str, port: int):
                    "lending and reuse in CPU tests) [env SPEC_SERVE_HOST_POOL=1/0].")
 @click.option("--host-pool-buffers", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_HOST_POOL_BUFFERS",
               help="Slabs in the host pool; default capacity + 2 [env SPEC_SERVE_HOST_POOL_BUFFERS].")
+@click.option("--plane-slots", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_PLANE_SLOTS",
+              help="Replies that same-host clients may hold in this worker's memory at once (the same-host "
+                   "plane; more go as frames); default capacity + 2 [env SPEC_SERVE_PLANE_SLOTS].")
+@click.option("--plane-lease", default=60.0, type=click.FloatRange(min=0, min_open=True),
+              envvar="SPEC_SERVE_PLANE_LEASE", show_default=True,
+              help="Seconds a same-host client may take to copy a reply before its slot is lent again (the "
+                   "client then asks again as frames) [env SPEC_SERVE_PLANE_LEASE].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
@@ -293,7 +300,8 @@ def _start_shim(b, host: str, port: int):
 @_log_level_option("INFO")
 @engine_options
 def worker(engine, target, broker_url, service, device, dtype, trust_remote_code, aux_layer_ids, dspark_layer_ids,
-           capacity, packing, max_batch_tokens, threads, advertise_host, host_pool, host_pool_buffers,
+           capacity, packing, max_batch_tokens, threads, advertise_host, host_pool, host_pool_buffers, plane_slots,
+           plane_lease,
            curve_secret_key, curve_server_key, log_level, **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
 
@@ -346,6 +354,7 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
                       max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
                       host_pool=host_pool, host_pool_buffers=host_pool_buffers,
+                      plane_slots=plane_slots, plane_lease=plane_lease,
                       security=_security(curve_secret_key, curve_server_key), threads=share)
     finally:
         close = getattr(engine_obj, "close", None)

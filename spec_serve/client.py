@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import zmq
 
-from spec_serve import digest, wire
+from spec_serve import digest, samehost, wire
 from spec_serve.connwatch import ConnectWatch, connect_watched
 from spec_serve.contract import (
     Kind,
@@ -67,8 +67,6 @@ from spec_serve.sockets import (
     Security,
     bound_endpoint,
     check_connect_url,
-    local_host_key,
-    local_ipc_enabled,
     make_socket,
     route_address,
 )
@@ -179,7 +177,8 @@ class ClientStats:
     batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
     nccl_batches: int = 0  # replies whose tensors came over the bound worker's pair group (no payload frames)
     nccl_fallbacks: int = 0  # bound requests re-sent as frames through the shared pool after a failure
-    local_replies: int = 0  # data messages a same-host worker sent over our ipc endpoint (worker's "via")
+    plane_replies: int = 0  # replies whose bytes a same-host worker lent through the plane (samehost.py)
+    plane_fallbacks: int = 0  # of those, replies that could not be read there and were asked for again as frames
     digest_checks: int = 0  # replies whose landed bytes were checked against the worker's digests (verify=)
     digest_mismatches: int = 0  # of those, replies that differed: never returned, retried once on another worker
     target_mismatches: int = 0  # replies (or broker refusals) from another target than we set up with: failed
@@ -190,7 +189,8 @@ class _ClientIO(threading.Thread):
 
     def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
                  max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
-                 local_ipc: bool | None = None, connect_timeout: float = CONNECT_TIMEOUT):
+                 device: torch.device, same_host_plane: bool | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT):
         super().__init__(name="spec-serve-client-io", daemon=True)
         self.broker_url = check_connect_url(broker_url, CLIENT_PORT_HINT, FRONTEND_PORT)
         self.ctx = zmq.Context.instance()
@@ -223,16 +223,17 @@ class _ClientIO(threading.Thread):
         self.current_vocab: str | None = None
         self._ipc_files: list[str] = []
         self.data = self.dealer = self.data_ingress = None
+        # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
+        self.plane = samehost.ClientPlane.start(device, same_host_plane)
         self._wake_r, self._wake_w = os.pipe()
         try:
             os.set_blocking(self._wake_w, False)
-            self._open_sockets(broker_url, security, advertise_host, local_ipc)
+            self._open_sockets(broker_url, security, advertise_host)
         except BaseException:
             self._release_resources()  # a constructor that raises leaks no descriptor
             raise
 
-    def _open_sockets(self, broker_url: str, security: Security | None, advertise_host: str | None,
-                      local_ipc: bool | None) -> None:
+    def _open_sockets(self, broker_url: str, security: Security | None, advertise_host: str | None) -> None:
         # Where peers reach us: the data socket, and a bound worker's gloo connections (binding.py).
         self.local_host = "127.0.0.1" if broker_url.startswith("ipc://") else advertise_host or route_address(broker_url)
         if broker_url.startswith("ipc://"):
@@ -247,10 +248,6 @@ class _ClientIO(threading.Thread):
         self.data_endpoint = bound_endpoint(self.data)
         if data_bind.startswith("ipc://"):
             self._ipc_files.append(data_bind[len("ipc://"):])
-        # Sent as "reply_local": a worker on our host replies over ipc instead (faster than tcp loopback).
-        self.reply_local: dict[str, str] | None = None
-        if (local_ipc_enabled(False) if local_ipc is None else local_ipc) and data_bind.startswith("tcp://"):
-            self._bind_local()
         self.data_key = security.keypair()[0].decode() if security else None
         self.dealer = self._connect()
 
@@ -280,17 +277,6 @@ class _ClientIO(threading.Thread):
     def _reply_room(self) -> int:
         """Bytes the data socket may hold undelivered (read by the ingress watcher thread)."""
         return self._pending.expected + self.largest_reply + CONTROL_SLACK_BYTES * (1 + len(self._pending))
-
-    def _bind_local(self) -> None:
-        """Bind the data socket to an ipc endpoint too (same socket: same CURVE server settings)."""
-        endpoint = _ipc_endpoint()
-        try:
-            self.data.bind(endpoint)
-        except zmq.ZMQError as e:  # e.g. a TMPDIR too long for a unix socket path: tcp only
-            event(log, logging.WARNING, "client.local_ipc_unavailable", endpoint=endpoint, error=e)
-            return
-        self._ipc_files.append(endpoint[len("ipc://"):])
-        self.reply_local = {"endpoint": endpoint, "host": local_host_key()}
 
     # ------------------------------------------------------ user-side entry
 
@@ -395,6 +381,8 @@ class _ClientIO(threading.Thread):
                 if now >= next_beat and not self._misdirected:
                     self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
                     next_beat = now + self.heartbeat_interval
+                    if self.plane is not None:
+                        self.plane.tick()
                 if now > broker_expiry:
                     broker_expiry = now + self.heartbeat_interval * self.liveness
                     if self._heard:  # never reached: libzmq keeps retrying the same socket
@@ -414,6 +402,8 @@ class _ClientIO(threading.Thread):
             for path in self._ipc_files:  # libzmq leaves a named ipc socket's file behind
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+            if self.plane is not None:
+                self.plane.close()
 
     def _reconnect(self, poller: zmq.Poller, now: float) -> None:
         """Lazy Pirate: the broker went silent; a fresh socket, and every outstanding request again."""
@@ -596,9 +586,8 @@ class _ClientIO(threading.Thread):
 
     def _on_data(self, frames: list) -> None:
         status, request_id, header, payload = parse_data(frames)
-        if header.get("via") == "ipc":
-            self.stats.local_replies += 1
         pending = self._pending.get(request_id)
+        lent = header.get("plane") if status is Status.OK else None
         if status is Status.OK and header.get("nccl"):
             # Tensors follow on the pair group: receive them even for a request already answered,
             # or the worker's send (and the group) stalls. No live binding: re-send as frames.
@@ -607,8 +596,10 @@ class _ClientIO(threading.Thread):
                 self.nccl_fallback(request_id, f"nccl reply from worker {header.get('worker')} without a live binding",
                                    prefix=str(header.get("pair")))
             return
-        if pending is None:
-            self._count_stray(request_id)
+        if pending is None or (status is Status.OK and not self._same_target(pending, header)):
+            if pending is None:
+                self._count_stray(request_id)
+            self._give_back(lent)  # answered already, or not ours to use: the slot goes back unread
             return
         if status is Status.OK and pending.command == ClientCommand.BIND.value:
             self._pending.pop(request_id)
@@ -625,19 +616,23 @@ class _ClientIO(threading.Thread):
             else:
                 self._retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
             return
-        if not self._same_target(pending, header):
-            return
-        size = sum(len(memoryview(f)) for f in payload)
+        size = sum(len(memoryview(f)) for f in payload) + samehost.lent_bytes(lent)
         if size > self.max_message_bytes:  # an honest worker refuses this itself (max_reply_bytes)
+            self._give_back(lent)
             self._fail(pending, ValueError(f"reply of {size} bytes from worker {header.get('worker')} exceeds this "
                                            f"client's max_message_bytes of {self.max_message_bytes}"))
             return
-        # Checked here; the bytes stay in the frames until copied to where the caller wants them (_assemble).
-        spans, _ = wire.parse(payload, max_bytes=self.max_message_bytes)
+        if lent is not None:
+            reply = self._open_lent(pending, header, payload)
+            if reply is None:
+                return
+        else:  # checked here; the bytes stay in the frames until copied to where the caller wants them (_assemble)
+            reply = _Received(wire.parse(payload, max_bytes=self.max_message_bytes)[0], header, request_id)
         if pending.expect is not None:
             try:  # before anything is allocated for the reply
-                validate_reply({name: (span.dtype, span.shape) for name, span in spans.items()}, pending.expect)
+                validate_reply({name: (span.dtype, span.shape) for name, span in reply.items()}, pending.expect)
             except ValueError as e:
+                samehost.release_reply(reply)
                 self.stats.contract_violations += 1
                 event(log, logging.WARNING, "client.bad_reply", worker=header.get("worker"), error=e)
                 self._retry(pending, time.monotonic(), f"worker {header.get('worker')}: {e}", delay=RETRY_BACKOFF_S)
@@ -646,7 +641,7 @@ class _ClientIO(threading.Thread):
         self.stats.completed += 1
         if int(header.get("batched", 1)) > 1:
             self.stats.batched += 1
-        pending.future.set_result(_Received(spans, header, request_id))
+        pending.future.set_result(reply)
 
     def _same_target(self, pending: _Pending, header: dict) -> bool:
         """True if the reply comes from the target the request was pinned to (its ``fingerprint``);
@@ -665,6 +660,48 @@ class _ClientIO(threading.Thread):
         event(log, logging.ERROR, "client.target_changed", request=pending.request_id.hex()[:12], worker=worker,
               error=message)
         self._fail(pending, TargetChangedError(message))
+
+    def _open_lent(self, pending: _Pending, header: dict, payload: list) -> "samehost.PlaneReply | None":
+        """A reply whose bytes a same-host worker lent, as the slot's spans (``_assemble`` copies them out, then
+        settles); None if the plane cannot deliver it here, and it was asked for again as frames."""
+        try:
+            if self.plane is None:
+                raise samehost.PlaneError("this client does not use the same-host plane")
+            reply = self.plane.open(header, payload, pending.request_id,
+                                    lambda reason: self._resend_as_frames(pending, reason))
+        except samehost.PlaneError as e:
+            self._give_back(header.get("plane"))
+            if self.plane is not None:
+                self.plane.failed(e)
+            self._plane_fallback(pending, str(e))
+            return None
+        self.stats.plane_replies += 1
+        return reply
+
+    def _give_back(self, lent) -> None:
+        """A lent reply that will not be read: its slot goes back to the worker now."""
+        if lent is not None and self.plane is not None:
+            self.plane.release(lent)
+
+    def _plane_fallback(self, pending: _Pending, reason: str) -> None:
+        """I/O thread: send a request again, as frames."""
+        self._count_fallback(pending, reason)
+        pending.header = {k: v for k, v in pending.header.items() if k != "plane"}
+        pending.not_before = 0.0
+        self._transmit(pending, time.monotonic())
+        pending.attempts -= 1  # not the request's fault
+
+    def _resend_as_frames(self, pending: _Pending, reason: str) -> concurrent.futures.Future:
+        """Any thread: a lent reply's bytes were overwritten while we copied them: the request again, as frames."""
+        again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
+                                    header={k: v for k, v in pending.header.items() if k != "plane"},
+                                    sent_at=0.0, attempts=0, not_before=0.0)
+        self.call(lambda: (self._count_fallback(again, reason), self._send_new(again)))
+        return again.future
+
+    def _count_fallback(self, pending: _Pending, reason: str) -> None:
+        self.stats.plane_fallbacks += 1
+        event(log, logging.INFO, "client.plane_fallback", request=pending.request_id.hex()[:12], reason=reason)
 
     def _count_stray(self, request_id: bytes) -> None:
         """A reply with no pending request: a late second answer, or an id we never sent."""
@@ -741,7 +778,7 @@ class RemoteTargetModel:
         enable_nccl: bool = False,
         nccl_timeout: float = 30.0,
         nccl_retry_s: float = 30.0,
-        local_ipc: bool | None = None,
+        same_host_plane: bool | None = None,
         verify: str | None = None,
         connect_timeout: float | None = None,
     ):
@@ -764,8 +801,8 @@ class RemoteTargetModel:
         self._credits = threading.BoundedSemaphore(prefetch_depth)
         self._io = _ClientIO(broker_url, security=security, advertise_host=advertise_host, max_retries=max_retries,
                              heartbeat_interval=heartbeat_interval, liveness=liveness,
-                             max_message_bytes=max_message_bytes, local_ipc=local_ipc,
-                             connect_timeout=connect_timeout)
+                             max_message_bytes=max_message_bytes, device=self.device,
+                             same_host_plane=same_host_plane, connect_timeout=connect_timeout)
         self._io.start()
         try:
             self._setup(compact, enable_nccl, nccl_timeout, nccl_retry_s)
@@ -856,6 +893,8 @@ class RemoteTargetModel:
                           "tokens": int(attention_mask[lo:hi].sum())}
                 if bound is not None:  # every shard to our bound worker; tensors over the pair group
                     header.update(bound=bound, nccl=True)
+                elif self._io.plane is not None and (offer := self._io.plane.offer()) is not None:
+                    header["plane"] = offer  # a worker of our host may lend the reply's bytes (samehost.py)
                 requests.append((self._prepare(header), payload))
                 expects.append(reply_specs(wire_kind, info, hi - lo, input_ids.shape[1], loss_mask.dtype,
                                            self._draft_vocab))
@@ -939,8 +978,6 @@ class RemoteTargetModel:
             header.setdefault("vocab", self._vocab_digest)
         if self._io.data_key:
             header["data_key"] = self._io.data_key
-        if self._io.reply_local:
-            header["reply_local"] = self._io.reply_local
         if self._sampler.wants():
             header["verify"] = True
         return header
@@ -1144,6 +1181,8 @@ def _assemble(shards: list[concurrent.futures.Future], rows: list[int], device: 
     tensors and no concatenation. A shard whose tensors do not fit the others' fails the batch.
     ``check(k, reply, landed)`` then sees shard ``k``'s tensors as landed: None accepts them, a future
     (a retry) is waited for instead and lands on the same rows, an exception fails the batch.
+    A shard lent through the same-host plane is settled first, once copied: its slot goes back to the
+    worker, and if the worker reused the slot meanwhile the shard is asked for again (frames), likewise.
     """
     out: concurrent.futures.Future = concurrent.futures.Future()
     starts = [sum(rows[:k]) for k in range(len(rows))]
@@ -1161,18 +1200,21 @@ def _assemble(shards: list[concurrent.futures.Future], rows: list[int], device: 
     def arrived(k: int, future: concurrent.futures.Future) -> None:
         retry = None
         with lock:
-            if out.done():
-                return
             try:
-                reply = future.result()
-                landed = land(k, reply)
-                retry = check(k, reply, landed) if check is not None else None
-                if retry is None:
-                    state["left"] -= 1
-                    if not state["left"]:
-                        out.set_result(landed if len(shards) == 1 else state["tensors"])
+                if not out.done():
+                    reply = future.result()
+                    landed = land(k, reply)
+                    retry = samehost.settle(reply)  # a lent reply's slot back; a retry if it was reused meanwhile
+                    if retry is None and check is not None:
+                        retry = check(k, reply, landed)
+                    if retry is None:
+                        state["left"] -= 1
+                        if not state["left"]:
+                            out.set_result(landed if len(shards) == 1 else state["tensors"])
             except BaseException as e:
                 out.set_exception(e)
+            finally:
+                samehost.release(future)  # a lent reply not settled above (the batch failed): its slot back
         if retry is not None:
             retry.add_done_callback(lambda f: arrived(k, f))
 

@@ -235,28 +235,20 @@ def route_address(broker_url: str) -> str:
 
 @functools.cache
 def local_host_key() -> str:
-    """Who may reach our ipc endpoints: same kernel boot, network and mount namespace.
+    """Who shares our host closely enough for the same-host data plane: same kernel boot, and the same
+    network, mount and pid namespaces.
 
-    Peers with equal keys share a host and filesystem view, so a client's ``ipc://`` socket file
-    is the one the worker sees. The hostname stands in where /proc is absent.
+    Peers with equal keys see the same /dev/shm and the same pids, so a worker can map what a client
+    names, and tell from /proc whether that client's process still lives. The hostname stands in
+    where /proc is absent.
     """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}:{os.stat('/proc/self/ns/mnt').st_ino}"
+        inodes = [os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("net", "mnt", "pid")]
+        return ":".join([boot, *map(str, inodes)])
     except OSError:
         return socket.gethostname()
-
-
-def local_ipc_enabled(default: bool) -> bool:
-    """``SPEC_SERVE_LOCAL_IPC`` (``1``: on, ``0``: off) or ``default`` when unset.
-
-    Clients default to off: on the H200 machine ipc replies were as fast as tcp for compact replies
-    but had slow outlier rounds (a 2-worker round at 0.65x, full EAGLE-3 at 0.53-1.2x of tcp), while
-    tcp loopback was steady (BENCHMARKS.md). Workers default to on: the client's choice decides.
-    """
-    value = os.environ.get("SPEC_SERVE_LOCAL_IPC")
-    return default if value is None else value != "0"
 
 
 def check_connect_url(url: object, expect: str, default_port: int) -> str:

@@ -45,7 +45,9 @@ __all__ = [
     "decode",
     "decode_with_metadata",
     "encode",
+    "layout",
     "parse",
+    "parse_header",
 ]
 
 # libzmq on the GPU machine failed to send one 64 MiB frame ("Bad address
@@ -89,6 +91,28 @@ def encode(
     The frames borrow the tensors' memory (a non-contiguous tensor is made
     contiguous once); do not modify the tensors until the frames are sent.
     """
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise WireError(f"{name!r} is on {t.device}; move it to the CPU before encoding")
+    header, placed = layout(tensors, metadata)
+    frames: list[Frame] = [header]
+    for _, t, begin, end in placed:
+        if end > begin:
+            # A contiguous tensor may carry any stride on a size-1 dim, which
+            # view(uint8) rejects: flatten by strides. bool and bfloat16 have no
+            # numpy dtype, so numpy sees the bytes as uint8.
+            flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+            view = memoryview(flat.numpy())
+            frames.extend(view[i : i + MAX_FRAME_BYTES] for i in range(0, end - begin, MAX_FRAME_BYTES))
+    return frames
+
+
+def layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, torch.Tensor, int, int]]]:
+    """The header frame for ``tensors`` (on any device) and where each one's bytes lie in the data section:
+    ``(name, contiguous tensor, begin, end)`` in data order. What ``encode`` sends, for a data section
+    that travels another way (the same-host plane)."""
     if metadata is not None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise WireError("metadata keys and values must all be str")
@@ -98,8 +122,6 @@ def encode(
             raise WireError(f"invalid tensor name {name!r}")
         if not isinstance(t, torch.Tensor):
             raise WireError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if t.device.type != "cpu":
-            raise WireError(f"{name!r} is on {t.device}; move it to the CPU before encoding")
         if t.layout != torch.strided:
             raise WireError(f"{name!r} has layout {t.layout}; only dense tensors are supported")
         if t.dtype not in _DTYPE_NAMES:
@@ -111,7 +133,7 @@ def encode(
     # lands the message in one buffer can view every tensor in place.
     data_order = sorted(prepared, key=lambda item: -item[1].element_size())
     entries: dict[str, dict[str, Any]] = {}
-    frames: list[Frame] = []
+    placed = []
     offset = 0
     for name, t in data_order:
         nbytes = t.numel() * t.element_size()
@@ -120,21 +142,33 @@ def encode(
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
+        placed.append((name, t, offset, offset + nbytes))
         offset += nbytes
-        if nbytes:
-            # A contiguous tensor may carry any stride on a size-1 dim, which
-            # view(uint8) rejects: flatten by strides. bool and bfloat16 have no
-            # numpy dtype, so numpy sees the bytes as uint8.
-            flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-            view = memoryview(flat.numpy())
-            frames.extend(view[i : i + MAX_FRAME_BYTES] for i in range(0, nbytes, MAX_FRAME_BYTES))
 
     header: dict[str, Any] = {name: entries[name] for name, _ in prepared}
     if metadata:
         header[_METADATA_KEY] = dict(metadata)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    return [struct.pack("<Q", len(blob)) + blob, *frames]
+    return struct.pack("<Q", len(blob)) + blob, placed
+
+
+def parse_header(
+    frame: Any, data_len: int
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict[str, str]]:
+    """Check one header frame (u64 length + JSON) for a data section of ``data_len`` bytes kept elsewhere:
+    ``({name: (dtype, shape, begin, end)}, metadata)``, offsets relative to the data section."""
+    try:
+        view = memoryview(frame).cast("B")
+    except (TypeError, ValueError) as e:
+        raise WireError(f"header frame is not a contiguous bytes-like object: {e}") from None
+    if view.nbytes < 8:
+        raise WireError(f"header frame of {view.nbytes} bytes is shorter than its 8-byte length")
+    (header_len,) = struct.unpack("<Q", view[:8])
+    if 8 + header_len != view.nbytes:
+        raise WireError(f"header frame of {view.nbytes} bytes does not hold a {header_len}-byte header exactly")
+    metadata, specs = _check_header(_parse_header(bytes(view[8:])), data_len)
+    return {name: (dtype, tuple(shape), begin, end) for name, dtype, shape, begin, end in specs}, metadata
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 import zmq
 
-from spec_serve import digest, packing, wire
+from spec_serve import digest, packing, samehost, wire
 from spec_serve.contract import REQUEST_TENSORS, Kind
 from spec_serve.engines import engine_dead
 from spec_serve.hostpool import HostBufferPool, Lease, to_host
@@ -53,8 +52,6 @@ from spec_serve.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
     check_connect_url,
-    local_host_key,
-    local_ipc_enabled,
     make_socket,
     route_address,
     send_lent,
@@ -89,26 +86,6 @@ def probe_engine(engine) -> None:
     ids = (torch.arange(PROBE_TOKENS, dtype=torch.int64) % vocab).unsqueeze(0)
     ones = torch.ones_like(ids)
     engine.generate_batch(ids, ones, ones, kind=Kind.EAGLE3_COMPACT.value)
-
-
-def local_reply_endpoint(header: dict, host_key: str | None) -> str | None:
-    """The client's ``reply_local`` ipc endpoint if it is on our host (same ``host_key``), else None.
-
-    The header is a peer's: anything malformed means None (reply to ``reply_to``), never an error.
-    The socket file must exist and be writable, or a PUSH to it would queue the reply forever.
-    """
-    local = header.get("reply_local")
-    if host_key is None or not isinstance(local, dict):
-        return None
-    endpoint, host = local.get("endpoint"), local.get("host")
-    if host != host_key or not isinstance(endpoint, str) or not endpoint.startswith("ipc:///") \
-            or len(endpoint) > 512:
-        return None
-    path = endpoint[len("ipc://"):]
-    try:
-        return endpoint if stat.S_ISSOCK(os.stat(path).st_mode) and os.access(path, os.W_OK) else None
-    except (OSError, ValueError):  # ValueError: a NUL in the path
-        return None
 
 
 class WorkerRefused(RuntimeError):
@@ -185,6 +162,19 @@ class Result:
     lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
     ready: "torch.cuda.Event | None" = None  # the frames' device->host copy; sent only once it completed
     send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
+    export: samehost.Export | None = None  # a slot lent through the same-host plane; cancelled if undeliverable
+
+    @property
+    def nbytes(self) -> int:
+        """The reply's payload: its frames, plus the bytes it lends through the same-host plane."""
+        return sum(len(memoryview(f)) for f in self.frames) + (self.export.nbytes if self.export else 0)
+
+    def drop(self) -> None:
+        """The reply will not be sent: what it borrowed goes back now."""
+        if self.lease is not None:
+            self.lease.release()
+        if self.export is not None:
+            self.export.cancel()
 
 
 class Worker:
@@ -209,6 +199,8 @@ class Worker:
         host_pool: bool | None = None,
         host_pool_buffers: int | None = None,
         threads: ThreadShare | None = None,
+        plane_slots: int | None = None,
+        plane_lease: float = samehost.DEFAULT_LEASE_S,
     ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -245,10 +237,8 @@ class Worker:
         self.served = 0
         # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
         self.engine_error: str | None = None
-        # A client on our host that asks for it (reply_local, opt-in) gets replies over ipc; None: never.
-        self.host_key = local_host_key() if local_ipc_enabled(True) else None
-        self.replies_ipc = 0
-        self.replies_tcp = 0
+        self.replies_plane = 0
+        self.replies_frames = 0
         # Packing (docs/packing.md): each generate request runs without its padding, and queued ones of
         # the same kind and vocab share one packed forward of at most max_batch_tokens real tokens
         # (0: each request alone). Off: every request runs padded, bit-equal to the colocated forward.
@@ -267,6 +257,8 @@ class Worker:
         # The device->host copy of a reply runs on its own stream, so the next forward starts at once
         # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Same-host clients get GENERATE replies through slots of memory they map (samehost.py); None: frames only.
+        self.plane = samehost.WorkerPlane.start(self.device, plane_slots or capacity + 2, plane_lease)
         self._tracked: list = []  # (MessageTracker over every frame, Lease) of replies still borrowing a slab
         self._data_sockets: "collections.OrderedDict[str, ReplySocket]" = collections.OrderedDict()  # I/O thread
         # NCCL data plane (docs/nccl.md): at most one client bound at a time. The pair is used only
@@ -323,14 +315,12 @@ class Worker:
                             result = self._results.get_nowait()
                         except queue.Empty:
                             break
-                        endpoint = self._reply_endpoint(result.job.header)
-                        result.header["via"] = "ipc" if endpoint.startswith("ipc://") else "tcp"
+                        endpoint = result.job.header["reply_to"]
                         try:
                             sock = self._data_socket(data_sockets, endpoint, result.job.header, now)
                         except Exception as e:  # a reply_to or data_key no socket takes: no one to answer
                             event(log, logging.WARNING, "worker.bad_reply_to", endpoint=str(endpoint)[:80], error=e)
-                            if getattr(result, "lease", None) is not None:
-                                result.lease.release()
+                            result.drop()
                             broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service,
                                                           result.job.request_id, {"status": "undeliverable",
                                                                                   "error": f"bad endpoint: {e}"}))
@@ -365,8 +355,10 @@ class Worker:
             wake.close(0)
             for reply_socket in data_sockets.values():
                 reply_socket.close(linger)
-            event(log, logging.INFO, "worker.stop", served=self.served, replies_ipc=self.replies_ipc,
-                  replies_tcp=self.replies_tcp)
+            if self.plane is not None:
+                self.plane.close()
+            event(log, logging.INFO, "worker.stop", served=self.served, replies_plane=self.replies_plane,
+                  replies_frames=self.replies_frames)
 
     def stop(self) -> None:
         self._stop.set()
@@ -454,7 +446,7 @@ class Worker:
                 raise ProtocolError("REQUEST without reply_to or request id")
             self._jobs.put(Job(msg.request_id, msg.header, msg.payload, time.monotonic()))
             with contextlib.suppress(Exception):  # connect now, while the forward runs (errors: when replying)
-                self._data_socket(self._data_sockets, self._reply_endpoint(msg.header), msg.header, time.monotonic())
+                self._data_socket(self._data_sockets, msg.header["reply_to"], msg.header, time.monotonic())
         elif command is WorkerCommand.BIND:
             if not isinstance(msg.header.get("reply_to"), str) or not isinstance(msg.header.get("prefix"), str) \
                     or not msg.request_id:
@@ -487,9 +479,6 @@ class Worker:
             self._mappings.move_to_end(str(digest))
             while len(self._mappings) > MAX_MAPPINGS + self.capacity:
                 self._mappings.popitem(last=False)
-
-    def _reply_endpoint(self, header: dict) -> str:
-        return local_reply_endpoint(header, self.host_key) or header["reply_to"]
 
     def _data_socket(self, sockets: collections.OrderedDict, endpoint: str, header: dict, now: float) -> ReplySocket:
         entry = sockets.get(endpoint)
@@ -540,8 +529,8 @@ class Worker:
                 outbox.append((reply_socket, result))  # its socket is still connecting
                 continue
             header = {"status": _done_status(result) if sent else "undeliverable",
-                      "tokens": result.tokens, "bytes": sum(len(memoryview(f)) for f in result.frames),
-                      "via": result.header["via"]}
+                      "tokens": result.tokens, "bytes": result.nbytes,
+                      "via": result.export.descriptor["kind"] if result.export is not None else "frames"}
             if not sent:
                 header["error"] = "its data socket takes nothing (the endpoint refuses, or nothing reads it)"
             broker.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, result.job.request_id,
@@ -563,13 +552,12 @@ class Worker:
                 reply_socket.unsent.append((tracker, now))
                 if result.lease is not None:
                     self._tracked.append((tracker, result.lease))
-                if result.header["via"] == "ipc":
-                    self.replies_ipc += 1
+                if result.export is not None:
+                    self.replies_plane += 1
                 else:
-                    self.replies_tcp += 1
+                    self.replies_frames += 1
                 return True
-        if result.lease is not None:
-            result.lease.release()
+        result.drop()
         event(log, logging.INFO, "worker.reply_undeliverable", request=result.job.request_id.hex()[:12])
         return False
 
@@ -628,6 +616,13 @@ class Worker:
                 header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
                           "pair": self._pair_prefix, "specs": encode_specs(tensors), **integrity}
                 return Result(job, Status.OK, header, [], tokens, send=self._test_corrupt_tensors(job, tensors))
+            export = self._lend(job, tensors)
+            if export is not None:  # same-host client: the bytes wait in a slot it maps
+                self._test_corrupt_lent(export)
+                header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6),
+                          "plane": export.descriptor, **integrity}
+                return self._within_client_limit(Result(job, Status.OK, header, export.frames, tokens,
+                                                        ready=export.ready, export=export))
             host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
             try:
                 frames = wire.encode(host)
@@ -671,6 +666,15 @@ class Worker:
         data = next(memoryview(f) for f in frames[1:] if len(memoryview(f)))
         data[0] ^= 1
 
+    def _test_corrupt_lent(self, export: samehost.Export) -> None:
+        """Test-only (SPEC_SERVE_TEST_CORRUPT_REPLIES): flip the low bit of a lent reply's first byte in its slot."""
+        if self._test_corrupt <= 0:
+            return
+        self._test_corrupt -= 1
+        if export.ready is not None:
+            export.ready.synchronize()  # the copy into the slot must not overwrite the flip
+        export.data[0] ^= 1
+
     def _test_corrupt_tensors(self, job: Job, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Test-only (SPEC_SERVE_TEST_CORRUPT_REPLIES): the NCCL reply with one bit of its largest tensor flipped."""
         if self._test_corrupt <= 0:
@@ -685,11 +689,10 @@ class Worker:
         """``result``, or a bad_request error if its payload exceeds the ``max_reply_bytes`` the client
         named: refused here, once, rather than sent for the client to drop (and ask for again)."""
         limit = result.job.header.get("max_reply_bytes")
-        size = sum(len(memoryview(f)) for f in result.frames)
+        size = result.nbytes
         if not isinstance(limit, int) or size <= limit:
             return result
-        if result.lease is not None:
-            result.lease.release()
+        result.drop()
         message = (f"reply of {size} bytes exceeds the client's max_message_bytes of {limit}: raise the "
                    f"client's max_message_bytes or send fewer rows per request (num_shards)")
         event(log, logging.INFO, "worker.request_failed", code=ErrorCode.BAD_REQUEST.value, error=message)
@@ -800,33 +803,59 @@ class Worker:
         if len(jobs) == 1:
             return [self.serve(jobs[0])]
         start = time.perf_counter()
-        lease = None
         try:
             kind = Kind.parse(jobs[0].header.get("kind", Kind.EAGLE3.value))
             parts = [self._request_tensors(job) for job in jobs]
             self._select_mapping(kind, jobs[0])
             outs = self.engine.generate_packed([tuple(p[n] for n in REQUEST_TENSORS) for p in parts], kind=kind.value)
-            integrity = self._integrity(jobs, outs)
-            # One host slab for the whole forward, as for one reply; each reply releases it once.
-            host, lease, ready = to_host({(i, k): v for i, out in enumerate(outs) for k, v in out.items()},
-                                         self.host_pool, self._copy_stream)
             elapsed = round(time.perf_counter() - start, 6)
-            results = []
-            for i, (job, part, checks) in enumerate(zip(jobs, parts, integrity)):
-                frames = wire.encode({k: host[(i, k)] for k in outs[i]})
-                header = {"worker": self.name, "compute_s": elapsed, "batched": len(jobs), **checks}
-                results.append(Result(job, Status.OK, header, frames, int(part["attention_mask"].sum()), lease, ready))
-            if lease is not None:
-                lease.retain(len(jobs) - 1)  # one release per reply sent
+            results = self._split_replies(jobs, parts, outs, {"worker": self.name, "compute_s": elapsed,
+                                                              "batched": len(jobs)})
             self.batches += 1
             return [self._within_client_limit(result) for result in results]
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
-            if lease is not None:
-                lease.release()
             if engine_dead(e):  # any of these rows may be what killed it
                 return [self._dead_result(job, e) for job in jobs]
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
+
+    def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], header: dict) -> list[Result]:
+        """One reply per job of a packed forward: each same-host job's outputs lent in a slot of its own, the
+        others' encoded from one host slab for all of them (released once per reply)."""
+        integrity = self._integrity(jobs, outs)
+        exports: list = []
+        lease = None
+        try:
+            for job, out in zip(jobs, outs):
+                exports.append(self._lend(job, out))
+            framed = [i for i, export in enumerate(exports) if export is None]
+            host, lease, ready = to_host({(i, k): v for i in framed for k, v in outs[i].items()}, self.host_pool,
+                                         self._copy_stream) if framed else ({}, None, None)
+            results = []
+            for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
+                tokens = int(part["attention_mask"].sum())
+                if export is not None:
+                    results.append(Result(job, Status.OK, dict(header, plane=export.descriptor, **checks),
+                                          export.frames, tokens, ready=export.ready, export=export))
+                else:
+                    frames = wire.encode({k: host[(i, k)] for k in outs[i]})
+                    results.append(Result(job, Status.OK, dict(header, **checks), frames, tokens, lease, ready))
+            if lease is not None:
+                lease.retain(len(framed) - 1)  # one release per reply sent
+            return results
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            for export in exports:
+                if export is not None:
+                    export.cancel()
+            raise
+
+    def _lend(self, job: Job, tensors: dict[str, torch.Tensor]) -> samehost.Export | None:
+        """A GENERATE reply lent to a same-host client through the plane; None: send it as frames."""
+        if self.plane is None or job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value:
+            return None
+        return self.plane.export(job.header, tensors, self._copy_stream)
 
     # ------------------------------------------------- NCCL data plane (pair)
 

@@ -351,11 +351,41 @@ def _idle_client_main(argv: list[str]) -> None:
                               "dropped": client._io.data_ingress.dropped, **vars(client.stats)}), flush=True)
 
 
+def _holding_client_main(argv: list[str]) -> None:
+    """A client that takes ``--requests`` DSpark replies through the same-host plane and never copies them
+    out (so never gives their slots back); prints "holding" once it blocks, then waits to be killed."""
+    import argparse
+
+    from spec_serve import samehost
+    from spec_serve.client import RemoteTargetModel
+    from spec_serve.tiny import sample_batch
+
+    p = argparse.ArgumentParser(prog="cluster_util.py holding-client")
+    p.add_argument("--broker", required=True)
+    p.add_argument("--service", default="default")
+    p.add_argument("--target", required=True)
+    p.add_argument("--requests", type=int, default=2)
+    args = p.parse_args(argv)
+    threading.Timer(120, os._exit, (3,)).start()  # never outlive a test that forgot us
+
+    def hold(span, out):
+        print("holding", flush=True)
+        threading.Event().wait()
+
+    samehost._Span.copy_into = hold
+    client = RemoteTargetModel(args.broker, service=args.service, timeout=600, prefetch_depth=args.requests,
+                               **CLIENT_KW)
+    for seed in range(args.requests):
+        client.generate_batch_async(*sample_batch(args.target, 2, 16, seed=seed), kind="dspark")
+    threading.Event().wait()
+
+
 if __name__ == "__main__":
     entry = {"slow-worker": _slow_worker_main, "swap-worker": _swap_worker_main,
-             "idle-client": _idle_client_main}.get(sys.argv[1] if len(sys.argv) > 1 else "")
+             "idle-client": _idle_client_main, "holding-client": _holding_client_main}.get(sys.argv[1] if len(sys.argv) > 1 else "")
     if entry is None:
         sys.exit("usage: cluster_util.py slow-worker --delay S --target DIR --broker URL\n"
                  "       cluster_util.py swap-worker --target DIR --swap-to DIR --after N --broker URL\n"
-                 "       cluster_util.py idle-client BROKER TARGET")
+                 "       cluster_util.py idle-client BROKER TARGET\n"
+                 "       cluster_util.py holding-client --broker URL --target DIR [--requests N]")
     entry(sys.argv[2:])
