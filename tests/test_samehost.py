@@ -240,7 +240,8 @@ def test_killed_client_gives_its_slots_back(cluster, tiny_target_dir, reference)
     worker = cluster.workers[3].pid
     ctl = _control(worker)
     proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "holding-client", "--broker",
-                             cluster.frontend, "--service", "held", "--target", str(tiny_target_dir), "--requests", "2"],
+                             cluster.frontend, "--service", "held", "--target", str(tiny_target_dir),
+                             "--requests", "2"],
                             env={**os.environ, **FAST_ENV}, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "holding"
@@ -356,7 +357,8 @@ def test_wire_layout_matches_encode():
     header, placed = wire.layout(tensors)
     assert header == bytes(wire.encode(tensors)[0])
     layout, _ = wire.parse_header(header, placed[-1][3])
-    assert {n: (d, s) for n, (d, s, _, _) in layout.items()} == {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    described = {n: (dtype, shape) for n, (dtype, shape, _, _) in layout.items()}
+    assert described == {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
 
 
 # ------------------------------------------------------------------ GPU (run on an H200)
