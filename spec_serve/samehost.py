@@ -32,6 +32,7 @@ no segments; a worker unlinks its own, and a killed worker's are reaped (``shm.r
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import errno
@@ -55,6 +56,8 @@ DEFAULT_LEASE_S = 60.0
 KINDS = ("shm", "cuda")
 # Slots are allocated with headroom, so replies that vary a little in size reuse them.
 _SLOT_ALIGN = 2 << 20
+# Workers whose memory a client keeps mapped at once (least recently used ones are dropped first).
+MAX_MAPPED_WORKERS = 64
 
 
 def enabled(default: bool = True) -> bool:
@@ -387,7 +390,7 @@ class ClientPlane:
         self.device = torch.device(device)
         self.owner = shm.Owner.current()
         self.gpus = cuda_ipc.visible_gpus() if self.device.type == "cuda" else {}
-        self._controls: dict[str, shm.ControlBlock] = {}
+        self._controls: "collections.OrderedDict[str, shm.ControlBlock]" = collections.OrderedDict()
         self._slots: dict[tuple[str, int], tuple[str, Any]] = {}  # (ctl, slot) -> (locator, Segment | tensor)
         self.off_reason: str | None = None
 
@@ -448,6 +451,9 @@ class ClientPlane:
         ctl = self._controls.get(name)
         if ctl is None:
             ctl = self._controls[name] = self._open(lambda: shm.ControlBlock.open(name))
+            while len(self._controls) > MAX_MAPPED_WORKERS:
+                self._forget([next(iter(self._controls))])
+        self._controls.move_to_end(name)
         return ctl
 
     def _mapped(self, d: dict, opener: Callable[[], Any], key: str | None = None):
@@ -494,12 +500,17 @@ class ClientPlane:
     def tick(self) -> None:
         """Forget the memory of workers that are gone, and reap their segments."""
         gone = [name for name in self._controls if not _owner_alive(name)]
-        for name in gone:
-            del self._controls[name]
         if gone:
-            for key in [k for k in self._slots if k[0] in gone]:
-                del self._slots[key]
+            self._forget(gone)
             shm.reap()
+
+    def _forget(self, controls: list[str]) -> None:
+        """Drop the mappings of these workers' control blocks and slots (replies still being read keep
+        theirs alive until they are settled)."""
+        for name in controls:
+            self._controls.pop(name, None)
+        for key in [k for k in self._slots if k[0] in controls]:
+            del self._slots[key]
 
     def close(self) -> None:
         self._controls.clear()
