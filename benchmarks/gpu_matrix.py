@@ -6,8 +6,10 @@ every batch a client gets with ``torch.equal`` against the colocated forward of 
 ``spec_serve.verify`` computes it (per shard; compact expanded on the client's device). Cells:
 
   frames  EAGLE-3 full and compact  x  prefetch 1, 2, 4  x  shards 1, 2  x  client on the worker's
-          GPU and (when there are two) on another one
+          GPU and (when there are two) on another one (the same-host plane off)
   frames  DSpark, prefetch 2, on each client device
+  plane   the same-host plane (CUDA IPC): EAGLE-3 full and compact x shards 1, 2, and DSpark, prefetch
+          2, on each client device
   nccl    EAGLE-3 full and compact, client on another device (NCCL pairs two GPUs; on CPU: gloo)
 
 Prints one line per cell as it finishes and a matrix of equal/total at the end; writes JSON after
@@ -44,7 +46,7 @@ from spec_serve.verify import expanded, mismatch, sharded_forward  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    path: str  # "frames" or "nccl"
+    path: str  # "frames", "plane" (the same-host plane) or "nccl"
     kind: str  # "eagle3" or "dspark"
     compact: bool
     prefetch: int
@@ -67,6 +69,10 @@ def plan(devices: list[str]) -> tuple[list[Cell], list[tuple[str, str]]]:
                 for shards in (1, 2):
                     cells.append(Cell("frames", "eagle3", compact, prefetch, shards, client))
         cells.append(Cell("frames", "dspark", False, 2, 1, client))
+        for compact in (False, True):
+            for shards in (1, 2):
+                cells.append(Cell("plane", "eagle3", compact, 2, shards, client))
+        cells.append(Cell("plane", "dspark", False, 2, 1, client))
     if not others and worker.startswith("cuda"):
         skipped.append(("client on another GPU", "one GPU here"))
     nccl_client = others[0] if others else (worker if worker == "cpu" else None)
@@ -126,7 +132,7 @@ def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float
         row["equal_to_unsharded"] = 0  # informative: a GPU may give rows computed with others other low bits
     with RemoteTargetModel(frontend, device=cell.client_device, prefetch_depth=cell.prefetch, num_shards=cell.shards,
                            compact=cell.compact, enable_nccl=cell.path == "nccl", timeout=request_timeout,
-                           max_retries=1, verify=verify) as client:
+                           max_retries=1, verify=verify, same_host_plane=cell.path == "plane") as client:
         client.set_vocab_mapping(*refs.mapping)
         futures = [client.generate_batch_async(*b, kind=cell.kind) for b in refs.batches]
         for i, future in enumerate(futures):
@@ -140,9 +146,12 @@ def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float
             del got
         stats = client.stats
     row.update(retried=stats.retried, nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
-               digest_checks=stats.digest_checks, digest_mismatches=stats.digest_mismatches)
+               digest_checks=stats.digest_checks, digest_mismatches=stats.digest_mismatches,
+               plane_replies=stats.plane_replies, plane_fallbacks=stats.plane_fallbacks)
     if cell.path == "nccl" and stats.nccl_batches < row["total"]:
         row["note"] = f"only {stats.nccl_batches} of {row['total']} batches came over NCCL (fell back to frames)"
+    if cell.path == "plane" and stats.plane_replies < row["total"] * cell.shards:
+        row["note"] = f"only {stats.plane_replies} of {row['total'] * cell.shards} replies came through the plane"
     return row
 
 

@@ -6,7 +6,8 @@ frames and gives them a finished tracker, and full EAGLE-3 replies end with the 
 ``position_mask``: the slab was lent again and overwritten by the next forward while libzmq was
 still sending the big frames. On an H200 8 of 9 batches came back wrong, silently.
 
-Here a CPU worker runs that same pooled path (``--host-pool``) with a pool of one slab, and the
+Here a CPU worker runs that same pooled path (``--host-pool``, frames: the same-host plane is off for
+these workers) with a pool of one slab, and the
 client is a slow reader: its data socket queues one message (RCVHWM 1) and it reads no reply until
 the worker has run every forward it was sent (or waits for its slab), so replies sit half-sent in
 the worker's libzmq while later forwards want the slab. Every batch must still equal the colocated
@@ -41,7 +42,8 @@ STALL_QUIET_S = 1.5
 
 @pytest.fixture(scope="module")
 def cluster(tiny_target_dir):
-    with local_cluster(tiny_target_dir, workers=0, env=FAST_ENV) as c:
+    # Frames only: a same-host worker would lend replies through the same-host plane instead (test_samehost.py).
+    with local_cluster(tiny_target_dir, workers=0, env={**FAST_ENV, "SPEC_SERVE_SAME_HOST_PLANE": "0"}) as c:
         pooled = ("--host-pool", "--host-pool-buffers", "1")
         c.start_worker(tiny_target_dir, *pooled, service="pooled")
         c.start_worker(tiny_target_dir, *pooled, "--packing", "--max-batch-tokens", str(ROWS * SEQ), service="packing")
@@ -107,17 +109,15 @@ def _wait_until_worker_settles(cluster, service: str, target: int) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("service,shards,local_ipc", [
-    ("pooled", 2, False),  # tcp loopback
-    ("pooled", 2, True),  # ipc: the same socket code, another transport
-    ("packing", 2, False),  # the shards of a batch computed in one packed forward: their replies share a slab
+@pytest.mark.parametrize("service,shards", [
+    ("pooled", 2),  # tcp loopback
+    ("packing", 2),  # the shards of a batch computed in one packed forward: their replies share a slab
 ])
-def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_vocab_mapping, service, shards,
-                                           local_ipc):
+def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_vocab_mapping, service, shards):
     # verify="off": the end-to-end digest would catch a reused slab and retry; this test watches the data
     # path itself.
     with RemoteTargetModel(cluster.frontend, service=service, prefetch_depth=PREFETCH, num_shards=shards,
-                           timeout=120, local_ipc=local_ipc, verify="off", **CLIENT_KW) as client:
+                           timeout=120, verify="off", **CLIENT_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         stalled = _stall_replies(client)
         stalled.set()
@@ -127,9 +127,7 @@ def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_v
         stalled.clear()
         futures += [client.generate_batch_async(*batch, kind="eagle3") for batch, _ in batches[PREFETCH:]]
         results = [f.result(timeout=120) for f in futures]
-        assert client.stats.retried == 0
-        if local_ipc:
-            assert client.stats.local_replies == BATCHES * shards
+        assert client.stats.retried == 0 and client.stats.plane_replies == 0
         if service == "packing":
             assert client.stats.batched > 0
     for (batch, want), got in zip(batches, results):
