@@ -30,12 +30,14 @@ def test_plan_covers_the_paths():
     matrix = _module()
     one_gpu, skipped = matrix.plan(["cuda:0"])
     names = [c.name for c in one_gpu]
-    assert len(one_gpu) == 13 and all(c.path == "frames" for c in one_gpu)
-    assert {(c.compact, c.prefetch, c.shards) for c in one_gpu if c.kind == "eagle3"} == {
+    assert len(one_gpu) == 18 and {c.path for c in one_gpu} == {"frames", "plane"}
+    assert {(c.compact, c.prefetch, c.shards) for c in one_gpu if c.kind == "eagle3" and c.path == "frames"} == {
         (compact, p, s) for compact in (False, True) for p in (1, 2, 4) for s in (1, 2)}
+    assert {(c.kind, c.compact, c.shards) for c in one_gpu if c.path == "plane"} == {
+        ("eagle3", compact, s) for compact in (False, True) for s in (1, 2)} | {("dspark", False, 1)}
     assert any("dspark" in n for n in names) and len(skipped) == 3  # other GPU, nccl full and compact
     two_gpus, skipped = matrix.plan(["cuda:0", "cuda:1"])
-    assert not skipped and len(two_gpus) == 28
+    assert not skipped and len(two_gpus) == 38
     assert {c.client_device for c in two_gpus if c.path == "nccl"} == {"cuda:1"}
     cpu, skipped = matrix.plan(["cpu"])
     assert not skipped and [c.compact for c in cpu if c.path == "nccl"] == [False, True]  # gloo on CPU
@@ -48,10 +50,12 @@ def test_matrix_on_cpu_is_all_equal(tmp_path):
                            "--seq", "32", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["all_equal"] and len(report["cells"]) == 15
+    assert report["all_equal"] and len(report["cells"]) == 20
     for row in report["cells"]:
         assert row["status"] == "ok" and row["equal"] == row["total"] == 2, row
     assert all(r["nccl_batches"] == 2 for r in report["cells"] if r["path"] == "nccl")
+    assert all(r["plane_replies"] == 0 for r in report["cells"] if r["path"] == "frames")
+    assert all(r["plane_replies"] == 2 * r["shards"] for r in report["cells"] if r["path"] == "plane")
     assert "ALL EQUAL" in proc.stdout and "nccl   eagle3_compact" in proc.stdout
 
 
