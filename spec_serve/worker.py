@@ -258,7 +258,10 @@ class Worker:
         # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Same-host clients get GENERATE replies through slots of memory they map (samehost.py); None: frames only.
-        self.plane = samehost.WorkerPlane.start(self.device, plane_slots or capacity + 2, plane_lease)
+        # run() owns the plane: it creates the shared-memory segments and closes them on the way out, so a
+        # Worker that is built but never run holds none.
+        self.plane: samehost.WorkerPlane | None = None
+        self._plane_shape = (plane_slots or capacity + 2, plane_lease)
         self._tracked: list = []  # (MessageTracker over every frame, Lease) of replies still borrowing a slab
         self._data_sockets: "collections.OrderedDict[str, ReplySocket]" = collections.OrderedDict()  # I/O thread
         # NCCL data plane (docs/nccl.md): at most one client bound at a time. The pair is used only
@@ -285,6 +288,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until ``stop()``."""
+        self.plane = samehost.WorkerPlane.start(self.device, *self._plane_shape)
         wake = self.ctx.socket(zmq.PAIR)
         wake.bind(self._notify_endpoint)
         compute = threading.Thread(target=self._compute_loop, name="spec-serve-compute", daemon=True)
@@ -357,6 +361,7 @@ class Worker:
                 reply_socket.close(linger)
             if self.plane is not None:
                 self.plane.close()
+                self.plane = None
             event(log, logging.INFO, "worker.stop", served=self.served, replies_plane=self.replies_plane,
                   replies_frames=self.replies_frames)
 

@@ -24,9 +24,11 @@ from cluster_util import CLIENT_KW, FAST_ENV, HERE, Reference, assert_equal_batc
 
 from spec_serve import samehost, shm, wire
 from spec_serve.client import RemoteTargetModel
+from spec_serve.engines.hf import HFTarget
 from spec_serve.launch import local_cluster
 from spec_serve.sockets import local_host_key
 from spec_serve.tiny import sample_batch
+from spec_serve.worker import Worker
 
 # Services beside "default" (2 workers, plane defaults): few slots, to make lifetimes visible.
 TIGHT = ("--plane-slots", "1", "--plane-lease", "1")  # a slot is lent again 1 s after it was lent
@@ -117,6 +119,12 @@ def test_worker_lends_only_to_wellformed_same_host_offers():
     finally:
         plane.close()
     assert not _segments(os.getpid())
+
+
+def test_a_worker_that_never_runs_holds_no_segment(tiny_target_dir):
+    """run() owns the plane: building a Worker (as tests and tools do without serving) maps nothing."""
+    worker = Worker(HFTarget(tiny_target_dir), "tcp://127.0.0.1:1")
+    assert worker.plane is None and not _segments(os.getpid())
 
 
 def test_client_refuses_malformed_descriptors():
