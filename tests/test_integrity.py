@@ -14,20 +14,16 @@ import signal
 import subprocess
 
 import pytest
-from cluster_util import assert_equal_batches, same, start_swap_worker, wait_until, workers
+from cluster_util import (FORGIVING_CLIENT_KW, FORGIVING_ENV, assert_equal_batches, same, start_swap_worker,
+                          wait_until, workers)
 from prometheus_client import REGISTRY
 
 from spec_serve.client import IntegrityError, RemoteTargetModel, TargetChangedError
 from spec_serve.launch import local_cluster
 from spec_serve.tiny import make_tiny_target, sample_batch
 
-ENV = {
-    "SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2",
-    "SPEC_SERVE_HEARTBEAT_LIVENESS": "15",
-    "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "120",
-    "SPEC_SERVE_LOG_LEVEL": "INFO",
-}
-CLIENT_KW = {"timeout": 60, "heartbeat_interval": 0.2, "liveness": 15}
+ENV = FORGIVING_ENV
+CLIENT_KW = FORGIVING_CLIENT_KW
 ALWAYS = "1000000"
 
 

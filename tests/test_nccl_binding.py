@@ -17,20 +17,14 @@ import time
 
 import pytest
 import torch
-from cluster_util import assert_equal_batches, listening_addresses, wait_until, workers
+from cluster_util import FORGIVING_CLIENT_KW, FORGIVING_ENV, assert_equal_batches, listening_addresses, wait_until, workers
 
 from spec_serve.client import RemoteTargetModel
 from spec_serve.launch import local_cluster
 from spec_serve.tiny import sample_batch
 
-# Heartbeats every 0.2 s, dead after 3 s of silence (forgiving on 2 loaded cores, quick for the kill test).
-ENV = {
-    "SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2",
-    "SPEC_SERVE_HEARTBEAT_LIVENESS": "15",
-    "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "120",
-    "SPEC_SERVE_LOG_LEVEL": "INFO",
-}
-CLIENT_KW = {"timeout": 60, "heartbeat_interval": 0.2, "liveness": 15}
+ENV = FORGIVING_ENV
+CLIENT_KW = FORGIVING_CLIENT_KW
 NCCL_KW = {**CLIENT_KW, "enable_nccl": True, "nccl_timeout": 20}
 
 
