@@ -24,6 +24,8 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       share a packed forward); every timed batch verified the same way
   remote_1w_compact_packed   the same with RemoteTargetModel(compact=True), verified against the
                       colocated compact forward expanded the same way
+  samehost_1w_packed, samehost_1w_compact_packed   the packing worker through the same-host plane
+  samehost_1w_packed_own_gpu, remote_1w_compact_packed_own_gpu   the client on the last device
   small_unbatched     many small requests from several ranks, one worker without packing
   small_batched       the same against a worker started with --packing --max-batch-tokens, so
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
@@ -799,6 +801,18 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "remote_1w_packed": ({"packed"}, lambda c: run_remote(c, "packed", False, 1, "remote_1w_packed", packed=True)),
     "remote_1w_compact_packed": ({"packed"}, lambda c: run_remote(c, "packed", True, 1, "remote_1w_compact_packed",
                                                                   packed=True)),
+    # The packing worker through the same-host plane, the client on the worker's GPU or its own.
+    "samehost_1w_packed": ({"packed"}, lambda c: run_remote(c, "packed", False, 1, "samehost_1w_packed",
+                                                            packed=True, plane=True)),
+    "samehost_1w_compact_packed": ({"packed"}, lambda c: run_remote(c, "packed", True, 1,
+                                                                    "samehost_1w_compact_packed", packed=True,
+                                                                    plane=True)),
+    "samehost_1w_packed_own_gpu": ({"packed"}, lambda c: run_remote(c, "packed", False, 1,
+                                                                    "samehost_1w_packed_own_gpu", packed=True,
+                                                                    plane=True, own_device=True)),
+    "remote_1w_compact_packed_own_gpu": ({"packed"}, lambda c: run_remote(c, "packed", True, 1,
+                                                                          "remote_1w_compact_packed_own_gpu",
+                                                                          packed=True, own_device=True)),
     "colocated_dspark": (set(), lambda c: run_colocated(c, compact=False, dspark=True)),
     # Replies as frames (the same-host plane off), as a client on another host gets them.
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
@@ -846,6 +860,14 @@ RATIOS = [
      1.5),
     # Full EAGLE-3 replies keep their padded layout (the contract), so over frames they stay bytes-bound.
     ("remote packing worker, full / colocated padded (useful tokens/s)", "remote_1w_packed", "colocated", None),
+    ("same-host plane packing worker, full / colocated padded (useful tokens/s)", "samehost_1w_packed", "colocated",
+     1.5),
+    ("same-host plane packing worker, compact / colocated padded (useful tokens/s)", "samehost_1w_compact_packed",
+     "colocated", 1.5),
+    ("same-host plane packing worker, client on its own GPU / colocated padded (useful tokens/s)",
+     "samehost_1w_packed_own_gpu", "colocated", 1.5),
+    ("remote packing worker compact, client on its own GPU / colocated padded (useful tokens/s)",
+     "remote_1w_compact_packed_own_gpu", "colocated", 1.5),
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
     ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),
@@ -945,7 +967,7 @@ def _ratio(label: str, a: str, b: str, goal, figures: dict, rounds: list[dict]) 
         ratio["rounds"] = [round(v, 3) for v in values]
     if any(rd[n].get("status") == "INVALID" for rd in rounds for n in (a, b)):
         ratio.update(status="invalid", value=None)
-    elif a.startswith("remote") and not a.endswith("_packed") and b.startswith("colocated") \
+    elif a.startswith(("remote", "samehost")) and "_packed" not in a and b.startswith("colocated") \
             and (ratio["value"] or 0) > IMPLAUSIBLE_OVER_COLOCATED:  # (packing skips padding: it may be faster)
         ratio["status"] = "implausible"
     return ratio
