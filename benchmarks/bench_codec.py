@@ -27,7 +27,7 @@ from collections.abc import Callable
 import safetensors.torch
 import torch
 
-from spec_serve.wire import MAX_FRAME_BYTES, decode, encode
+from spec_serve.protocol.wire import MAX_FRAME_BYTES, decode, encode
 
 DTYPES = {
     name: getattr(torch, name)

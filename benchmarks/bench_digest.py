@@ -1,4 +1,4 @@
-"""What the end-to-end reply digest (spec_serve/digest.py) costs, at the Llama-3.1-8B shape.
+"""What the end-to-end reply digest (spec_serve/protocol/digest.py) costs, at the Llama-3.1-8B shape.
 
 A full EAGLE-3 reply of 4 x 2048 tokens (aux 4x2048x12288 bf16, target_probs 4x2048x32000 f32,
 position_mask, input_ids, loss_mask: 1.25 GB) is digested once on the worker's device and once on
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spec_serve import digest  # noqa: E402
+from spec_serve.protocol import digest  # noqa: E402
 
 B, S, H, VD = 4, 2048, 4096, 32000
 
@@ -68,7 +68,7 @@ def transfer_seconds(reply: dict[str, torch.Tensor], repeat: int) -> list[float]
     """Encode, send over tcp loopback, parse and copy into reused buffers, one reply at a time."""
     import zmq
 
-    from spec_serve import wire
+    from spec_serve.protocol import wire
 
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -94,9 +94,9 @@ def transfer_seconds(reply: dict[str, torch.Tensor], repeat: int) -> list[float]
 
 
 def gpu_forward(device: torch.device, tmp: str):
-    from spec_serve.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG, make_batch
+    from spec_serve.tools.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG, make_batch
     from spec_serve.engines.hf import HFTarget, write_random_init_target
-    from spec_serve.vocab import build_vocab_mapping
+    from spec_serve.supervision.vocab import build_vocab_mapping
 
     target = write_random_init_target(Path(tmp) / "llama-8b-shape", LLAMA_8B_CONFIG)
     engine = HFTarget(target, device=device, dtype="bfloat16",

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import zmq
 
-FRAME = 16 << 20  # the codec's frame size (spec_serve.wire.MAX_FRAME_BYTES)
+FRAME = 16 << 20  # the codec's frame size (spec_serve.protocol.wire.MAX_FRAME_BYTES)
 
 
 def _send(endpoint: str, streams: int, messages: int, mib: int) -> None:

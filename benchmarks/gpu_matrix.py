@@ -3,7 +3,7 @@
 One worker serves the Llama-3.1-8B shape (random bf16 weights built on the GPU, aux layers 1,15,28)
 on the first device; this process holds the colocated ``HFTarget`` on the same device and checks
 every batch a client gets with ``torch.equal`` against the colocated forward of the same input, as
-``spec_serve.verify`` computes it (per shard; compact expanded on the client's device). Cells:
+``spec_serve.tools.verify`` computes it (per shard; compact expanded on the client's device). Cells:
 
   frames  EAGLE-3 full and compact  x  prefetch 1, 2, 4  x  shards 1, 2  x  client on the worker's
           GPU and (when there are two) on another one (the same-host plane off)
@@ -40,8 +40,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from spec_serve.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG  # noqa: E402
-from spec_serve.verify import expanded, mismatch, sharded_forward  # noqa: E402
+from spec_serve.tools.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG  # noqa: E402
+from spec_serve.tools.verify import expanded, mismatch, sharded_forward  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ class References:
     device; compact ones expanded per client device when asked."""
 
     def __init__(self, engine, batches, mapping):
-        from spec_serve.compact import lm_head_slice
+        from spec_serve.supervision.eagle3 import lm_head_slice
 
         self.engine, self.batches, self.mapping = engine, batches, mapping
         self.lm_head = lm_head_slice(engine.get_output_embeddings().weight, mapping[0])
@@ -125,7 +125,7 @@ class References:
 def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float, verify: str) -> dict:
     """Every batch of ``refs`` through one client configured as ``cell``; counts equal batches. With the
     end-to-end digest on (``verify``), a reply it caught (and had computed again) fails the cell too."""
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client.api import RemoteTargetModel
 
     row = {"equal": 0, "total": len(refs.batches), "first_mismatch": None}
     if cell.shards > 1:
@@ -183,7 +183,7 @@ def _status(row: dict) -> str:
 
 
 def start_worker(target: Path, device: str, gpu_8b: bool, log_dir: Path | None):
-    from spec_serve.launch import Cluster, free_port
+    from spec_serve.tools.launch import Cluster, free_port
 
     cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
                       env={"SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "900"}, log_dir=log_dir)
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a, device, seq, draft_vocab, cells, skipped, report, out_path: Path, tmp: Path) -> int:
     from spec_serve.engines.hf import write_random_init_target
-    from spec_serve.tiny import make_tiny_target
-    from spec_serve.vocab import build_vocab_mapping
+    from spec_serve.tools.tiny import make_tiny_target
+    from spec_serve.supervision.vocab import build_vocab_mapping
 
     started = time.monotonic()
     target = make_tiny_target(tmp / "tiny") if a.tiny else write_random_init_target(tmp / "8b", LLAMA_8B_CONFIG)

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spec_serve.client import RemoteTargetModel
 from spec_serve.engines.hf import fingerprint
-from spec_serve.tiny import sample_batch
-from spec_serve.vocab import build_vocab_mapping, mask_from_selected
+from spec_serve.tools.tiny import sample_batch
+from spec_serve.supervision.vocab import build_vocab_mapping, mask_from_selected
 
 
 class Eagle3Draft(nn.Module):
@@ -142,8 +142,8 @@ def train(args) -> int:
 
 def demo(args) -> int:
     """Build the tiny target, start a broker and 2 workers here, and torchrun 2 ranks against them."""
-    from spec_serve.launch import local_cluster
-    from spec_serve.tiny import make_tiny_target
+    from spec_serve.tools.launch import local_cluster
+    from spec_serve.tools.tiny import make_tiny_target
 
     with tempfile.TemporaryDirectory(prefix="spec-serve-eagle3-") as tmp:
         target_dir = make_tiny_target(Path(tmp) / "tiny")

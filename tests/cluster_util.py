@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-# Short timers for the subprocesses (read by spec_serve.protocol at import).
+# Short timers for the subprocesses (read by spec_serve.protocol.commands at import).
 # Liveness 5 x 0.2 s = 1 s: a worker is dead after about a second of silence.
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_LIVENESS = 5
@@ -208,7 +208,7 @@ class Reference:
         self._lock = threading.Lock()
 
     def batch(self, seed: int, batch: int = 2, seq: int = 16):
-        from spec_serve.tiny import sample_batch
+        from spec_serve.tools.tiny import sample_batch
 
         return sample_batch(self.target_dir, batch, seq, seed=seed)
 
@@ -280,9 +280,9 @@ def run_requests(client, reference: Reference, seeds, tally: Tally, kind: str = 
 def _slow_worker_main(argv: list[str]) -> None:
     import argparse
 
-    from spec_serve import logs
+    from spec_serve.telemetry import logs
     from spec_serve.engines import load_engine
-    from spec_serve.worker import Worker
+    from spec_serve.worker.server import Worker
 
     p = argparse.ArgumentParser(prog="cluster_util.py slow-worker")
     p.add_argument("--delay", type=float, required=True)
@@ -310,9 +310,9 @@ def _slow_worker_main(argv: list[str]) -> None:
 def _swap_worker_main(argv: list[str]) -> None:
     import argparse
 
-    from spec_serve import logs
+    from spec_serve.telemetry import logs
     from spec_serve.engines import load_engine
-    from spec_serve.worker import Worker
+    from spec_serve.worker.server import Worker
 
     p = argparse.ArgumentParser(prog="cluster_util.py swap-worker")
     p.add_argument("--target", required=True)
@@ -343,8 +343,8 @@ def _swap_worker_main(argv: list[str]) -> None:
 
 def _idle_client_main(argv: list[str]) -> None:
     """Print the data endpoint; on each stdin line run a dspark batch and print its stats; exit at EOF."""
-    from spec_serve.client import RemoteTargetModel
-    from spec_serve.tiny import sample_batch
+    from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.tools.tiny import sample_batch
 
     broker, target = argv
     with RemoteTargetModel(broker, timeout=30, **CLIENT_KW) as client:
@@ -360,9 +360,9 @@ def _holding_client_main(argv: list[str]) -> None:
     out (so never gives their slots back); prints "holding" once it blocks, then waits to be killed."""
     import argparse
 
-    from spec_serve import samehost
-    from spec_serve.client import RemoteTargetModel
-    from spec_serve.tiny import sample_batch
+    from spec_serve.transport import samehost
+    from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.tools.tiny import sample_batch
 
     p = argparse.ArgumentParser(prog="cluster_util.py holding-client")
     p.add_argument("--broker", required=True)

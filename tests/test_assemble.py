@@ -12,9 +12,9 @@ import concurrent.futures
 import pytest
 import torch
 
-from spec_serve import wire
-from spec_serve.client import RemoteError, _assemble
-from spec_serve.hostpool import RecyclingAllocator
+from spec_serve.protocol import wire
+from spec_serve.client.api import RemoteError, _assemble
+from spec_serve.transport.hostpool import RecyclingAllocator
 
 
 def _reply(tensors: dict[str, torch.Tensor]) -> dict[str, wire.TensorSpan]:

@@ -9,8 +9,8 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from spec_serve.bench import bytes_per_token
-from spec_serve.cli import main
+from spec_serve.tools.bench import bytes_per_token
+from spec_serve.tools.cli import main
 
 
 def test_bytes_per_token_at_8b_shape():
@@ -77,20 +77,20 @@ def _flags(help_text: str) -> set[str]:
 
 
 def test_module_and_command_are_one_parser(capsys):
-    from spec_serve import bench
+    from spec_serve.tools import bench
 
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--help"])
     assert exit_info.value.code == 0
     module_help = capsys.readouterr().out
     command_help = CliRunner().invoke(main, ["bench", "--help"]).output
-    assert "python -m spec_serve.bench" in module_help
+    assert "python -m spec_serve.tools.bench" in module_help
     assert _flags(module_help) == _flags(command_help)
     assert {"--small-seq", "--small-ranks", "--plot", "--repeat", "--json", "--config"} <= _flags(module_help)
 
 
 def test_module_rejects_unknown_scenario_like_the_command(capsys):
-    from spec_serve import bench
+    from spec_serve.tools import bench
 
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--only", "warp_drive"])
@@ -99,7 +99,7 @@ def test_module_rejects_unknown_scenario_like_the_command(capsys):
 
 def test_plot_draws_every_ratio_and_round(tmp_path):
     pytest.importorskip("matplotlib")
-    from spec_serve.bench_plot import plot_ratios, ratio_rounds
+    from spec_serve.tools.bench_plot import plot_ratios, ratio_rounds
 
     report = {"when": "now", "ratios": [
         {"ratio": "remote 1 worker / colocated", "value": 0.9, "h200_target": 0.95, "rounds": [0.8, 0.9, 1.0]},
@@ -127,7 +127,7 @@ def test_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_path):
 def test_bench_length_workloads(tmp_path):
     """lognormal: seeded, median near 600 at seq 2048, capped, each batch padded to its longest row;
     a JSONL file replays its rows' lengths (either spelling), truncated to seq; a bad file names its line."""
-    from spec_serve.bench import padded_batch, row_lengths
+    from spec_serve.tools.bench import padded_batch, row_lengths
 
     drawn = row_lengths("lognormal", 500, 4, 2048)
     assert drawn == row_lengths("lognormal", 500, 4, 2048) and drawn[0] != drawn[1]
@@ -169,8 +169,8 @@ def test_bench_packed_scenarios_verify_every_batch(tmp_path):
 
 
 def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):
-    from spec_serve.bench import verify_packed
-    from spec_serve.tiny import sample_batch
+    from spec_serve.tools.bench import verify_packed
+    from spec_serve.tools.tiny import sample_batch
 
     engine = colocated_target()
     batches = [sample_batch(tiny_target_dir, 2, 16, seed=s) for s in range(2)]
@@ -186,7 +186,7 @@ def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):
 def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch):
     """One timed batch unequal to the colocated forward: the scenario reports verified=1/2 and every
     ratio it is part of prints INVALID instead of a value."""
-    import spec_serve.verify as verify
+    import spec_serve.tools.verify as verify
 
     reference = verify.colocated_reference
     calls = []
@@ -213,7 +213,7 @@ def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch):
 
 
 def test_remote_faster_than_colocated_is_flagged():
-    from spec_serve.bench import _ratio, format_table
+    from spec_serve.tools.bench import _ratio, format_table
 
     def figure(name, rate):
         return {"scenario": name, "tokens": 100, "bytes": 1, "seconds": 1.0, "tokens_per_s": rate, "gb_per_s": 0.1}

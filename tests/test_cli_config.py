@@ -8,8 +8,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from spec_serve.cli import main
-from spec_serve.cli_config import ConfigGroup
+from spec_serve.tools.cli import main
+from spec_serve.tools.cli_config import ConfigGroup
 
 
 @click.group(cls=ConfigGroup)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from cluster_util import assert_equal_batches
 
-from spec_serve import wire
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import Cluster, free_port, local_cluster
-from spec_serve.tiny import sample_batch
+from spec_serve.protocol import wire
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import Cluster, free_port, local_cluster
+from spec_serve.tools.tiny import sample_batch
 
 KINDS = ("eagle3", "dspark")
 
@@ -196,7 +196,7 @@ def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
         tokens = [line for line in text.splitlines() if line.startswith("spec_serve_tokens_total")]
         assert tokens and float(tokens[0].split()[-1]) == float(inputs[1].sum())
         # The status command prints the same picture.
-        out = subprocess.run([sys.executable, "-m", "spec_serve.cli", "status", "--broker", cluster.frontend,
+        out = subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "status", "--broker", cluster.frontend,
                               "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         status = json.loads(out.stdout)
@@ -212,13 +212,13 @@ def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
 
 
 def test_http_shim_binds_loopback_by_default():
-    out = subprocess.run([sys.executable, "-m", "spec_serve.cli", "broker", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "broker", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert "127.0.0.1" in out.stdout and "Examples" in out.stdout
 
 
 def test_health_ignores_services_no_worker_ever_served():
-    from spec_serve.http_shim import health
+    from spec_serve.broker.http_shim import health
 
     def svc(ready, ever, queued=0):
         return {"workers": ready, "ready_workers": ready, "queue_depth": queued, "ever_had_workers": ever}

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_serve.client import RemoteTargetModel
-from spec_serve.compact import expand_compact, lm_head_slice
-from spec_serve.launch import local_cluster
-from spec_serve.tiny import sample_batch
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import sample_batch
 
 
 def _nbytes(batch):

@@ -1,4 +1,4 @@
-"""The reply digest (spec_serve/digest.py) and the client's check hook in ``_assemble``.
+"""The reply digest (spec_serve/protocol/digest.py) and the client's check hook in ``_assemble``.
 
 tests/test_integrity.py runs the whole path with real processes; these pin down the digest itself
 (against a plain numpy reference, on odd sizes and unaligned views), what it cannot catch, the
@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from spec_serve import digest, wire
-from spec_serve.client import _assemble
+from spec_serve.protocol import digest
+
+from spec_serve.protocol import wire
+from spec_serve.client.api import _assemble
 
 
 def reference_digest(t: torch.Tensor) -> int:

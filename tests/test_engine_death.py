@@ -14,9 +14,9 @@ import time
 import pytest
 
 from cluster_util import Reference, assert_equal_batches, wait_until
-from spec_serve.client import RemoteError, RemoteTargetModel
+from spec_serve.client.api import RemoteError, RemoteTargetModel
 from spec_serve.engines.hf import TEST_FAULT_ENV
-from spec_serve.launch import local_cluster
+from spec_serve.tools.launch import local_cluster
 
 # A worker is declared dead after 10 s of silence: longer than the test keeps the doomed one stopped.
 SLOW_HEARTBEATS = {"SPEC_SERVE_HEARTBEAT_INTERVAL": "0.5", "SPEC_SERVE_HEARTBEAT_LIVENESS": "20",

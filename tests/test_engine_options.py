@@ -18,8 +18,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from spec_serve.cli import main
-from spec_serve.engine_options import parse_engine_arg
+from spec_serve.tools.cli import main
+from spec_serve.engines.options import parse_engine_arg
 from spec_serve.engines import install_advice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _worker(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``spec-serve worker ARGS`` as a process of this venv, with this checkout first on the path."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "spec_serve.cli", "worker", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "worker", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -15,9 +15,9 @@ import textwrap
 import pytest
 import torch
 
-from spec_serve.contract import RESPONSE_TENSORS, Kind
+from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
 from spec_serve.engines import EngineUnavailable, load_engine
-from spec_serve.tiny import sample_batch
+from spec_serve.tools.tiny import sample_batch
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_fake_sglang_target_info_and_embeddings(fake_sglang, tiny_target_dir, ti
 
 
 def test_fake_sglang_tied_embeddings(fake_sglang, tmp_path):
-    from spec_serve.tiny import make_tiny_target
+    from spec_serve.tools.tiny import make_tiny_target
 
     target = make_tiny_target(tmp_path / "tied", tie_word_embeddings=True)
     sg = load_engine("sglang", str(target), device="cpu", dtype="float32")

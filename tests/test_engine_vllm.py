@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from cluster_util import wait_until
-from spec_serve.contract import RESPONSE_TENSORS, Kind
-from spec_serve.tiny import make_tiny_target, sample_batch
+from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
+from spec_serve.tools.tiny import make_tiny_target, sample_batch
 
 pytestmark = [
     pytest.mark.vllm,
@@ -154,9 +154,9 @@ def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, bat
     --kv-cache-memory-bytes alone sizes the KV cache, VLLM_CPU_KVCACHE_SPACE unset), vLLM logs at
     --log-level, and Ctrl-C (SIGINT to the process group) and SIGTERM (to the worker alone) both end
     every process and leave nothing in /dev/shm and no leaked shared memory."""
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client.api import RemoteTargetModel
     from spec_serve.engines.hf import HFTarget
-    from spec_serve.launch import local_cluster
+    from spec_serve.tools.launch import local_cluster
 
     assert SPEC_SERVE.is_file(), f"{SPEC_SERVE} is missing: .ci/setup_vllm_venv.sh did not install spec-serve"
     min_cos, rel_abs, probs_abs, _ = TOL["float32"]

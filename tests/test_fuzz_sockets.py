@@ -19,10 +19,10 @@ import torch
 import zmq
 
 from cluster_util import CLIENT_KW, FAST_ENV, Reference, same, workers
-from spec_serve import wire
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import local_cluster
-from spec_serve.protocol import (
+from spec_serve.protocol import wire
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
+from spec_serve.protocol.commands import (
     CLIENT_TAG,
     DATA_TAG,
     WORKER_TAG,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches
-from spec_serve.contract import Kind
+from spec_serve.supervision.contract import Kind
 from spec_serve.engines.hf import HFTarget, layer_devices, parse_devices, spread_model
-from spec_serve.tiny import make_tiny_target, sample_batch
+from spec_serve.tools.tiny import make_tiny_target, sample_batch
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -72,8 +72,8 @@ def test_spread_over_cpus_is_bit_equal_to_one_device(spread_pair, tiny_target_di
 
 
 def test_worker_serves_a_spread_target(tiny_target_dir, tiny_vocab_mapping, spread_pair):
-    from spec_serve.client import RemoteTargetModel
-    from spec_serve.launch import local_cluster
+    from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.tools.launch import local_cluster
 
     one, _ = spread_pair
     batch = sample_batch(tiny_target_dir, 2, 16, seed=9)

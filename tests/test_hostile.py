@@ -33,10 +33,10 @@ from cluster_util import (
     wait_until,
     workers,
 )
-from spec_serve import wire
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import local_cluster
-from spec_serve.protocol import (
+from spec_serve.protocol import wire
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
+from spec_serve.protocol.commands import (
     CLIENT_TAG,
     DATA_TAG,
     WORKER_TAG,
@@ -47,7 +47,7 @@ from spec_serve.protocol import (
     data_message,
     parse_control,
 )
-from spec_serve.tiny import sample_batch
+from spec_serve.tools.tiny import sample_batch
 
 MAX_MESSAGE = 4 << 20  # the cluster's --max-message-bytes
 FLOOD = 384 << 20  # what an attacker tries to make a process hold
@@ -258,7 +258,7 @@ def test_claimed_capacity_is_capped(cluster):
         print(f"\nclaimed capacity 10^6, the broker counts {claimed[0]['capacity']}")
     finally:
         fake.stop()
-    from spec_serve.broker import MAX_WORKER_CAPACITY
+    from spec_serve.broker.server import MAX_WORKER_CAPACITY
 
     assert claimed[0]["capacity"] == MAX_WORKER_CAPACITY
 

@@ -18,9 +18,9 @@ from cluster_util import (FORGIVING_CLIENT_KW, FORGIVING_ENV, assert_equal_batch
                           wait_until, workers)
 from prometheus_client import REGISTRY
 
-from spec_serve.client import IntegrityError, RemoteTargetModel, TargetChangedError
-from spec_serve.launch import local_cluster
-from spec_serve.tiny import make_tiny_target, sample_batch
+from spec_serve.client.api import IntegrityError, RemoteTargetModel, TargetChangedError
+from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import make_tiny_target, sample_batch
 
 ENV = FORGIVING_ENV
 CLIENT_KW = FORGIVING_CLIENT_KW

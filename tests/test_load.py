@@ -13,8 +13,8 @@ import time
 import pytest
 
 from cluster_util import CLIENT_KW, FAST_ENV, Reference, Tally, rss_kib, same
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import local_cluster
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
 
 RANKS = 32
 DISTINCT = 16  # distinct batches (each verified against its own colocated forward)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from cluster_util import FORGIVING_CLIENT_KW, FORGIVING_ENV, assert_equal_batches, listening_addresses, wait_until, workers
 
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import local_cluster
-from spec_serve.tiny import sample_batch
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import sample_batch
 
 ENV = FORGIVING_ENV
 CLIENT_KW = FORGIVING_CLIENT_KW
@@ -137,8 +137,8 @@ def test_bind_refused_when_all_bound_falls_back_to_frames(cluster, tiny_target_d
 
 KILLED_CLIENT = textwrap.dedent("""
     import sys, time
-    from spec_serve.client import RemoteTargetModel
-    from spec_serve.tiny import sample_batch
+    from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.tools.tiny import sample_batch
     frontend, target = sys.argv[1], sys.argv[2]
     client = RemoteTargetModel(frontend, enable_nccl=True, timeout=60, heartbeat_interval=0.2, liveness=15)
     client.generate_batch(*sample_batch(target, 2, 16, seed=0), kind="dspark")

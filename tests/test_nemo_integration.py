@@ -16,8 +16,8 @@ import torch
 from cluster_util import FAST_ENV, CLIENT_KW
 from fakes import nemo_standin
 from spec_serve.integrations.nemo import Eagle3Batch, SpecServeEagle3Target, batch_class, broker_url
-from spec_serve.launch import local_cluster
-from spec_serve.tiny import sample_batch
+from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import sample_batch
 
 SUPERVISION = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
 

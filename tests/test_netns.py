@@ -83,10 +83,10 @@ def net():
 CLIENT = textwrap.dedent("""
     import json, sys, time, threading
     import torch
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client.api import RemoteTargetModel
     from spec_serve.engines.hf import HFTarget
-    from spec_serve.tiny import sample_batch
-    from spec_serve.vocab import build_vocab_mapping
+    from spec_serve.tools.tiny import sample_batch
+    from spec_serve.supervision.vocab import build_vocab_mapping
 
     frontend, target = sys.argv[1], sys.argv[2]
     say = lambda **kw: print(json.dumps(kw), flush=True)
@@ -157,13 +157,13 @@ def test_cut_worker_link_loses_nothing_and_worker_rejoins(net, tiny_target_dir, 
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("broker", "w0", "w1")}
     procs = []
     try:
-        procs.append(_spawn(net["b"], ["-m", "spec_serve.cli", "broker", "--frontend", "tcp://*:5555",
+        procs.append(_spawn(net["b"], ["-m", "spec_serve.tools.cli", "broker", "--frontend", "tcp://*:5555",
                                        "--backend", "tcp://*:5556", "--http-port", "0"], logs["broker"]))
         # w0 is slow (1.5 s a forward) so it certainly holds requests when its link is cut.
         procs.append(_spawn(net["w0"], [str(HERE / "cluster_util.py"), "slow-worker", "--delay", "1.5",
                                         "--target", str(tiny_target_dir), "--broker", f"{broker_url}:5556"],
                             logs["w0"]))
-        procs.append(_spawn(net["w1"], ["-m", "spec_serve.cli", "worker", "--target", str(tiny_target_dir),
+        procs.append(_spawn(net["w1"], ["-m", "spec_serve.tools.cli", "worker", "--target", str(tiny_target_dir),
                                         "--broker", f"{broker_url}:5556"], logs["w1"]))
         client = _spawn(net["c"], ["-c", CLIENT, f"{broker_url}:5555", str(tiny_target_dir)], subprocess.PIPE,
                         stdin=subprocess.PIPE, text=True)

@@ -31,11 +31,11 @@ import torch
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from click.testing import CliRunner
 
-from spec_serve.cli import device_and_dtype, join_int_lists, main
-from spec_serve.client import BrokerUnreachable, RemoteTargetModel
-from spec_serve.launch import Cluster, free_port, local_cluster
-from spec_serve.threads import ThreadShare, is_worker_cmdline, local_workers
-from spec_serve.tiny import sample_batch
+from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
+from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
+from spec_serve.tools.launch import Cluster, free_port, local_cluster
+from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
+from spec_serve.tools.tiny import sample_batch
 
 GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE and SPEC_SERVE_IDLE_SERVICE_GRACE of the cluster below
 ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S), "SPEC_SERVE_IDLE_SERVICE_GRACE": str(GRACE_S)}
@@ -54,7 +54,7 @@ def cluster(tiny_target_dir, tmp_path_factory):
 
 def spec_serve(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the CLI as a user would, in its own process."""
-    return subprocess.run([sys.executable, "-m", "spec_serve.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
@@ -90,7 +90,7 @@ def test_unreachable_broker_fails_within_connect_timeout():
 
 
 def test_connect_timeout_from_the_environment():
-    code = ("from spec_serve.client import RemoteTargetModel as R, BrokerUnreachable as B\n"
+    code = ("from spec_serve.client.api import RemoteTargetModel as R, BrokerUnreachable as B\n"
             f"t = R('tcp://127.0.0.1:{free_port()}', timeout=60)\n"
             "try:\n    t.status()\nexcept B as e:\n    print('unreachable:', e)\nt.close()\n")
     started = time.monotonic()
@@ -186,7 +186,7 @@ def test_cli_errors_are_one_line(tiny_target_dir, tmp_path):
     holder = zmq.Context.instance().socket(zmq.ROUTER)
     holder.bind(busy)  # the port in use
     try:
-        procs = {name: subprocess.Popen([sys.executable, "-m", "spec_serve.cli", *args], stdout=subprocess.PIPE,
+        procs = {name: subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", *args], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
                  for name, (args, _) in cases.items()}
         outputs = {name: p.communicate(timeout=120) for name, p in procs.items()}
@@ -233,7 +233,7 @@ def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
 def test_weight_loading_shows_a_progress_bar_on_a_tty(tiny_target_dir):
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "spec_serve.cli", "worker", "--target", str(tiny_target_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "worker", "--target", str(tiny_target_dir),
                              "--device", "cpu", "--broker", f"tcp://127.0.0.1:{free_port()}"],
                             stdin=secondary, stdout=secondary, stderr=secondary, env={**os.environ, **ENV},
                             start_new_session=True)
@@ -371,11 +371,11 @@ def test_threads_option_and_default(tmp_path):
     with pytest.raises(ValueError):
         ThreadShare(0)
     assert is_worker_cmdline(["/venv/bin/python", "/venv/bin/spec-serve", "worker", "--target", "x"])
-    assert is_worker_cmdline(["python", "-m", "spec_serve.cli", "worker"])
-    assert not is_worker_cmdline(["python", "-m", "spec_serve.cli", "broker"])
+    assert is_worker_cmdline(["python", "-m", "spec_serve.tools.cli", "worker"])
+    assert not is_worker_cmdline(["python", "-m", "spec_serve.tools.cli", "broker"])
     assert not is_worker_cmdline(["vim", "worker"])
     proc = tmp_path / "proc"
-    for pid, args in {"10": ["spec-serve", "worker"], "11": ["python", "-m", "spec_serve.cli", "worker"],
+    for pid, args in {"10": ["spec-serve", "worker"], "11": ["python", "-m", "spec_serve.tools.cli", "worker"],
                       "12": ["spec-serve", "broker"], "13": []}.items():
         (proc / pid).mkdir(parents=True)
         (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")

@@ -23,10 +23,10 @@ import torch
 import zmq
 
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, start_crashing_worker, wait_until
-from spec_serve import wire
-from spec_serve.client import RemoteError, RemoteTargetModel
-from spec_serve.launch import Cluster, free_port, local_cluster
-from spec_serve.protocol import (
+from spec_serve.protocol import wire
+from spec_serve.client.api import RemoteError, RemoteTargetModel
+from spec_serve.tools.launch import Cluster, free_port, local_cluster
+from spec_serve.protocol.commands import (
     CLIENT_TAG,
     WORKER_TAG,
     ClientCommand,
@@ -35,8 +35,8 @@ from spec_serve.protocol import (
     new_request_id,
     parse_control,
 )
-from spec_serve.sockets import Security
-from spec_serve.tiny import sample_batch
+from spec_serve.transport.sockets import Security
+from spec_serve.tools.tiny import sample_batch
 
 MAX_MESSAGE_BYTES = 1 << 20
 POISON = 7
@@ -162,7 +162,7 @@ def test_status_pages_hundreds_of_workers_and_forgets_idle_services(engine, tmp_
             status = client.status()
             assert len(status["workers"]) == status["worker_count"] == 300
             assert len(status["services"]) == 1001 and status["services"]["big"]["workers"] == 300
-            out = subprocess.run([sys.executable, "-m", "spec_serve.cli", "status", "--broker", broker.frontend,
+            out = subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "status", "--broker", broker.frontend,
                                   "--json"], capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stderr
             assert len(json.loads(out.stdout)["workers"]) == 300

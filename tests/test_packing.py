@@ -16,12 +16,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from spec_serve import packing, wire
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import local_cluster
-from spec_serve.protocol import Status
-from spec_serve.tiny import sample_batch
-from spec_serve.worker import Job, Worker
+from spec_serve.engines import packing
+
+from spec_serve.protocol import wire
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
+from spec_serve.protocol.commands import Status
+from spec_serve.tools.tiny import sample_batch
+from spec_serve.worker.server import Job, Worker
 
 KINDS = ("eagle3", "dspark", "eagle3_compact")
 FP32 = packing.TOLERANCE[torch.float32]
@@ -162,7 +164,7 @@ def test_packing_flags_are_checked(tiny_target_dir, colocated_target):
 
     with pytest.raises(ValueError, match="packing needs the hf engine"):
         Worker(NoPacking(), "tcp://127.0.0.1:1", packing=True)
-    from spec_serve.cli import main
+    from spec_serve.tools.cli import main
 
     result = CliRunner().invoke(main, ["worker", "--target", str(tiny_target_dir), "--max-batch-tokens", "64"])
     assert result.exit_code == 2 and "token budget of --packing" in result.output

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from cluster_util import FAST_ENV
-from spec_serve.launch import local_cluster
+from spec_serve.tools.launch import local_cluster
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

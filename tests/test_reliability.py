@@ -32,8 +32,8 @@ from cluster_util import (
     wait_until,
     workers,
 )
-from spec_serve.client import RemoteTargetModel
-from spec_serve.launch import local_cluster
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
 
 SLOW_DELAY = 2.0  # 10 heartbeat intervals, twice the liveness window
 LIVENESS_WINDOW = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
@@ -96,8 +96,8 @@ def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping
 
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, time
-    from spec_serve.client import RemoteTargetModel
-    from spec_serve.tiny import sample_batch
+    from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.tools.tiny import sample_batch
     frontend, target = sys.argv[1], sys.argv[2]
     client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=60, heartbeat_interval=0.2, liveness=15)
     futures = [client.generate_batch_async(*sample_batch(target, 2, 16, seed=s), kind="dspark") for s in range(8)]

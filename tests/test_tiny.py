@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_serve.tiny import make_tiny_target, sample_batch
+from spec_serve.tools.tiny import make_tiny_target, sample_batch
 
 
 def _file_bytes(directory):

@@ -1,11 +1,11 @@
-"""spec_serve.verify: references as a client receives them, and bit-for-bit comparison."""
+"""spec_serve.tools.verify: references as a client receives them, and bit-for-bit comparison."""
 
 from __future__ import annotations
 
 import torch
 
-from spec_serve.tiny import sample_batch
-from spec_serve.verify import colocated_reference, mismatch
+from spec_serve.tools.tiny import sample_batch
+from spec_serve.tools.verify import colocated_reference, mismatch
 
 
 def test_mismatch_names_what_differs():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_serve.vocab import build_vocab_mapping, from_d2t, mask_from_selected, to_d2t
+from spec_serve.supervision.vocab import build_vocab_mapping, from_d2t, mask_from_selected, to_d2t
 
 
 INPUT_IDS = torch.tensor([[9, 9, 9, 7, 7, 5, 5, 8, 6, 6, 6, 6]])

@@ -14,7 +14,7 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from spec_serve.wire import MAX_FRAME_BYTES, WireError, decode, decode_with_metadata, encode
+from spec_serve.protocol.wire import MAX_FRAME_BYTES, WireError, decode, decode_with_metadata, encode
 
 DTYPES = [
     torch.float32,

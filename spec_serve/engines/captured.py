@@ -17,10 +17,10 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from spec_serve import contract
-from spec_serve.compact import eagle3_targets, shift_left
-from spec_serve.vocab import VocabMappingSlot
-from spec_serve.contract import Kind, TargetInfo
+from spec_serve.supervision import contract
+from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
+from spec_serve.supervision.vocab import VocabMappingSlot
+from spec_serve.supervision.contract import Kind, TargetInfo
 from spec_serve.engines.hf import fingerprint, parse_dtype
 
 

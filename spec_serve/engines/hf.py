@@ -18,10 +18,12 @@ from typing import Sequence
 
 import torch
 
-from spec_serve import contract, packing
-from spec_serve.compact import eagle3_targets, shift_left
-from spec_serve.vocab import VocabMappingSlot
-from spec_serve.contract import Kind, TargetInfo
+from spec_serve.supervision import contract
+
+from spec_serve.engines import packing
+from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
+from spec_serve.supervision.vocab import VocabMappingSlot
+from spec_serve.supervision.contract import Kind, TargetInfo
 
 # Fingerprint reads this much from each end of every weight file (see `fingerprint`).
 _FINGERPRINT_EDGE_BYTES = 1 << 20
@@ -384,7 +386,7 @@ class HFTarget:
         """``generate_batch`` for each ``(input_ids, attention_mask, loss_mask)`` request, in one packed forward.
 
         The real tokens of every row of every request run as one sequence, each row attending only to
-        itself (``spec_serve.packing``); the results come back in each request's padded layout. They
+        itself (``spec_serve.engines.packing``); the results come back in each request's padded layout. They
         match ``generate_batch`` of each request alone at real positions up to kernel rounding
         (``packing.TOLERANCE``); padded positions hold what docs/packing.md states. ``ValueError``
         for an invalid request or one that cannot be packed (``packing.row_lengths``).

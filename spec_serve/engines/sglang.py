@@ -23,9 +23,9 @@ from typing import Any, Sequence
 
 import torch
 
-from spec_serve.contract import Kind
+from spec_serve.supervision.contract import Kind
 from spec_serve.engines.captured import CapturedTarget
-from spec_serve.launch import free_port
+from spec_serve.transport.sockets import free_port
 
 
 class _KeepHiddenStates(torch.nn.Module):

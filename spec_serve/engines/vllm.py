@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from spec_serve.contract import Kind
+from spec_serve.supervision.contract import Kind
 from spec_serve.engines import EngineDead
 from spec_serve.engines.captured import CapturedTarget
 

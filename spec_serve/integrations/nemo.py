@@ -5,7 +5,7 @@ NeMo's EAGLE-3 recipe (``nemo_automodel/recipes/llm/train_eagle3.py``) drives it
 ``supports_async``, ``num_remote_servers``, ``model_info()``, ``set_vocab_mapping``,
 ``get_input_embeddings()``, ``generate_batch`` / ``generate_batch_async`` returning an
 ``Eagle3TargetBatch`` (attribute access, ``to_trainer_inputs()``), and ``close()``.
-:class:`SpecServeEagle3Target` has that surface over :class:`~spec_serve.client.RemoteTargetModel`,
+:class:`SpecServeEagle3Target` has that surface over :class:`~spec_serve.client.api.RemoteTargetModel`,
 so a NeMo run switches by pointing ``remote_urls`` at a spec-serve broker and calling
 :func:`patch_recipe` (docs/migrating-from-nemo.md). nemo_automodel is optional: when it is
 importable, batches are its own ``Eagle3TargetBatch``; otherwise :class:`Eagle3Batch`, which has the

@@ -26,9 +26,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import zmq
 
-from spec_serve import digest, samehost, wire
-from spec_serve.connwatch import ConnectWatch, connect_watched
-from spec_serve.contract import (
+from spec_serve.protocol import digest
+
+from spec_serve.transport import samehost
+
+from spec_serve.protocol import wire
+from spec_serve.transport.connwatch import ConnectWatch, connect_watched
+from spec_serve.supervision.contract import (
     Kind,
     ReplySpecs,
     TargetInfo,
@@ -39,11 +43,11 @@ from spec_serve.contract import (
     validate_vocab_mapping,
     weight_specs,
 )
-from spec_serve.hostpool import RecyclingAllocator
-from spec_serve.ingress import Ingress
-from spec_serve.logs import event
-from spec_serve.metrics import CLIENT_INTEGRITY_FAILURES
-from spec_serve.protocol import (
+from spec_serve.transport.hostpool import RecyclingAllocator
+from spec_serve.transport.ingress import Ingress
+from spec_serve.telemetry.logs import event
+from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
+from spec_serve.protocol.commands import (
     CLIENT_PORT_HINT,
     CLIENT_TAG,
     CONNECT_TIMEOUT,
@@ -61,7 +65,7 @@ from spec_serve.protocol import (
     parse_control,
     parse_data,
 )
-from spec_serve.sockets import (
+from spec_serve.transport.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KeyPolicy,
     Security,
@@ -216,7 +220,7 @@ class _ClientIO(threading.Thread):
         self.largest_reply = 0  # bytes of the largest reply expected so far (room for one late duplicate)
         self._closing = threading.Event()
         self._broker_instance: str | None = None
-        self.binding = None  # spec_serve.binding.ClientBinding when enable_nccl
+        self.binding = None  # spec_serve.transport.binding.ClientBinding when enable_nccl
         # digest -> (service, SET_VOCAB payload) of the mappings registered at the broker and not released:
         # the current one and any that pending requests name. Re-sent after a broker restart.
         self.vocab_registrations: dict[str, tuple[str, list]] = {}
@@ -737,7 +741,7 @@ class _ClientIO(threading.Thread):
         """I/O thread: re-send a bound request as a plain one (frames, shared pool) and drop the binding."""
         if self.binding is not None:
             self.binding.mark_broken(reason, prefix)
-        from spec_serve.binding import BOUND_KEYS
+        from spec_serve.transport.binding import BOUND_KEYS
 
         pending = self._pending.get(request_id)
         if pending is None or not any(k in pending.header for k in BOUND_KEYS):
@@ -791,7 +795,7 @@ class RemoteTargetModel:
         connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else float(connect_timeout)
         if connect_timeout <= 0:
             raise ValueError("connect_timeout must be > 0")
-        # End-to-end check of reply bytes (spec_serve/digest.py): "all" (default), "sampled", "off".
+        # End-to-end check of reply bytes (spec_serve/protocol/digest.py): "all" (default), "sampled", "off".
         self._sampler = digest.Sampler(digest.parse_verify(verify))
         self.service = service
         self.device = torch.device(device)
@@ -833,7 +837,7 @@ class RemoteTargetModel:
         # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
         self._binding = None
         if enable_nccl:
-            from spec_serve.binding import ClientBinding
+            from spec_serve.transport.binding import ClientBinding
 
             self._binding = self._io.binding = ClientBinding(self._io, self.service, self.device,
                                                              float(nccl_timeout), float(nccl_retry_s))
@@ -912,7 +916,7 @@ class RemoteTargetModel:
     def _expand_later(self, compact: concurrent.futures.Future, digest: str) -> concurrent.futures.Future:
         """A future of the EAGLE-3 tensors rebuilt from a compact batch (after gathering every shard,
         so the draft-vocab GEMM has the colocated shape)."""
-        from spec_serve.compact import expand_compact
+        from spec_serve.supervision.eagle3 import expand_compact
 
         out: concurrent.futures.Future = concurrent.futures.Future()
         weight, mask = self._lm_head_slices[digest], self._selected_mask
@@ -1014,7 +1018,7 @@ class RemoteTargetModel:
             retried[k] = worker
             if header.get("nccl") and self._binding is not None:
                 self._binding.mark_broken(f"digest mismatch in a reply from worker {worker}")
-            from spec_serve.binding import BOUND_KEYS
+            from spec_serve.transport.binding import BOUND_KEYS
 
             retry = {key: v for key, v in header.items() if key not in BOUND_KEYS}
             retry["avoid"] = worker

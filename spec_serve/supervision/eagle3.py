@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spec_serve.contract import RESPONSE_TENSORS, Kind
+from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
 
 
 def shift_left(t: torch.Tensor) -> torch.Tensor:

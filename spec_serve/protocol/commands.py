@@ -7,7 +7,7 @@ broker. Every control message has the same five leading frames::
 
 ``tag`` names the peer type and protocol version, ``command`` is one byte,
 ``service`` the target name (UTF-8), ``request_id`` 16 bytes (or empty),
-``header`` a small JSON object, and ``payload`` the codec frames (spec_serve.wire).
+``header`` a small JSON object, and ``payload`` the codec frames (spec_serve.protocol.wire).
 A ROUTER socket prepends the peer identity to what it receives.
 
 Replies to supervision requests go straight from the worker to the client's

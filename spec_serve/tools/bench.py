@@ -59,7 +59,7 @@ about 58% real tokens. Figures report useful (non-pad) tokens/s, which the ratio
 padded tokens/s (rows x padded length).
 
 Every remote scenario verifies what it timed: each timed batch is compared with the colocated forward
-of the same input, computed as the client received it (``spec_serve.verify``: per shard; compact
+of the same input, computed as the client received it (``spec_serve.tools.verify``: per shard; compact
 against colocated compact, expanded on the client's device), with ``torch.equal``; a packing worker's
 replies within ``packing.TOLERANCE`` instead (``verify_packed``). The results are kept during the run
 (the futures hold them anyway) and compared after the clock stops: the check adds no timed work.
@@ -240,8 +240,8 @@ def verify_packed(engine, batches, outputs, compact_mask: torch.Tensor | None = 
     for the model's dtype), the tolerance, the worst value of each measure over all batches, and
     ``status: INVALID`` unless N == M.
     """
-    from spec_serve import packing
-    from spec_serve.compact import expand_compact, lm_head_slice
+    from spec_serve.engines import packing
+    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
     tolerance = packing.TOLERANCE[engine.model.dtype]
     if compact_mask is not None:
@@ -300,7 +300,7 @@ def run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: b
 def _run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
     """The target's own forward, batch after batch: padded (what a trainer runs), compact, DSpark, or packed
     (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it; verified after)."""
-    from spec_serve.compact import expand_compact, lm_head_slice
+    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
     engine, device, warmup = ctx.engine(), ctx.device, ctx.cfg.warmup
     weight = lm_head_slice(engine.get_output_embeddings().weight, ctx.mapping[0]) if compact else None
@@ -342,7 +342,7 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
     Every timed batch is verified once the clock has stopped: bit for bit against the colocated
     forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE.
     ``plane``: replies through the same-host plane, else frames; ``dspark``: the DSpark kind."""
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client.api import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
     # NCCL, where it must: two ranks of one NCCL group cannot share a GPU.
@@ -387,7 +387,7 @@ def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
     """Several ranks at once, each with small requests in flight: what batching is for. Every request is
     verified after the clock against the colocated forward of it alone: bit for bit, or within
     packing.TOLERANCE where the worker packs (small_batched)."""
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client.api import RemoteTargetModel
 
     cfg = ctx.cfg
     vocab = ctx.info["vocab_size"]
@@ -452,7 +452,7 @@ class NullEngine:
     engine = "null"
 
     def __init__(self, info: dict, hidden: int, draft_vocab: int):
-        from spec_serve.contract import TargetInfo
+        from spec_serve.supervision.contract import TargetInfo
 
         self.info = TargetInfo.from_dict(info)
         self.hidden, self.draft_vocab = hidden, draft_vocab
@@ -472,7 +472,7 @@ class NullEngine:
 
 
 def _null_worker(args: list[str]) -> None:
-    from spec_serve.worker import Worker
+    from spec_serve.worker.server import Worker
 
     broker, service, info, hidden, draft_vocab = args[0], args[1], json.loads(args[2]), int(args[3]), int(args[4])
     w = Worker(NullEngine(info, hidden, draft_vocab), broker, service=service, capacity=2)
@@ -486,9 +486,9 @@ def _direct_server(args: list[str]) -> None:
     """A ROUTER that answers each [reqid, ...] with data-message frames of the null tensors."""
     import zmq
 
-    from spec_serve import wire
-    from spec_serve.protocol import Status, data_message
-    from spec_serve.sockets import make_socket
+    from spec_serve.protocol import wire
+    from spec_serve.protocol.commands import Status, data_message
+    from spec_serve.transport.sockets import make_socket
 
     endpoint_file, hidden, draft_vocab, batch, seq = args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4])
     ctx = zmq.Context()
@@ -508,8 +508,8 @@ def _push_sender(args: list[str]) -> None:
     """PUSH ``count`` messages of the null tensors' bytes: raw 16 MiB frames, or wire.encode frames."""
     import zmq
 
-    from spec_serve import wire
-    from spec_serve.sockets import make_socket
+    from spec_serve.protocol import wire
+    from spec_serve.transport.sockets import make_socket
 
     endpoint, mode, count, hidden, draft_vocab, batch, seq = args[0], args[1], *map(int, args[2:7])
     tensors = null_tensors(batch, seq, hidden, draft_vocab)
@@ -528,17 +528,17 @@ def _push_sender(args: list[str]) -> None:
 
 
 def _spawn_helper(kind: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "spec_serve.bench", kind, *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "spec_serve.tools.bench", kind, *map(str, args)],
                             env=os.environ.copy(), start_new_session=True)
 
 
 def run_push(ctx: "Context", mode: str, transport: str = "tcp") -> dict[str, Any]:
     import zmq
 
-    from spec_serve import wire
-    from spec_serve.sockets import make_socket
+    from spec_serve.protocol import wire
+    from spec_serve.transport.sockets import make_socket
 
-    from spec_serve.hostpool import RecyclingAllocator
+    from spec_serve.transport.hostpool import RecyclingAllocator
 
     cfg = ctx.cfg
     alloc = RecyclingAllocator()  # as the client's I/O thread decodes
@@ -571,9 +571,9 @@ def run_push(ctx: "Context", mode: str, transport: str = "tcp") -> dict[str, Any
 def run_direct(ctx: "Context") -> dict[str, Any]:
     import zmq
 
-    from spec_serve import wire
-    from spec_serve.protocol import new_request_id, parse_data
-    from spec_serve.sockets import make_socket
+    from spec_serve.protocol import wire
+    from spec_serve.protocol.commands import new_request_id, parse_data
+    from spec_serve.transport.sockets import make_socket
 
     cfg = ctx.cfg
     endpoint_file = Path(ctx.tmp) / "direct.endpoint"
@@ -616,7 +616,7 @@ def run_direct(ctx: "Context") -> dict[str, Any]:
 def run_broker_null(ctx: "Context", plane: bool = False) -> dict[str, Any]:
     """Transport only: 8B-shaped EAGLE-3 replies from the null worker, as frames or (``plane``) lent through
     the same-host plane; every reply checked after the clock."""
-    from spec_serve.client import RemoteTargetModel
+    from spec_serve.client.api import RemoteTargetModel
 
     cfg = ctx.cfg
     with RemoteTargetModel(ctx.cluster.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600,
@@ -630,7 +630,7 @@ def run_broker_null(ctx: "Context", plane: bool = False) -> dict[str, Any]:
         nbytes = sum(_nbytes(f.result()) for f in futures)
         seconds = time.perf_counter() - start
         plane_replies = client.stats.plane_replies
-    from spec_serve.verify import mismatch
+    from spec_serve.tools.verify import mismatch
 
     want = null_tensors(1, cfg.transport_seq, T_HIDDEN, T_VD)  # what the null engine answers
     tokens = cfg.transport_messages * cfg.transport_seq
@@ -645,8 +645,8 @@ def run_worker_pool(ctx: "Context") -> dict[str, Any]:
 
 
 def _run_worker_pool(ctx: "Context") -> dict[str, Any]:
-    from spec_serve import wire
-    from spec_serve.worker import Job, Worker
+    from spec_serve.protocol import wire
+    from spec_serve.worker.server import Job, Worker
 
     engine = ctx.engine()
     worker = Worker(engine, "tcp://127.0.0.1:1", capacity=2)
@@ -683,8 +683,8 @@ class Context:
 
     def __init__(self, cfg: BenchConfig, tmp: str):
         from spec_serve.engines.hf import write_random_init_target
-        from spec_serve.tiny import make_tiny_target
-        from spec_serve.vocab import build_vocab_mapping
+        from spec_serve.tools.tiny import make_tiny_target
+        from spec_serve.supervision.vocab import build_vocab_mapping
 
         self.cfg, self.tmp = cfg, tmp
         self.device = torch.device(cfg.devices[0])
@@ -724,7 +724,7 @@ class Context:
                device: torch.device | None = None, kind: str = "eagle3") -> bool:
         """Whether ``got`` equals, bit for bit, the colocated forward of ``batch`` as a client with
         ``shards`` shards (and ``compact``, expanded on ``device``) receives it; a mismatch is printed."""
-        from spec_serve.verify import colocated_reference, mismatch
+        from spec_serve.tools.verify import colocated_reference, mismatch
 
         with worker_threads(self.device):
             want = colocated_reference(self.engine(), batch, kind, shards=shards, compact=compact,
@@ -739,7 +739,7 @@ class Context:
 
     def start_cluster(self, services: set[str]) -> None:
         """One broker; each service its own workers (all start in parallel, then we wait)."""
-        from spec_serve.launch import Cluster, free_port
+        from spec_serve.tools.launch import Cluster, free_port
 
         cfg = self.cfg
         log_dir = Path(cfg.log_dir) if cfg.log_dir else None
@@ -774,7 +774,7 @@ class Context:
             cluster.start_worker(self.target, "--device", cfg.devices[0], "--packing", *common, service="packed")
             expected += 1
         if "null" in services:
-            from spec_serve.contract import default_aux_layer_ids, default_dspark_layer_ids
+            from spec_serve.supervision.contract import default_aux_layer_ids, default_dspark_layer_ids
 
             n = int(self.config["num_hidden_layers"])
             info = {"num_hidden_layers": n, "hidden_size": self.info["hidden_size"],
@@ -1063,15 +1063,15 @@ def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefe
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m spec_serve.bench``: the ``spec-serve bench`` command (one parser), or a helper process."""
+    """``python -m spec_serve.tools.bench``: the ``spec-serve bench`` command (one parser), or a helper process."""
     argv = sys.argv[1:] if argv is None else argv
     helpers = {"_null_worker": _null_worker, "_direct_server": _direct_server, "_push_sender": _push_sender}
     if argv and argv[0] in helpers:
         helpers[argv[0]](argv[1:])
         return
-    from spec_serve.cli import bench
+    from spec_serve.tools.cli import bench
 
-    bench.main(args=argv, prog_name="python -m spec_serve.bench")
+    bench.main(args=argv, prog_name="python -m spec_serve.tools.bench")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from typing import Mapping
 
 import torch
 
-from spec_serve.client import shard_bounds
-from spec_serve.compact import expand_compact, lm_head_slice
+from spec_serve.client.api import shard_bounds
+from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
 
 def sharded_forward(engine, batch: tuple[torch.Tensor, ...], wire_kind: str, shards: int = 1) -> dict[str, torch.Tensor]:

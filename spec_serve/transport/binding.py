@@ -13,7 +13,7 @@ Message sequence (control on ZeroMQ, tensor bytes on a private PairGroup):
 4. requests carry {bound: <worker id>, nccl: true}; the broker routes them to that worker only.
    The worker replies with a data message {nccl: true, pair: prefix, specs: [...], fingerprint,
    digests?} and no payload frames, then ``send_tensors``; the client's pair thread ``recv_tensors``
-   onto its device, and the I/O thread checks fingerprint and digests (spec_serve/digest.py).
+   onto its device, and the I/O thread checks fingerprint and digests (spec_serve/protocol/digest.py).
 5. release: client ``RELEASE`` {prefix} (close, or a broken binding), client expiry, or worker
    death (the broker tells the client ``BOUND`` {ok: false, lost: worker, prefix}).
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from spec_serve.contract import ReplySpecs, reply_bytes, validate_reply
-from spec_serve.logs import event
-from spec_serve.protocol import CLIENT_TAG, ClientCommand, Message, control
+from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
+from spec_serve.telemetry.logs import event
+from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, Message, control
 
 log = logging.getLogger("spec_serve.client")
 
@@ -140,7 +140,7 @@ class ClientBinding:
         info = reply.get("bind") or {}
         prefix, worker = str(info.get("prefix")), str(info.get("worker"))
         try:
-            from spec_serve.pairgroup import PairGroup
+            from spec_serve.transport.pairgroup import PairGroup
 
             pair = self._pair_thread.submit(
                 PairGroup.create, str(info["store_host"]), int(info["store_port"]), 1, device=self.device,

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import click
 
-from spec_serve import logs
-from spec_serve.cli_config import ConfigGroup
-from spec_serve.protocol import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
+from spec_serve.telemetry import logs
+from spec_serve.tools.cli_config import ConfigGroup
+from spec_serve.protocol.commands import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
 
 log = logging.getLogger("spec_serve.worker")
 
 # A packing worker's default budget of real tokens a packed forward takes from several requests: four
 # rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
 DEFAULT_PACKED_TOKENS = 8192
-from spec_serve.engine_options import SectionedCommand, engine_kwargs, engine_options
+from spec_serve.engines.options import SectionedCommand, engine_kwargs, engine_options
 
 
 def _ids(value: str | None) -> list[int] | None:
@@ -90,7 +90,7 @@ def _endpoint(mode: str, expect: str, default_port: int):
     """A click callback validating an endpoint flag that ``mode`` ("bind" or "connect") uses; its
     error names the flag."""
     def callback(ctx, param, value):
-        from spec_serve import sockets  # imports torch: not at `spec-serve --help`
+        from spec_serve.transport import sockets  # imports torch: not at `spec-serve --help`
 
         check = sockets.check_bind_url if mode == "bind" else sockets.check_connect_url
         try:
@@ -106,7 +106,7 @@ def _security(secret_key: str | None, server_key: str | None = None, client_keys
         if server_key or client_keys or worker_keys:
             raise click.UsageError("CURVE needs --curve-secret-key as well")
         return None
-    from spec_serve.sockets import Security
+    from spec_serve.transport.sockets import Security
 
     def path(value):
         return Path(value) if value else None
@@ -191,7 +191,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
           --curve-client-keys-dir keys/clients --curve-worker-keys-dir keys/workers
     """
     logs.setup(log_level)
-    from spec_serve.broker import BindError, Broker
+    from spec_serve.broker.server import BindError, Broker
 
     if curve_authorized_dir:
         raise click.UsageError("--curve-authorized-dir admitted every key on both sockets, so an admitted client key "
@@ -220,7 +220,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
 
 def _start_shim(b, host: str, port: int):
     """The HTTP shim, or a one-line error naming the flag (the broker's sockets closed first)."""
-    from spec_serve.http_shim import HttpShim
+    from spec_serve.broker.http_shim import HttpShim
 
     try:
         return HttpShim(b.snapshot, b.metrics.registry, host, port).start()
@@ -329,7 +329,7 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         raise click.UsageError("--max-batch-tokens is the token budget of --packing: add --packing, or drop it")
     logs.setup(log_level)
     logs.quiet_transformers()
-    from spec_serve.threads import ThreadShare
+    from spec_serve.worker.threads import ThreadShare
 
     extra = engine_kwargs(engine, click.get_current_context().command, engine_values)
     device, dtype = _device_and_dtype(device, dtype)
@@ -369,7 +369,7 @@ def _exit_on_sigterm(signum, frame):
 def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> None:
     """Probe the engine, register and serve until a signal; exit 1 if the broker refuses the worker or
     the engine dies."""
-    from spec_serve.worker import PROBE_TOKENS, Worker, WorkerRefused, probe_engine
+    from spec_serve.worker.server import PROBE_TOKENS, Worker, WorkerRefused, probe_engine
 
     try:
         w = Worker(engine_obj, broker_url, **worker_kwargs)
@@ -425,7 +425,7 @@ def _device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str |
 
 
 def _resolve_target(target: str):
-    from spec_serve.targets import resolve_target
+    from spec_serve.engines.targets import resolve_target
 
     try:
         return resolve_target(target)
@@ -435,8 +435,8 @@ def _resolve_target(target: str):
 
 def _layer_ids(path: Path, aux: str | None, dspark: str | None) -> tuple[list[int] | None, list[int] | None]:
     """The layer-id flags, checked against the checkpoint's depth before the (slow) weight load."""
-    from spec_serve import contract
-    from spec_serve.targets import num_hidden_layers
+    from spec_serve.supervision import contract
+    from spec_serve.engines.targets import num_hidden_layers
 
     aux_ids, dspark_ids = _ids(aux), _ids(dspark)
     layers = num_hidden_layers(path)
@@ -451,7 +451,7 @@ def _layer_ids(path: Path, aux: str | None, dspark: str | None) -> tuple[list[in
 
 
 def _log_threads(n: int, flag: int | None, fixed: int | None) -> None:
-    from spec_serve.threads import local_workers, usable_cores
+    from spec_serve.worker.threads import local_workers, usable_cores
 
     if flag or fixed:
         logs.event(log, logging.INFO, "worker.threads", threads=n, source="--threads" if flag else "OMP_NUM_THREADS")
@@ -524,7 +524,7 @@ def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
       spec-serve status --broker tcp://10.0.0.1:5555 --json
       spec-serve status --curve-secret-key keys/ops.key_secret --curve-server-key keys/broker.key
     """
-    from spec_serve.client import BrokerUnreachable, RemoteTargetModel
+    from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 
     logs.setup("ERROR")  # what goes wrong is this command's one error line, not a log line besides
     # A broker never reached is reported (with the likely cause) before the request's own timeout.
@@ -567,7 +567,7 @@ def make_tiny_target_cmd(out_dir, layers, hidden, vocab, seed):
       spec-serve make-tiny-target ./tiny
       spec-serve make-tiny-target ./tiny16 --layers 16 --hidden 256 --seed 1
     """
-    from spec_serve.tiny import TINY_HEADS, VLLM_CPU_MIN_HEAD_DIM, make_tiny_target
+    from spec_serve.tools.tiny import TINY_HEADS, VLLM_CPU_MIN_HEAD_DIM, make_tiny_target
 
     try:
         path = make_tiny_target(out_dir, layers=layers, hidden=hidden, vocab=vocab, seed=seed)
@@ -600,7 +600,7 @@ def keygen(directory, name, authorized_dir):
     """
     import shutil
 
-    from spec_serve.sockets import keygen as make_keys
+    from spec_serve.transport.sockets import keygen as make_keys
 
     public, secret = make_keys(Path(directory), name)
     click.echo(f"public: {public}\nsecret: {secret}")
@@ -633,7 +633,7 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
     """
     logs.setup(log_level)
     logs.quiet_transformers()
-    from spec_serve.demo import run_demo
+    from spec_serve.tools.demo import run_demo
 
     ok = run_demo(ranks=ranks, workers=workers, steps=steps, batch=batch, seq=seq, target=target)
     sys.exit(0 if ok else 1)
@@ -691,7 +691,7 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
     zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
     Progress goes to stderr: a bar on a terminal, otherwise one line per scenario.
-    `python -m spec_serve.bench` is this same command.
+    `python -m spec_serve.tools.bench` is this same command.
 
     \b
     Examples:
@@ -704,7 +704,7 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --gpu-8b --devices cuda:0 --lengths lognormal \
           --only colocated,colocated_packed,remote_1w_compact_packed,remote_1w_packed
     """
-    from spec_serve.bench import SCENARIOS, format_table, make_config, run
+    from spec_serve.tools.bench import SCENARIOS, format_table, make_config, run
 
     try:
         cfg = make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab,
@@ -726,7 +726,7 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
     click.echo(f"wrote {json_out}")
     if plot_out:
-        from spec_serve.bench_plot import plot_ratios
+        from spec_serve.tools.bench_plot import plot_ratios
 
         plot_ratios(report, plot_out)
         click.echo(f"wrote {plot_out}")

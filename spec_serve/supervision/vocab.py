@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from spec_serve.contract import validate_vocab_mapping
+from spec_serve.supervision.contract import validate_vocab_mapping
 
 
 def build_vocab_mapping(

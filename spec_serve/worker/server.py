@@ -24,13 +24,19 @@ from typing import Any
 import torch
 import zmq
 
-from spec_serve import digest, packing, samehost, wire
-from spec_serve.contract import REQUEST_TENSORS, Kind
+from spec_serve.protocol import digest
+
+from spec_serve.engines import packing
+
+from spec_serve.transport import samehost
+
+from spec_serve.protocol import wire
+from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.engines import engine_dead
-from spec_serve.hostpool import HostBufferPool, Lease, to_host
-from spec_serve.ingress import Ingress
-from spec_serve.logs import event, one_line
-from spec_serve.protocol import (
+from spec_serve.transport.hostpool import HostBufferPool, Lease, to_host
+from spec_serve.transport.ingress import Ingress
+from spec_serve.telemetry.logs import event, one_line
+from spec_serve.protocol.commands import (
     BACKEND_PORT,
     CONNECT_TIMEOUT,
     CONTROL_SLACK_BYTES,
@@ -48,7 +54,7 @@ from spec_serve.protocol import (
     data_message,
     parse_control,
 )
-from spec_serve.sockets import (
+from spec_serve.transport.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
     check_connect_url,
@@ -56,7 +62,7 @@ from spec_serve.sockets import (
     route_address,
     send_lent,
 )
-from spec_serve.threads import ThreadShare
+from spec_serve.worker.threads import ThreadShare
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -616,7 +622,7 @@ class Worker:
             tensors, tokens = self._execute(job)
             integrity = self._integrity([job], [tensors])[0]
             if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
-                from spec_serve.binding import encode_specs
+                from spec_serve.transport.binding import encode_specs
 
                 header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
                           "pair": self._pair_prefix, "specs": encode_specs(tensors), **integrity}
@@ -653,7 +659,7 @@ class Worker:
     def _integrity(self, jobs: list[Job], outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Per job, the reply header fields its client checks: the fingerprint of the target that computed
         it and, when the request asked (``verify``), a digest of each output tensor, taken here on our
-        device before any copy (spec_serve/digest.py); one host transfer for all of them."""
+        device before any copy (spec_serve/protocol/digest.py); one host transfer for all of them."""
         fingerprint = self.engine.target_info().fingerprint
         wanted = [i for i, job in enumerate(jobs) if job.header.get("verify")]
         fields: list[dict[str, Any]] = [{"fingerprint": fingerprint} for _ in jobs]
@@ -870,7 +876,7 @@ class Worker:
             if job.header.get("prefix") == self._pair_prefix:
                 self._close_pair("released")
             return
-        from spec_serve.pairgroup import PairGroup
+        from spec_serve.transport.pairgroup import PairGroup
 
         header = job.header
         prefix, timeout = header["prefix"], float(header.get("timeout", 30.0))

@@ -44,9 +44,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from spec_serve import cuda_ipc, shm, wire
-from spec_serve.logs import event
-from spec_serve.sockets import local_host_key
+from spec_serve.transport import cuda_ipc
+
+from spec_serve.transport import shm
+
+from spec_serve.protocol import wire
+from spec_serve.telemetry.logs import event
+from spec_serve.transport.sockets import local_host_key
 
 log = logging.getLogger("spec_serve.samehost")
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import zmq
 
-from spec_serve import wire
-from spec_serve.contract import TargetInfo, validate_vocab_mapping
-from spec_serve.ingress import Ingress
-from spec_serve.logs import Throttle, event
-from spec_serve.metrics import BrokerMetrics
-from spec_serve.protocol import (
+from spec_serve.protocol import wire
+from spec_serve.supervision.contract import TargetInfo, validate_vocab_mapping
+from spec_serve.transport.ingress import Ingress
+from spec_serve.telemetry.logs import Throttle, event
+from spec_serve.telemetry.metrics import BrokerMetrics
+from spec_serve.protocol.commands import (
     CLIENT_TAG,
     CONTROL_SLACK_BYTES,
     HEARTBEAT_INTERVAL,
@@ -46,7 +46,7 @@ from spec_serve.protocol import (
     encode_header,
     parse_control,
 )
-from spec_serve.sockets import (
+from spec_serve.transport.sockets import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     KeyPolicy,

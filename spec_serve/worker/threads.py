@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from spec_serve.logs import event
+from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -32,9 +32,9 @@ def usable_cores() -> int:
 
 
 def is_worker_cmdline(args: list[str]) -> bool:
-    """Does a process's argv run ``spec-serve worker`` (the console script or ``-m spec_serve.cli``)?"""
+    """Does a process's argv run ``spec-serve worker`` (the console script or ``-m spec_serve.tools.cli``)?"""
     for i, arg in enumerate(args[:-1]):
-        if (arg.endswith("/spec-serve") or arg in ("spec-serve", "spec_serve.cli")) and args[i + 1] == "worker":
+        if (arg.endswith("/spec-serve") or arg in ("spec-serve", "spec_serve.tools.cli")) and args[i + 1] == "worker":
             return True
     return False
 

@@ -36,7 +36,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from spec_serve.wire import MAX_FRAME_BYTES
+from spec_serve.protocol.wire import MAX_FRAME_BYTES
 
 # A frame carries at most one codec chunk plus a little framing slack.
 DEFAULT_MAX_FRAME_BYTES = MAX_FRAME_BYTES + (1 << 20)
@@ -295,3 +295,10 @@ def _check_url(url: object, expect: str, default_port: int, host_example: str) -
         raise ValueError(f"{url!r} needs a host and a port, e.g. tcp://{host or rest or host_example}:"
                          f"{default_port}; expected {expect}")
     return url
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

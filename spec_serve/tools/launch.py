@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from spec_serve.transport.sockets import free_port
 
 
 @dataclass
@@ -62,7 +57,7 @@ class Cluster:
     def start_worker(self, target: str | Path, *extra: str, service: str = "default", env: dict | None = None,
                      command: Sequence[str] | None = None) -> subprocess.Popen:
         """A worker process; ``env`` adds to the cluster's environment (a None value unsets a variable),
-        ``command`` replaces ``python -m spec_serve.cli`` (e.g. another venv's ``spec-serve``). It runs on
+        ``command`` replaces ``python -m spec_serve.tools.cli`` (e.g. another venv's ``spec-serve``). It runs on
         the CPU unless ``extra`` names a --device, as the colocated references here do (a worker alone
         picks a GPU when one is visible)."""
         device = () if "--device" in extra else ("--device", "cpu")
@@ -88,7 +83,7 @@ class Cluster:
             out = open(self.log_path(name), "ab")
         # A new session: Ctrl-C in the parent's terminal reaches only the parent,
         # which then shuts the children down in order.
-        command = [sys.executable, "-m", "spec_serve.cli"] if command is None else list(command)
+        command = [sys.executable, "-m", "spec_serve.tools.cli"] if command is None else list(command)
         return subprocess.Popen([*command, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from spec_serve.logs import event
+from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.http")
 

@@ -35,7 +35,7 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from spec_serve.logs import event
+from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.ingress")
 

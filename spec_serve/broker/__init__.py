@@ -1,0 +1,1 @@
+"""The broker: routes requests from clients to workers; its HTTP shim."""

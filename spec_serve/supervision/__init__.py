@@ -1,0 +1,1 @@
+"""The supervision contract: names, shapes and dtypes, the EAGLE-3 math, draft vocabularies."""

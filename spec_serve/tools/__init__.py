@@ -1,0 +1,1 @@
+"""Command line, demo, launcher, tiny target and benchmark: users of the runtime, never imported by it."""
