@@ -7,7 +7,8 @@ broker. Every control message has the same five leading frames::
 
 ``tag`` names the peer type and protocol version, ``command`` is one byte,
 ``service`` the target name (UTF-8), ``request_id`` 16 bytes (or empty),
-``header`` a small JSON object, and ``payload`` the codec frames (spec_serve.protocol.wire).
+``header`` a small JSON object (each message's fields: spec_serve.protocol.messages, listed in
+docs/protocol.md), and ``payload`` the codec frames (spec_serve.protocol.wire).
 A ROUTER socket prepends the peer identity to what it receives.
 
 Replies to supervision requests go straight from the worker to the client's
@@ -23,7 +24,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 # Peer tags: protocol name + version; a peer speaking another version is refused.
 CLIENT_TAG = b"SPSC01"
@@ -117,12 +118,19 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
+class TypedHeader(Protocol):
+    """A typed header (spec_serve.protocol.messages): ``to_json()`` is what the header frame carries."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
 def new_request_id() -> bytes:
     return uuid.uuid4().bytes
 
 
-def encode_header(header: dict[str, Any]) -> bytes:
-    return json.dumps(header, separators=(",", ":")).encode()
+def encode_header(header: Mapping[str, Any] | TypedHeader) -> bytes:
+    fields = header if isinstance(header, Mapping) else header.to_json()
+    return json.dumps(fields, separators=(",", ":")).encode()
 
 
 def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
@@ -170,10 +178,11 @@ class Message:
     payload: list  # codec frames, zero-copy
 
 
-def control(tag: bytes, command: bytes, service: str = "", request_id: bytes = b"", header: dict | None = None,
-            payload: Sequence = ()) -> list:
+def control(tag: bytes, command: bytes, service: str = "", request_id: bytes = b"",
+            header: Mapping[str, Any] | TypedHeader | None = None, payload: Sequence[Any] = ()) -> list[Any]:
     """Frames of one control message."""
-    return [tag, command, service.encode(), request_id, encode_header(header or {}), *payload]
+    return [tag, command, service.encode(), request_id, encode_header(header if header is not None else {}),
+            *payload]
 
 
 def parse_control(frames: Sequence, tag: bytes, commands: type[enum.Enum]) -> Message:
@@ -202,7 +211,8 @@ def parse_control(frames: Sequence, tag: bytes, commands: type[enum.Enum]) -> Me
     return Message(command, service_name, request_id, decoded, list(frames[CONTROL_FRAMES:]))
 
 
-def data_message(status: Status, request_id: bytes, header: dict, payload: Sequence = ()) -> list:
+def data_message(status: Status, request_id: bytes, header: Mapping[str, Any] | TypedHeader,
+                 payload: Sequence[Any] = ()) -> list[Any]:
     return [DATA_TAG, status.value, request_id, encode_header(header), *payload]
 
 

@@ -17,6 +17,9 @@ Message sequence (control on ZeroMQ, tensor bytes on a private PairGroup):
 5. release: client ``RELEASE`` {prefix} (close, or a broken binding), client expiry, or worker
    death (the broker tells the client ``BOUND`` {ok: false, lost: worker, prefix}).
 
+Each header is a typed message of spec_serve.protocol.messages (BindRequest, Bound, WorkerBind, BindGrant,
+Reply, Release), listed in docs/protocol.md.
+
 Any failure falls back to frames through the shared pool: the request is re-sent without
 ``bound``/``nccl``, and the next generate call binds again.
 """
@@ -34,6 +37,7 @@ import torch
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
 from spec_serve.telemetry.logs import event
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, Message, control
+from spec_serve.protocol.messages import BindGrant, BindRequest, Bound, Release, Reply
 
 log = logging.getLogger("spec_serve.client")
 
@@ -127,23 +131,22 @@ class ClientBinding:
         return self.ensure()
 
     def _bind(self) -> str | None:
-        header = {"reply_to": self.io.data_endpoint, "timeout": self.timeout, "device_type": self.device.type}
-        if self.io.data_key:
-            header["data_key"] = self.io.data_key
+        request = BindRequest(reply_to=self.io.data_endpoint, timeout=self.timeout, device_type=self.device.type,
+                              data_key=self.io.data_key or None)
         try:
-            reply = self.io.submit(ClientCommand.BIND, self.service, header, (), self.timeout,
+            reply = self.io.submit(ClientCommand.BIND, self.service, request.to_json(), (), self.timeout,
                                    max_retries=0).result()
+            if isinstance(reply, Message):  # BOUND from the broker: a refusal (or the worker was lost meanwhile)
+                return self._give_up(f"broker refused: {Bound.from_json(reply.header).error}")
+            grant = BindGrant.from_json(reply)
         except Exception as e:
             return self._give_up(f"bind request failed: {e}")
-        if isinstance(reply, Message):  # BOUND from the broker: a refusal (or the worker was lost meanwhile)
-            return self._give_up(f"broker refused: {reply.header.get('error', 'no reason given')}")
-        info = reply.get("bind") or {}
-        prefix, worker = str(info.get("prefix")), str(info.get("worker"))
+        prefix, worker = grant.bind.prefix, grant.bind.worker
         try:
             from spec_serve.transport.pairgroup import PairGroup
 
             pair = self._pair_thread.submit(
-                PairGroup.create, str(info["store_host"]), int(info["store_port"]), 1, device=self.device,
+                PairGroup.create, grant.bind.store_host, grant.bind.store_port, 1, device=self.device,
                 prefix=prefix, timeout=self.timeout, listen_host=self.io.local_host).result()
         except Exception as e:
             self._send_release(prefix)
@@ -165,10 +168,17 @@ class ClientBinding:
         ``expect`` says (a reply nobody waits for: at most ``max_bytes``). False when no live binding
         matches or the specs are wrong (the binding is dropped; the caller falls back to frames)."""
         state = self._state
-        if state is None or state.broken is not None or header.get("pair") != state.prefix:
+        if state is None or state.broken is not None:
             return False
         try:
-            specs = decode_specs(header.get("specs"))
+            reply = Reply.from_json(header)
+        except ValueError as e:
+            self.mark_broken(str(e), state.prefix)
+            return False
+        if reply.pair != state.prefix:
+            return False
+        try:
+            specs = decode_specs(reply.specs)
             got = {name: (dtype, shape) for name, shape, dtype in specs}
             if expect is not None:
                 validate_reply(got, expect)
@@ -220,7 +230,7 @@ class ClientBinding:
             pass
 
     def _send_release(self, prefix: str) -> None:
-        frames = control(CLIENT_TAG, ClientCommand.RELEASE.value, self.service, b"", {"prefix": prefix})
+        frames = control(CLIENT_TAG, ClientCommand.RELEASE.value, self.service, b"", Release(prefix))
         try:
             self.io.call(lambda: self.io.send_control(frames))
         except RuntimeError:
