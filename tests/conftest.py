@@ -55,3 +55,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A worker a test SIGKILLs leaves its same-host plane segments for the next worker on the host to reap
+    (docs/ARCHITECTURE.md); after the last test no worker follows, so reap them here: a test run leaves no
+    /dev/shm file of a dead test worker behind."""
+    from spec_serve.transport import shm
+
+    reaped = shm.reap()
+    if reaped:
+        print(f"\nreaped {len(reaped)} same-host plane segment(s) of test workers killed without a clean stop")
