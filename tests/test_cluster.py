@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,10 +212,27 @@ def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
         cluster.stop()
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses a TCP socket of this host listens on at ``port`` (Linux /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc/net/tcp")
 def test_http_shim_binds_loopback_by_default():
-    out = subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "broker", "--help"], capture_output=True,
-                         text=True, timeout=60)
-    assert "127.0.0.1" in out.stdout and "Examples" in out.stdout
+    """The broker started without --http-host: its shim listens on 127.0.0.1 and nowhere else."""
+    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port())
+    try:
+        cluster.start_broker()
+        assert cluster.get("/health")[0] in (200, 503)
+        assert _listening_addresses(cluster.http_port) == {"127.0.0.1"}
+    finally:
+        cluster.stop()
 
 
 def test_health_ignores_services_no_worker_ever_served():
