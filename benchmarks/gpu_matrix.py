@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a, device, seq, draft_vocab, cells, skipped, report, out_path: Path, tmp: Path) -> int:
-    from spec_serve.engines.hf import write_random_init_target
+    from spec_serve.tools.random_target import write_random_init_target
     from spec_serve.tools.tiny import make_tiny_target
     from spec_serve.supervision.vocab import build_vocab_mapping
 

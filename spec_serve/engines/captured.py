@@ -21,38 +21,7 @@ from spec_serve.supervision import contract
 from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
 from spec_serve.supervision.vocab import VocabMappingSlot
 from spec_serve.supervision.contract import Kind, TargetInfo
-from spec_serve.engines.hf import fingerprint, parse_dtype
-
-
-def resolve_dtype(path: str | Path, dtype: "str | torch.dtype | None") -> torch.dtype:
-    """``dtype`` as a torch dtype; ``None``/"auto" means the checkpoint's (float32 if it names none)."""
-    parsed = parse_dtype(dtype)
-    if parsed != "auto":
-        return parsed
-    config = json.loads((Path(path) / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return parse_dtype(name)
-
-
-def load_checkpoint_tensors(path: str | Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Read the named tensors (those present) from a checkpoint's safetensors files, on CPU."""
-    from safetensors import safe_open
-
-    root = Path(path)
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({weight_map[n] for n in names if n in weight_map})
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no safetensors weights for {list(names)} in {root}")
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(root / name), framework="pt", device="cpu") as f:
-            for key in set(names) & set(f.keys()):
-                out[key] = f.get_tensor(key)
-    return out
+from spec_serve.engines.checkpoint import fingerprint, load_checkpoint_tensors, resolve_dtype
 
 
 class _Weight(torch.nn.Module):

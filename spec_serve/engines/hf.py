@@ -9,8 +9,6 @@ computes them. Only the draft-vocab slice is ever softmaxed in float32.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import threading
 from pathlib import Path
@@ -18,31 +16,12 @@ from typing import Sequence
 
 import torch
 
-from spec_serve.supervision import contract
-
 from spec_serve.engines import packing
+from spec_serve.engines.checkpoint import fingerprint, parse_dtype
+from spec_serve.supervision import contract
 from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
-from spec_serve.supervision.vocab import VocabMappingSlot
 from spec_serve.supervision.contract import Kind, TargetInfo
-
-# Fingerprint reads this much from each end of every weight file (see `fingerprint`).
-_FINGERPRINT_EDGE_BYTES = 1 << 20
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-# Config keys that say how or where a checkpoint was written, not what it computes.
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
-
-
-def parse_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype | str":
-    """``None``/"auto" -> "auto" (the checkpoint's dtype); "bfloat16"/"bf16"/torch.bfloat16 -> torch.bfloat16."""
-    if dtype is None or dtype == "auto":
-        return "auto"
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    value = getattr(torch, aliases.get(dtype, dtype), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return value
+from spec_serve.supervision.vocab import VocabMappingSlot
 
 
 def parse_devices(device: "str | torch.device | Sequence[str | torch.device]") -> list[torch.device]:
@@ -103,39 +82,6 @@ def spread_model(model, devices: Sequence[torch.device]) -> None:
     _inputs_to(base, first)
 
 
-def fingerprint(path: str | Path) -> str:
-    """A 32-hex-digit sha256 identity of a checkpoint directory's config and weights.
-
-    Hashes the canonical config JSON (sorted keys, minus version/path stamps) and, for each weight
-    file in name order: its name, size, its first and last MiB -- and, for safetensors, the whole
-    JSON header (names, dtypes, shapes, offsets). Reading a few MiB per file keeps this instant at
-    the 8B shape (16 GB of weights); the edges of the data plus the exact sizes and layout tell
-    different checkpoints apart in practice (a retrained or re-seeded model differs everywhere).
-    """
-    root = Path(path)
-    h = hashlib.sha256()
-    config = json.loads((root / "config.json").read_text())
-    for key in _VOLATILE_CONFIG_KEYS:
-        config.pop(key, None)
-    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    weight_files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
-    if not weight_files:
-        raise ValueError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {root}")
-    for wf in weight_files:
-        size = wf.stat().st_size
-        h.update(f"{wf.name}\0{size}\0".encode())
-        with open(wf, "rb") as f:
-            head_len = _FINGERPRINT_EDGE_BYTES
-            if wf.suffix == ".safetensors" and size >= 8:
-                head_len = max(head_len, 8 + int.from_bytes(f.read(8), "little"))
-                f.seek(0)
-            h.update(f.read(head_len))
-            if size > head_len:
-                f.seek(max(head_len, size - _FINGERPRINT_EDGE_BYTES))
-                h.update(f.read())
-    return h.hexdigest()[:32]
-
-
 # Test-only fault injection (tests/test_engine_death.py): "oom:N" or "cuda:N" makes the N-th forward and
 # every later one raise what a GPU out of memory or a CUDA error raises, so engine death is testable on
 # CPU; "error:N" raises an error the engine survives.
@@ -157,22 +103,11 @@ def _test_fault() -> tuple[str, int] | None:
     return kind, int(nth)
 
 
-# A benchmark target dir (``write_random_init_target``) holds config.json plus this small file instead
-# of weights: the model is built with random weights straight on the device (an 8B model in seconds,
-# no 16 GB download or disk write). Same file, same seed, same weights on the same kind of device.
+# A weightless target dir (a benchmark fixture, ``spec_serve.tools.random_target``) holds config.json
+# plus this small file instead of weights: the model is built with random weights straight on the
+# device, with no download or disk write of weights. Same file, same seed, same weights on the same
+# kind of device.
 RANDOM_INIT_FILE = "random_init.safetensors"
-
-
-def write_random_init_target(out_dir: str | Path, config: dict, seed: int = 0) -> Path:
-    """Write a weightless target dir: ``config.json`` and a marker with the init seed."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({"seed": torch.tensor([seed], dtype=torch.int64)}, str(out / RANDOM_INIT_FILE),
-              metadata={"spec_serve": "random_init"})
-    return out
 
 
 def _random_init_model(config, marker: Path, dtype, device: torch.device, trust_remote_code: bool = False):
@@ -186,6 +121,24 @@ def _random_init_model(config, marker: Path, dtype, device: torch.device, trust_
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model
+
+
+def _load_model(path: Path, config, dtype: "str | torch.dtype | None", devices: Sequence[torch.device],
+                trust_remote_code: bool):
+    """The checkpoint's causal LM on ``devices`` (spread over them if several), frozen, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    # `dtype=` replaced `torch_dtype=` in transformers 4.56; both 4.57 and 5.x accept it.
+    if (path / RANDOM_INIT_FILE).exists():
+        model = _random_init_model(config, path / RANDOM_INIT_FILE, parse_dtype(dtype), devices[0], trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=parse_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code)
+    if len(devices) > 1:
+        spread_model(model, devices)
+    else:
+        model.to(devices[0])
+    return model.eval().requires_grad_(False)
 
 
 class HFTarget:
@@ -208,7 +161,7 @@ class HFTarget:
         model_name: str | None = None,
         trust_remote_code: bool = False,
     ):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         self.path = Path(path)
         # Several devices: one target spread over them (spread_model); outputs live on the last.
@@ -228,19 +181,7 @@ class HFTarget:
             contract.default_dspark_layer_ids(self.num_layers) if dspark_layer_ids is None else dspark_layer_ids,
             self.num_layers,
         )
-        # `dtype=` replaced `torch_dtype=` in transformers 4.56; both 4.57 and 5.x accept it.
-        if (self.path / RANDOM_INIT_FILE).exists():
-            model = _random_init_model(config, self.path / RANDOM_INIT_FILE, parse_dtype(dtype), self.devices[0],
-                                       trust_remote_code)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(self.path), config=config, dtype=parse_dtype(dtype),
-                                                         trust_remote_code=trust_remote_code)
-        if len(self.devices) > 1:
-            spread_model(model, self.devices)
-        else:
-            model.to(self.device)
-        model.eval().requires_grad_(False)
-        self.model = model
+        self.model = model = _load_model(self.path, config, dtype, self.devices, trust_remote_code)
         self._base = model.base_model
         self._layers = self._base.layers
         self._lm_head = model.get_output_embeddings()

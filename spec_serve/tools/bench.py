@@ -682,7 +682,7 @@ class Context:
     """What scenarios share: config, target, batches, mapping, the cluster (started lazily)."""
 
     def __init__(self, cfg: BenchConfig, tmp: str):
-        from spec_serve.engines.hf import write_random_init_target
+        from spec_serve.tools.random_target import write_random_init_target
         from spec_serve.tools.tiny import make_tiny_target
         from spec_serve.supervision.vocab import build_vocab_mapping
 
