@@ -1,9 +1,9 @@
 """The torch half shared by engines that capture hidden states elsewhere (vllm, sglang).
 
 :class:`CapturedHead` applies the checkpoint's own final RMSNorm and lm_head (loaded from its
-safetensors) to captured states and assembles the contract tensors with the same ops as the HF
-engine; :class:`CapturedTarget` is the engine surface built on it. Nothing here imports vllm or
-sglang.
+safetensors) to captured states and hands them to the contract assembly the HF engine uses
+(:mod:`spec_serve.supervision.assemble`); :class:`CapturedTarget` is the engine surface built on it.
+Nothing here imports vllm or sglang.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from spec_serve.supervision import contract
-from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
-from spec_serve.supervision.vocab import VocabMappingSlot
-from spec_serve.supervision.contract import Kind, TargetInfo
 from spec_serve.engines.checkpoint import fingerprint, load_checkpoint_tensors, resolve_dtype
+from spec_serve.supervision import assemble, contract
+from spec_serve.supervision.contract import Kind, TargetInfo
+from spec_serve.supervision.vocab import VocabMappingSlot
 
 
 class _Weight(torch.nn.Module):
@@ -140,47 +139,16 @@ class CapturedHead:
         The last position of every row (index ``S-1``) is the softmax of a zero row, ``1/Vd``, as
         the HF engine and NeMo give it.
         """
+        mapping = self._vocab.on_device  # read once: see assemble.contract_tensors
+        ids = assemble.layer_ids(kind, self.aux_layer_ids, self.dspark_layer_ids)
+        per_token = assemble.per_token(kind, last, {**layers, self.num_layers - 1: last}, ids, self.logits, mapping)
+        next_real = assemble.next_token_real(attention_mask.to(self.device))
+        return assemble.contract_tensors(kind, per_token, input_ids.to(self.device, torch.int64),
+                                         loss_mask.to(self.device), mapping, next_real)
 
-        def layer(i: int) -> torch.Tensor:
-            return last if i == self.num_layers - 1 else layers[i]
-
-        input_ids = input_ids.to(self.device, torch.int64)
-        loss_mask = loss_mask.to(self.device)
-        if kind is Kind.DSPARK:
-            return {
-                "target_hidden_states": torch.cat([layer(i) for i in self.dspark_layer_ids], dim=-1),
-                "target_last_hidden_states": last,
-                "input_ids": input_ids,
-                "loss_mask": loss_mask,
-            }
-        aux = torch.cat([layer(i) for i in self.aux_layer_ids], dim=-1)
-        logits = F.linear(last, self.lm_head.weight)
-        next_valid = shift_left(attention_mask.to(self.device) != 0)  # position t has a real next token
-        argmax = shift_left(logits.argmax(dim=-1)) * next_valid
-        shifted_ids, shifted_loss = shift_left(input_ids), shift_left(loss_mask)
-        if kind is Kind.EAGLE3_COMPACT:
-            return {
-                "aux_hidden_states": aux,
-                "last_hidden_states": last,
-                "argmax_ids": argmax.to(torch.int32),
-                "input_ids": shifted_ids,
-                "loss_mask": shifted_loss,
-            }
-        selected_ids, selected_mask = self._vocab.on_device
-        target_probs, position_mask = eagle3_targets(
-            logits[:, 1:].index_select(-1, selected_ids), argmax, selected_mask, shifted_loss
-        )
-        kept = next_valid.clone()
-        kept[:, -1] = True  # no next token anywhere: eagle3_targets' softmax of zeros, kept as is
-        target_probs *= kept.unsqueeze(-1)
-        position_mask &= next_valid.unsqueeze(-1)
-        return {
-            "aux_hidden_states": aux,
-            "target_probs": target_probs,
-            "position_mask": position_mask,
-            "input_ids": shifted_ids,
-            "loss_mask": shifted_loss,
-        }
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's lm_head on final-norm states, in the model dtype (``F.linear``, as ``nn.Linear``)."""
+        return F.linear(last, self.lm_head.weight)
 
     def target_info(self, *, model_name: str, engine: str, fingerprint_: str) -> TargetInfo:
         return TargetInfo(

@@ -18,8 +18,7 @@ import torch
 
 from spec_serve.engines import packing
 from spec_serve.engines.checkpoint import fingerprint, parse_dtype
-from spec_serve.supervision import contract
-from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
+from spec_serve.supervision import assemble, contract
 from spec_serve.supervision.contract import Kind, TargetInfo
 from spec_serve.supervision.vocab import VocabMappingSlot
 
@@ -244,56 +243,14 @@ class HFTarget:
         return last, {i: captured[i].to(self.device) for i in layer_ids}
 
     def _per_token(self, kind: Kind, mapping, input_ids: torch.Tensor, **model_kwargs) -> dict[str, torch.Tensor]:
-        """The forward's outputs for each token of ``input_ids``, before the contract shifts anything.
+        """The forward's outputs for each token of ``input_ids`` (``assemble.per_token``).
 
-        Logits are computed and reduced here (full-vocab argmax; draft-vocab slice for EAGLE-3), so
-        the full-vocab buffer never outlives this call and a packed forward never spends lm_head on
-        padding. Zeros at a position mean "no token": argmax 0, uniform draft probabilities.
+        ``lm_head`` is the model's own module on the final-norm output: the same op on the same
+        tensor as ``LlamaForCausalLM.forward``, so its logits equal ``model(...).logits``.
         """
-        if kind is Kind.DSPARK:
-            last, layers = self._forward(input_ids, self.dspark_layer_ids, **model_kwargs)
-            return {"target_hidden_states": torch.cat([layers[i] for i in self.dspark_layer_ids], dim=-1),
-                    "target_last_hidden_states": last}
-        last, layers = self._forward(input_ids, self.aux_layer_ids, **model_kwargs)
-        out = {"aux_hidden_states": torch.cat([layers[i] for i in self.aux_layer_ids], dim=-1)}
-        # Same op on the same tensor as LlamaForCausalLM.forward, so equal to model(...).logits.
-        # Full-vocab logits stay in the model dtype: at V=152k, fp32 would double the largest buffer.
-        logits = self._lm_head(last)
-        out["argmax"] = logits.argmax(dim=-1)
-        if kind is Kind.EAGLE3_COMPACT:
-            out["last_hidden_states"] = last
-        else:
-            out["draft_logits"] = logits.index_select(-1, mapping[0])
-        return out
-
-    def _contract(self, kind: Kind, mapping, per_token: dict[str, torch.Tensor], input_ids: torch.Tensor,
-                  loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The contract tensors of one padded ``[B,S]`` request from its per-token outputs (``_per_token``).
-
-        ``mapping``: the draft-vocab mapping on the device, read once per call so that a concurrent
-        ``set_vocab_mapping`` cannot mix two mappings into one answer.
-        """
-        if kind is Kind.DSPARK:
-            return {**per_token, "input_ids": input_ids, "loss_mask": loss_mask}
-        argmax = shift_left(per_token["argmax"])
-        shifted_ids, shifted_loss = shift_left(input_ids), shift_left(loss_mask)
-        if kind is Kind.EAGLE3_COMPACT:
-            return {
-                "aux_hidden_states": per_token["aux_hidden_states"],
-                "last_hidden_states": per_token["last_hidden_states"],
-                "argmax_ids": argmax.to(torch.int32),
-                "input_ids": shifted_ids,
-                "loss_mask": shifted_loss,
-            }
-        target_probs, position_mask = eagle3_targets(per_token["draft_logits"][:, 1:], argmax, mapping[1],
-                                                     shifted_loss)
-        return {
-            "aux_hidden_states": per_token["aux_hidden_states"],
-            "target_probs": target_probs,
-            "position_mask": position_mask,
-            "input_ids": shifted_ids,
-            "loss_mask": shifted_loss,
-        }
+        ids = assemble.layer_ids(kind, self.aux_layer_ids, self.dspark_layer_ids)
+        last, layers = self._forward(input_ids, ids, **model_kwargs)
+        return assemble.per_token(kind, last, layers, ids, self._lm_head, mapping)
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -316,7 +273,7 @@ class HFTarget:
         loss_mask = loss_mask.to(self.device)
         mapping = self._vocab.on_device
         per_token = self._per_token(kind, mapping, input_ids, attention_mask=attention_mask)
-        return self._contract(kind, mapping, per_token, input_ids, loss_mask)
+        return assemble.contract_tensors(kind, per_token, input_ids, loss_mask, mapping)
 
     @torch.inference_mode()
     def generate_packed(
@@ -345,8 +302,8 @@ class HFTarget:
         outputs = []
         for i, (input_ids, _, loss_mask) in enumerate(requests):
             padded = {name: layout.scatter(t, i) for name, t in per_token.items()}
-            outputs.append(self._contract(kind, mapping, padded, input_ids.to(self.device, torch.int64),
-                                          loss_mask.to(self.device)))
+            outputs.append(assemble.contract_tensors(kind, padded, input_ids.to(self.device, torch.int64),
+                                                     loss_mask.to(self.device), mapping))
         return outputs
 
     def packing_unsupported(self) -> str | None:
