@@ -71,24 +71,8 @@ class SGLangTarget(CapturedTarget):
 
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.model_executor.model_runner import ModelRunner
-        from sglang.srt.server_args import ServerArgs
 
-        kwargs: dict[str, Any] = dict(
-            model_path=str(self.path),
-            dtype=str(self.dtype).removeprefix("torch."),
-            disable_cuda_graph=True,
-            tp_size=1,
-            pp_size=1,
-        )
-        for key, flag in (("model_path", "--target"), ("dtype", "--dtype")):
-            if key in server_kwargs:
-                raise ValueError(f"SGLang's {key!r} is set by spec-serve; use {flag}")
-        for key in ("tp_size", "pp_size"):  # one in-process ModelRunner: one rank
-            if server_kwargs.get(key, 1) != 1:
-                raise ValueError(f"the sglang engine runs one in-process ModelRunner, so {key} must be 1, got "
-                                 f"{server_kwargs[key]}; for a target bigger than one GPU use --engine vllm")
-        kwargs.update(server_kwargs)
-        self.server_args = ServerArgs(**kwargs)
+        self.server_args = self._server_args(server_kwargs)
         self.runner = ModelRunner(
             model_config=ModelConfig.from_server_args(self.server_args),
             mem_fraction_static=self.server_args.mem_fraction_static,
@@ -110,8 +94,30 @@ class SGLangTarget(CapturedTarget):
         self._keep = _KeepHiddenStates()
         model.logits_processor = self._keep
 
-    def _forward(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One extend batch, each row its own request: packed ``([T, H] final-norm, [[T, H]] per layer)``."""
+    def _server_args(self, server_kwargs: dict[str, Any]):
+        """SGLang's ``ServerArgs`` for one in-process ``ModelRunner``: ours, ``server_kwargs`` overriding them."""
+        from sglang.srt.server_args import ServerArgs
+
+        kwargs: dict[str, Any] = dict(
+            model_path=str(self.path),
+            dtype=str(self.dtype).removeprefix("torch."),
+            disable_cuda_graph=True,
+            tp_size=1,
+            pp_size=1,
+        )
+        for key, flag in (("model_path", "--target"), ("dtype", "--dtype")):
+            if key in server_kwargs:
+                raise ValueError(f"SGLang's {key!r} is set by spec-serve; use {flag}")
+        for key in ("tp_size", "pp_size"):  # one in-process ModelRunner: one rank
+            if server_kwargs.get(key, 1) != 1:
+                raise ValueError(f"the sglang engine runs one in-process ModelRunner, so {key} must be 1, got "
+                                 f"{server_kwargs[key]}; for a target bigger than one GPU use --engine vllm")
+        kwargs.update(server_kwargs)
+        return ServerArgs(**kwargs)
+
+    def _extend_batch(self, input_ids: torch.Tensor, lengths: Sequence[int]):
+        """SGLang's ``ForwardBatch`` of one extend (prefill) over ``input_ids``, each row its own request,
+        capturing every position's hidden states. Takes KV slots: :meth:`_forward` hands them back."""
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -153,6 +159,12 @@ class SGLangTarget(CapturedTarget):
         batch.prepare_for_extend()
         forward_batch = ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
         forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+        return forward_batch
+
+    def _forward(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One extend batch, each row its own request: packed ``([T, H] final-norm, [[T, H]] per layer)``."""
+        runner = self.runner
+        forward_batch = self._extend_batch(input_ids, lengths)
         try:
             runner.forward(forward_batch)
             last, aux = self._keep.hidden_states, self._keep.aux_hidden_states
