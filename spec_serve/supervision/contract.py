@@ -42,9 +42,6 @@ RESPONSE_TENSORS: dict[Kind, tuple[str, ...]] = {
     Kind.DSPARK: ("target_hidden_states", "target_last_hidden_states", "input_ids", "loss_mask"),
 }
 
-# Vocab-mapping tensors as they travel.
-VOCAB_TENSORS = ("selected_token_ids", "selected_token_mask")
-
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
