@@ -1,11 +1,8 @@
 """Target engines. Each is imported only when chosen, so ``import spec_serve``
 never pulls in vllm or sglang.
 
-An engine object has the colocated surface the worker serves:
-``generate_batch(input_ids, attention_mask, loss_mask, kind)``,
-``set_vocab_mapping(selected_token_ids, selected_token_mask)``,
-``target_info() -> TargetInfo``, ``get_input_embeddings()``,
-``get_output_embeddings()`` (objects with ``.weight`` ``[V, H]``).
+An engine object has the surface the worker serves, :class:`spec_serve.engines.base.TargetEngine`
+(and :class:`~spec_serve.engines.base.PackingEngine` for packed forwards).
 """
 
 from __future__ import annotations

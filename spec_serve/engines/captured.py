@@ -208,3 +208,6 @@ class CapturedTarget:
     def get_output_embeddings(self) -> torch.nn.Module:
         """The lm_head (``.weight`` ``[V, H]``); the input embedding for tied models."""
         return self.head.lm_head
+
+    def close(self) -> None:
+        """Nothing to release here; an engine that starts processes or files overrides this."""

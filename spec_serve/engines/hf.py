@@ -349,3 +349,6 @@ class HFTarget:
     def get_output_embeddings(self) -> torch.nn.Module:
         """The lm_head (``.weight`` ``[V, H]``); for tied models that weight is the input embedding's."""
         return self._lm_head
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process and goes with it."""
