@@ -1,0 +1,119 @@
+"""NCCL binding negotiation at the broker (docs/nccl.md): a client takes a worker of its own.
+
+The broker only picks the worker and keeps the record (``WorkerState.bound_to``); the worker grants
+the binding itself, sending the client the rendezvous over its data socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING
+
+from spec_serve.broker.headers import request_timeout, valid_endpoint
+from spec_serve.broker.state import ClientState, WorkerState
+from spec_serve.protocol.commands import (
+    CLIENT_TAG,
+    WORKER_TAG,
+    ClientCommand,
+    ErrorCode,
+    Message,
+    ProtocolError,
+    WorkerCommand,
+    control,
+)
+from spec_serve.telemetry.logs import event
+
+if TYPE_CHECKING:
+    from spec_serve.broker.routing import Router
+
+log = logging.getLogger("spec_serve.broker")
+
+
+class Bindings:
+    """BIND, RELEASE and the end of a binding, over the router's worker pool."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    def bind(self, client: ClientState, msg: Message, now: float) -> None:
+        """Give the client a worker of its own: refused at once (BOUND ok=false) when none is free;
+        granted by the worker itself, which sends the client the rendezvous over its data socket."""
+        if not msg.request_id:
+            raise ProtocolError("BIND without a request id")
+        if not valid_endpoint(msg.header.get("reply_to")):
+            raise ProtocolError("BIND header needs reply_to, a tcp://host:port or ipc:// endpoint")
+        timeout = request_timeout(msg.header)
+        data_key, device_type = msg.header.get("data_key"), msg.header.get("device_type")
+        if not isinstance(data_key, (str, type(None))) or not isinstance(device_type, (str, type(None))):
+            raise ProtocolError("BIND header data_key and device_type must be strings")
+        self.unbind_client(client.identity, "its client bound again")  # one binding per client
+        worker = self._pick(client, msg)
+        if worker is None:
+            return
+        prefix = uuid.uuid4().hex
+        worker.bound_to, worker.bind_prefix, worker.bind_request = client.identity, prefix, msg.request_id
+        header = {"client": client.identity.hex(), "reply_to": msg.header["reply_to"], "prefix": prefix,
+                  "timeout": timeout, "device_type": device_type}
+        if data_key is not None:
+            header["data_key"] = data_key
+        if not self.router.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.BIND.value, msg.service,
+                                                              msg.request_id, header)):
+            worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
+            self._refuse(client, msg, {"ok": False, "code": ErrorCode.UNAVAILABLE.value,
+                                       "error": f"worker {worker.name} unreachable"})
+            return
+        event(log, logging.INFO, "broker.bound", worker=worker.name, client=client.identity.hex()[:12])
+        self.router.status_stale = True
+
+    def _pick(self, client: ClientState, msg: Message) -> WorkerState | None:
+        """The worker to bind, preferring an idle one (a busy one finishes the jobs it holds first: BIND
+        queues behind them); None, after refusing the BIND, if every worker is bound or leaving."""
+        workers = self.router.workers
+        service = self.router.services.get(msg.service)
+        names = service.workers if service else []
+        candidates = [workers[w] for w in names if workers[w].bound_to is None and not workers[w].leaving]
+        if candidates:
+            return min(candidates, key=lambda w: (len(w.inflight), w.idle_since))
+        error = (f"all {len(names)} workers of service {msg.service!r} are bound to other clients" if names
+                 else f"no worker of service {msg.service!r} is registered")
+        self.router.metrics.errors.labels(code=ErrorCode.UNAVAILABLE.value).inc()
+        self._refuse(client, msg, {"ok": False, "code": ErrorCode.UNAVAILABLE.value, "error": error})
+        return None
+
+    def _refuse(self, client: ClientState, msg: Message, header: dict) -> None:
+        self.router.to_client(client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
+                                                       msg.request_id, header))
+
+    def release(self, client: ClientState, msg: Message, now: float) -> None:
+        """RELEASE: end the client's binding named by ``prefix``, or all of them without one."""
+        prefix = msg.header.get("prefix")
+        for worker in self.bound_to(client.identity):
+            if prefix is None or prefix == worker.bind_prefix:
+                self.unbind(worker, "released by its client")
+
+    def bound_to(self, client: bytes) -> list[WorkerState]:
+        return [w for w in self.router.workers.values() if w.bound_to == client]
+
+    def unbind_client(self, client: bytes, reason: str) -> None:
+        for worker in self.bound_to(client):
+            self.unbind(worker, reason)
+
+    def unbind(self, worker: WorkerState, reason: str, notify: bool = False) -> None:
+        """End a binding: tell the worker (if alive) and, with ``notify``, the client; back to the pool."""
+        client, prefix, request_id = worker.bound_to, worker.bind_prefix, worker.bind_request
+        if client is None:
+            return
+        worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
+        alive = worker.identity in self.router.workers
+        if alive:
+            self.router.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.RELEASE.value, worker.service,
+                                                           b"", {"prefix": prefix}))
+        if notify and client in self.router.clients:
+            self.router.to_client(client, control(CLIENT_TAG, ClientCommand.BOUND.value, worker.service, request_id,
+                                  {"ok": False, "lost": worker.name, "prefix": prefix,
+                                   "error": f"bound worker {worker.name} lost: {reason}"}))
+        event(log, logging.INFO, "broker.unbound", worker=worker.name, client=client.hex()[:12], reason=reason)
+        self.router.status_stale = True
+        if alive:
+            self.router.dispatch(self.router.services[worker.service])

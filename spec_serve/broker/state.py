@@ -1,0 +1,107 @@
+"""What the broker knows: its records of workers, requests, clients and services.
+
+Plain records, no behaviour beyond derived fields; routing.py owns the decisions on them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class WorkerState:
+    identity: bytes
+    service: str
+    info: dict[str, Any]
+    capacity: int
+    expiry: float
+    registered_at: float
+    inflight: set = dataclasses.field(default_factory=set)
+    # digests this worker holds, least recently used first (it drops only what SET_VOCAB evicts)
+    mappings: "collections.OrderedDict[str, None]" = dataclasses.field(default_factory=collections.OrderedDict)
+    max_message_bytes: int | None = None
+    bound_to: bytes | None = None
+    bind_address: str | None = None
+    bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)
+    bind_request: bytes = b""  # the client's BIND request id
+    idle_since: float = 0.0
+    completed: int = 0
+    leaving: bool = False  # its engine died: no more requests; LEAVE follows its last answers
+
+    @property
+    def name(self) -> str:
+        return self.identity.hex()[:12]
+
+    @property
+    def free(self) -> int:
+        return 0 if self.leaving else self.capacity - len(self.inflight)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: bytes
+    client: bytes
+    service: str
+    header: dict[str, Any]
+    payload: list
+    deadline: float
+    enqueued_at: float
+    size: int = 0  # payload bytes, counted in the broker's held bytes
+    worker: bytes | None = None
+    dispatches: int = 0
+    killed: list = dataclasses.field(default_factory=list)  # workers that died while it was on them
+    dispatched_at: float = 0.0
+    missed: set = dataclasses.field(default_factory=set)  # workers that held it past its timeout
+
+
+class RequestTable(dict):
+    """request id -> Request that keeps ``held``, the sum of its requests' payload bytes."""
+
+    held = 0
+
+    def __setitem__(self, request_id: bytes, request: Request) -> None:
+        self.pop(request_id, None)
+        super().__setitem__(request_id, request)
+        self.held += request.size
+
+    def __delitem__(self, request_id: bytes) -> None:
+        self.held -= self[request_id].size
+        super().__delitem__(request_id)
+
+    def pop(self, request_id: bytes, *default):
+        if request_id in self:
+            self.held -= self[request_id].size
+        return super().pop(request_id, *default)
+
+
+@dataclasses.dataclass
+class ClientState:
+    identity: bytes
+    expiry: float
+    requests: set = dataclasses.field(default_factory=set)
+    # service -> target fingerprint this client set up with (from its requests); a worker serving
+    # another target may not join that service while the client is known.
+    fingerprints: dict = dataclasses.field(default_factory=dict)
+    # (service, digest) of the mappings it registered and has not released, oldest first
+    vocab: "collections.OrderedDict[tuple[str, str], None]" = dataclasses.field(
+        default_factory=collections.OrderedDict)
+
+
+@dataclasses.dataclass
+class ServiceState:
+    name: str
+    created_at: float  # monotonic; a name no worker ever served is unknown UNKNOWN_SERVICE_GRACE after this
+    workers: list = dataclasses.field(default_factory=list)
+    # client identity -> queued request ids; rotated for fairness.
+    queues: "collections.OrderedDict[bytes, collections.deque]" = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    # digest -> payload frames as bytes; only live mappings (see VocabRegistry.trim)
+    mappings: dict = dataclasses.field(default_factory=dict)
+    vocab_size: int | None = None
+    idle_since: float | None = None  # no workers, clients or requests since then
+
+    def queue_depth(self) -> int:
+        return sum(len(q) for q in self.queues.values())
