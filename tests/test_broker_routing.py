@@ -1,0 +1,157 @@
+"""The broker's routing decisions, driven without sockets: the router's ``send`` is a recorder, and
+each test asserts on the messages it would have put on the wire."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from spec_serve.broker.routing import Peer, Router
+from spec_serve.protocol.commands import (
+    CLIENT_TAG,
+    WORKER_TAG,
+    ClientCommand,
+    ErrorCode,
+    Message,
+    WorkerCommand,
+    control,
+    new_request_id,
+    parse_control,
+)
+
+SERVICE = "svc"
+TARGET_INFO = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 32, "aux_layer_ids": [0, 1],
+               "dspark_layer_ids": [1], "model_name": "tiny", "dtype": "float32", "engine": "fake",
+               "fingerprint": "f" * 32}
+
+
+class Recorder:
+    """A ``send`` that keeps every message, parsed, and reports every peer reachable."""
+
+    def __init__(self):
+        self.sent: list[tuple[Peer, bytes, Message]] = []
+
+    def __call__(self, peer: Peer, identity: bytes, frames: list) -> bool:
+        tag, commands = (CLIENT_TAG, ClientCommand) if peer is Peer.CLIENT else (WORKER_TAG, WorkerCommand)
+        self.sent.append((peer, identity, parse_control(frames, tag, commands)))
+        return True
+
+    def take(self) -> list[tuple[Peer, bytes, Message]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+    def requests_to(self, worker: bytes) -> list[bytes]:
+        """Request ids sent to ``worker`` as REQUEST, in order, since the last ``take``."""
+        return [m.request_id for peer, who, m in self.sent
+                if peer is Peer.WORKER and who == worker and m.command == WorkerCommand.REQUEST.value]
+
+
+def message(tag: bytes, command, request_id: bytes = b"", header: dict | None = None) -> Message:
+    commands = ClientCommand if tag == CLIENT_TAG else WorkerCommand
+    return parse_control(control(tag, command.value, SERVICE, request_id, header), tag, commands)
+
+
+@pytest.fixture
+def router():
+    recorder = Recorder()
+    r = Router(recorder, heartbeat_interval=1.0, liveness=3, max_message_bytes=1 << 20)
+    r.recorder = recorder
+    return r
+
+
+def ready(router: Router, identity: bytes, now: float, capacity: int = 1) -> None:
+    router.worker_ready(identity, message(WORKER_TAG, WorkerCommand.READY,
+                                          header={"target_info": TARGET_INFO, "capacity": capacity}), now)
+
+
+def submit(router: Router, client: bytes, now: float, timeout: float = 30.0) -> bytes:
+    request_id = new_request_id()
+    state = router.client_seen(client, now)
+    router.enqueue(state, message(CLIENT_TAG, ClientCommand.REQUEST, request_id,
+                                  {"reply_to": "tcp://127.0.0.1:9", "timeout": timeout}), now)
+    return request_id
+
+
+def done(router: Router, worker: bytes, request_id: bytes, now: float) -> None:
+    router.complete(router.worker_seen(worker, now),
+                    message(WORKER_TAG, WorkerCommand.DONE, request_id, {"status": "ok"}), now)
+
+
+def test_a_request_goes_to_the_idle_worker(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    ready(router, b"worker-b", now)
+    first = submit(router, b"client", now)
+    busy = next(w for w in (b"worker-a", b"worker-b") if router.recorder.requests_to(w) == [first])
+    idle = b"worker-b" if busy == b"worker-a" else b"worker-a"
+    router.recorder.take()
+    second = submit(router, b"client", now)
+    assert router.recorder.requests_to(idle) == [second]
+    assert router.recorder.requests_to(busy) == []
+    sent = router.recorder.take()
+    assert sent[0][2].header["client"] == b"client".hex()  # the worker learns whom to reply to
+
+
+def test_a_request_waits_in_the_queue_until_a_worker_is_free(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    first = submit(router, b"client", now)
+    second = submit(router, b"client", now)
+    assert router.recorder.requests_to(b"worker-a") == [first]
+    assert router.services[SERVICE].queue_depth() == 1
+    router.recorder.take()
+    done(router, b"worker-a", first, now)
+    assert router.recorder.requests_to(b"worker-a") == [second]
+    assert router.services[SERVICE].queue_depth() == 0
+
+
+def test_a_dead_workers_request_goes_to_another(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    request_id = submit(router, b"client", now)
+    assert router.recorder.requests_to(b"worker-a") == [request_id]
+    later = now + router.expiry_window / 2
+    ready(router, b"worker-b", later)
+    router.client_seen(b"client", later)
+    router.recorder.take()
+    router.purge(now + router.expiry_window + 0.1)  # worker-a has been silent too long; b has not
+    assert b"worker-a" not in router.workers
+    assert router.recorder.requests_to(b"worker-b") == [request_id]
+    assert not [m for peer, _, m in router.recorder.sent if peer is Peer.CLIENT
+                and m.command == ClientCommand.ERROR.value]
+
+
+def test_a_queued_request_past_its_deadline_times_out(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    submit(router, b"client", now, timeout=60)
+    late = submit(router, b"client", now, timeout=2)
+    router.recorder.take()
+    later = now + 3
+    router.worker_seen(b"worker-a", later)
+    router.client_seen(b"client", later)
+    router.purge(later)
+    errors = [(who, m) for peer, who, m in router.recorder.take()
+              if peer is Peer.CLIENT and m.command == ClientCommand.ERROR.value]
+    assert [(who, m.request_id, m.header["code"]) for who, m in errors] == [
+        (b"client", late, ErrorCode.TIMEOUT.value)]
+    assert late not in router.requests
+
+
+def test_a_worker_holding_a_request_past_its_timeout_loses_it_to_another(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    request_id = submit(router, b"client", now, timeout=2)
+    ready(router, b"worker-b", now)
+    router.recorder.take()
+    later = time.monotonic() + 3
+    for worker in (b"worker-a", b"worker-b"):
+        router.worker_seen(worker, later)
+    router.client_seen(b"client", later)
+    router.purge(later)
+    assert router.recorder.requests_to(b"worker-b") == [request_id]
+    assert router.requests[request_id].missed == {b"worker-a"}
+    # worker-a answering late changes nothing: the request is worker-b's now
+    done(router, b"worker-a", request_id, later)
+    assert router.requests[request_id].worker == b"worker-b"
