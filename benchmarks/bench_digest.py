@@ -94,10 +94,10 @@ def transfer_seconds(reply: dict[str, torch.Tensor], repeat: int) -> list[float]
 
 
 def gpu_forward(device: torch.device, tmp: str):
-    from spec_serve.tools.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG, make_batch
     from spec_serve.engines.hf import HFTarget
-    from spec_serve.tools.random_target import write_random_init_target
     from spec_serve.supervision.vocab import build_vocab_mapping
+    from spec_serve.tools.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG, make_batch
+    from spec_serve.tools.random_target import write_random_init_target
 
     target = write_random_init_target(Path(tmp) / "llama-8b-shape", LLAMA_8B_CONFIG)
     engine = HFTarget(target, device=device, dtype="bfloat16",

@@ -25,9 +25,9 @@ import torch
 
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines.hf import HFTarget
+from spec_serve.supervision.vocab import build_vocab_mapping
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
-from spec_serve.supervision.vocab import build_vocab_mapping
 
 FAST_ENV = {"SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2", "SPEC_SERVE_HEARTBEAT_LIVENESS": "5",
             "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "300"}

@@ -259,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a, device, seq, draft_vocab, cells, skipped, report, out_path: Path, tmp: Path) -> int:
+    from spec_serve.supervision.vocab import build_vocab_mapping
     from spec_serve.tools.random_target import write_random_init_target
     from spec_serve.tools.tiny import make_tiny_target
-    from spec_serve.supervision.vocab import build_vocab_mapping
 
     started = time.monotonic()
     target = make_tiny_target(tmp / "tiny") if a.tiny else write_random_init_target(tmp / "8b", LLAMA_8B_CONFIG)

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spec_serve.client import RemoteTargetModel
 from spec_serve.engines.checkpoint import fingerprint
-from spec_serve.tools.tiny import sample_batch
 from spec_serve.supervision.vocab import build_vocab_mapping, mask_from_selected
+from spec_serve.tools.tiny import sample_batch
 
 
 class Eagle3Draft(nn.Module):

@@ -280,8 +280,8 @@ def run_requests(client, reference: Reference, seeds, tally: Tally, kind: str = 
 def _slow_worker_main(argv: list[str]) -> None:
     import argparse
 
-    from spec_serve.telemetry import logs
     from spec_serve.engines import load_engine
+    from spec_serve.telemetry import logs
     from spec_serve.worker.server import Worker
 
     p = argparse.ArgumentParser(prog="cluster_util.py slow-worker")
@@ -310,8 +310,8 @@ def _slow_worker_main(argv: list[str]) -> None:
 def _swap_worker_main(argv: list[str]) -> None:
     import argparse
 
-    from spec_serve.telemetry import logs
     from spec_serve.engines import load_engine
+    from spec_serve.telemetry import logs
     from spec_serve.worker.server import Worker
 
     p = argparse.ArgumentParser(prog="cluster_util.py swap-worker")
@@ -360,9 +360,9 @@ def _holding_client_main(argv: list[str]) -> None:
     out (so never gives their slots back); prints "holding" once it blocks, then waits to be killed."""
     import argparse
 
-    from spec_serve.transport import samehost
     from spec_serve.client.api import RemoteTargetModel
     from spec_serve.tools.tiny import sample_batch
+    from spec_serve.transport import samehost
 
     p = argparse.ArgumentParser(prog="cluster_util.py holding-client")
     p.add_argument("--broker", required=True)

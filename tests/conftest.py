@@ -19,8 +19,8 @@ def tiny_target_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_vocab_mapping(tiny_target_dir):
     """A deterministic ``(selected_token_ids, selected_token_mask)`` for the tiny target."""
-    from spec_serve.tools.tiny import sample_batch
     from spec_serve.supervision.vocab import build_vocab_mapping
+    from spec_serve.tools.tiny import sample_batch
 
     input_ids, _, loss_mask = sample_batch(tiny_target_dir, batch=8, seq=64, seed=0)
     return build_vocab_mapping(input_ids, loss_mask, 512, TINY_DRAFT_VOCAB, special_token_ids=(0, 1, 2, 3))

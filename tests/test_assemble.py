@@ -12,8 +12,8 @@ import concurrent.futures
 import pytest
 import torch
 
-from spec_serve.protocol import wire
 from spec_serve.client.api import RemoteError, _assemble
+from spec_serve.protocol import wire
 from spec_serve.transport.hostpool import RecyclingAllocator
 
 

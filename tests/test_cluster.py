@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster_util import assert_equal_batches
 
-from spec_serve.protocol import wire
+from cluster_util import assert_equal_batches
 from spec_serve.client.api import RemoteTargetModel
+from spec_serve.protocol import wire
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 

@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from spec_serve.protocol import digest
-
-from spec_serve.protocol import wire
 from spec_serve.client.api import _assemble
+from spec_serve.protocol import digest, wire
 
 
 def reference_digest(t: torch.Tensor) -> int:

@@ -18,9 +18,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from spec_serve.tools.cli import main
-from spec_serve.engines.options import parse_engine_arg
 from spec_serve.engines import install_advice
+from spec_serve.engines.options import parse_engine_arg
+from spec_serve.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

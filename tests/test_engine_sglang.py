@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
 from spec_serve.engines import EngineUnavailable, load_engine
+from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
 from spec_serve.tools.tiny import sample_batch
 
 

@@ -19,9 +19,8 @@ import torch
 import zmq
 
 from cluster_util import CLIENT_KW, FAST_ENV, Reference, same, workers
-from spec_serve.protocol import wire
 from spec_serve.client.api import RemoteTargetModel
-from spec_serve.tools.launch import local_cluster
+from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     DATA_TAG,
@@ -33,6 +32,7 @@ from spec_serve.protocol.commands import (
     parse_control,
     parse_data,
 )
+from spec_serve.tools.launch import local_cluster
 
 MAX_MESSAGE = 4 << 20  # the configured maximum: SPEC_SERVE_MAX_MESSAGE_BYTES / --max-message-bytes
 REPLY_WAIT_MS = 15000

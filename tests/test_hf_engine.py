@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
-from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
 from spec_serve.engines.hf import HFTarget
+from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
+from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
 
 N, H, V = 8, 128, 512

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches
-from spec_serve.supervision.contract import Kind
 from spec_serve.engines.hf import HFTarget, layer_devices, parse_devices, spread_model
+from spec_serve.supervision.contract import Kind
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
 
 CPU, META = torch.device("cpu"), torch.device("meta")

@@ -33,9 +33,8 @@ from cluster_util import (
     wait_until,
     workers,
 )
-from spec_serve.protocol import wire
 from spec_serve.client.api import RemoteTargetModel
-from spec_serve.tools.launch import local_cluster
+from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     DATA_TAG,
@@ -47,6 +46,7 @@ from spec_serve.protocol.commands import (
     data_message,
     parse_control,
 )
+from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 
 MAX_MESSAGE = 4 << 20  # the cluster's --max-message-bytes

@@ -14,10 +14,17 @@ import signal
 import subprocess
 
 import pytest
-from cluster_util import (FORGIVING_CLIENT_KW, FORGIVING_ENV, assert_equal_batches, same, start_swap_worker,
-                          wait_until, workers)
 from prometheus_client import REGISTRY
 
+from cluster_util import (
+    FORGIVING_CLIENT_KW,
+    FORGIVING_ENV,
+    assert_equal_batches,
+    same,
+    start_swap_worker,
+    wait_until,
+    workers,
+)
 from spec_serve.client.api import IntegrityError, RemoteTargetModel, TargetChangedError
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import make_tiny_target, sample_batch

@@ -17,8 +17,15 @@ import time
 
 import pytest
 import torch
-from cluster_util import FORGIVING_CLIENT_KW, FORGIVING_ENV, assert_equal_batches, listening_addresses, wait_until, workers
 
+from cluster_util import (
+    FORGIVING_CLIENT_KW,
+    FORGIVING_ENV,
+    assert_equal_batches,
+    listening_addresses,
+    wait_until,
+    workers,
+)
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster_util import FAST_ENV, CLIENT_KW
+from cluster_util import CLIENT_KW, FAST_ENV
 from fakes import nemo_standin
 from spec_serve.integrations.nemo import Eagle3Batch, SpecServeEagle3Target, batch_class, broker_url
 from spec_serve.tools.launch import local_cluster

@@ -6,12 +6,12 @@ Issue 15. Every timing bound here is a generous "fails fast instead of hanging" 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import http.client
 import json
 import logging
 import os
-import contextlib
 import pty
 import select
 import shutil
@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from click.testing import CliRunner
 
-from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
+from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
+from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
-from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
 from spec_serve.tools.tiny import sample_batch
+from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
 
 GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE and SPEC_SERVE_IDLE_SERVICE_GRACE of the cluster below
 ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S), "SPEC_SERVE_IDLE_SERVICE_GRACE": str(GRACE_S)}

@@ -23,9 +23,8 @@ import torch
 import zmq
 
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, start_crashing_worker, wait_until
-from spec_serve.protocol import wire
 from spec_serve.client.api import RemoteError, RemoteTargetModel
-from spec_serve.tools.launch import Cluster, free_port, local_cluster
+from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     WORKER_TAG,
@@ -35,8 +34,9 @@ from spec_serve.protocol.commands import (
     new_request_id,
     parse_control,
 )
-from spec_serve.transport.sockets import Security
+from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
+from spec_serve.transport.sockets import Security
 
 MAX_MESSAGE_BYTES = 1 << 20
 POISON = 7

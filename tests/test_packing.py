@@ -16,12 +16,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from spec_serve.engines import packing
-
-from spec_serve.protocol import wire
 from spec_serve.client.api import RemoteTargetModel
-from spec_serve.tools.launch import local_cluster
+from spec_serve.engines import packing
+from spec_serve.protocol import wire
 from spec_serve.protocol.commands import Status
+from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.worker.server import Job, Worker
 

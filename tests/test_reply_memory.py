@@ -22,14 +22,14 @@ import time
 import pytest
 import torch
 import zmq
-from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, workers
 
 import spec_serve.client.api as client_module
-from spec_serve.engines import packing
+from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, workers
 from spec_serve.client.api import RemoteTargetModel
+from spec_serve.engines import packing
 from spec_serve.tools.launch import local_cluster
-from spec_serve.transport.sockets import bound_endpoint, make_socket, send_lent
 from spec_serve.tools.tiny import sample_batch
+from spec_serve.transport.sockets import bound_endpoint, make_socket, send_lent
 
 # 4 x 512 tokens of full EAGLE-3 on the tiny target (about 5 MB a batch, each shard more than the
 # kernel buffers of a stalled reader), its position_mask frame (1 KiB a shard) under pyzmq's copy
@@ -230,8 +230,8 @@ def test_gpu_copies_from_recycled_buffers_survive_their_reuse(cluster, batches, 
 def test_gpu_compact_batches_are_complete_when_resolved(tiny_target_dir, tiny_vocab_mapping):
     """The compact expander resolves a batch only once its kernels ran, as frames and NCCL replies are:
     a trainer may read it on any stream."""
-    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
     from spec_serve.engines.hf import HFTarget
+    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
     device = torch.device("cuda:0")
     colocated = HFTarget(tiny_target_dir, device=device, dtype="bfloat16")

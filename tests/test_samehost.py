@@ -20,18 +20,15 @@ import time
 
 import pytest
 import torch
+
 from cluster_util import CLIENT_KW, FAST_ENV, HERE, Reference, assert_equal_batches, kill, rss_kib, wait_until
-
-from spec_serve.transport import samehost
-
-from spec_serve.transport import shm
-
-from spec_serve.protocol import wire
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines.hf import HFTarget
+from spec_serve.protocol import wire
 from spec_serve.tools.launch import local_cluster
-from spec_serve.transport.sockets import local_host_key
 from spec_serve.tools.tiny import sample_batch
+from spec_serve.transport import samehost, shm
+from spec_serve.transport.sockets import local_host_key
 from spec_serve.worker.server import Worker
 
 # Services beside "default" (2 workers, plane defaults): few slots, to make lifetimes visible.

@@ -23,10 +23,10 @@ from click.testing import CliRunner
 
 from cluster_util import CLIENT_KW, FAST_ENV, Reference, same, wait_until, workers
 from spec_serve.broker.server import Broker
-from spec_serve.tools.cli import main
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
-from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, Status, control, data_message
+from spec_serve.tools.cli import main
+from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.transport.sockets import Security, keygen, make_socket
 
 PACKAGE = Path(__file__).resolve().parent.parent / "spec_serve"

@@ -7,7 +7,6 @@ import torch
 
 from spec_serve.supervision.vocab import build_vocab_mapping, from_d2t, mask_from_selected, to_d2t
 
-
 INPUT_IDS = torch.tensor([[9, 9, 9, 7, 7, 5, 5, 8, 6, 6, 6, 6]])
 # Under the loss mask: 9 x3, 7 x2, 5 x2, 8 x1; token 6 occurs only where the mask is 0.
 LOSS_MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]])

@@ -17,7 +17,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -104,7 +105,7 @@ class SpecServeEagle3Target:
         self._input_embeddings: types.SimpleNamespace | None = None
 
     @classmethod
-    def from_urls(cls, urls: Sequence[str], *, device, **kwargs) -> "SpecServeEagle3Target":
+    def from_urls(cls, urls: Sequence[str], *, device, **kwargs) -> SpecServeEagle3Target:
         """NeMo's constructor: ``from_urls(remote_urls, device=, timeout=, max_retries=)``."""
         return cls(urls, device=device, **kwargs)
 

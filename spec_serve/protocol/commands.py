@@ -23,8 +23,9 @@ import enum
 import json
 import os
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 # Peer tags: protocol name + version; a peer speaking another version is refused.
 CLIENT_TAG = b"SPSC01"

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

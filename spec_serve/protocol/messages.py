@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from spec_serve.protocol.commands import ProtocolError
 

@@ -9,7 +9,7 @@ draft index order follows target id order.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -85,8 +85,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -292,12 +293,12 @@ def worker_threads(device: torch.device):
 # ------------------------------------------------------------------- colocated
 
 
-def run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
+def run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
     with worker_threads(ctx.device):
         return _run_colocated(ctx, compact, packed, dspark)
 
 
-def _run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
+def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
     """The target's own forward, batch after batch: padded (what a trainer runs), compact, DSpark, or packed
     (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it; verified after)."""
     from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
@@ -333,7 +334,7 @@ def _run_colocated(ctx: "Context", compact: bool, packed: bool = False, dspark: 
 # ---------------------------------------------------------------------- remote
 
 
-def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: str, nccl: bool = False,
+def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str, nccl: bool = False,
                own_device: bool = False, packed: bool = False, plane: bool = False,
                dspark: bool = False) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
@@ -383,7 +384,7 @@ def run_remote(ctx: "Context", service: str, compact: bool, shards: int, name: s
                    **checked)
 
 
-def run_small(ctx: "Context", service: str, name: str) -> dict[str, Any]:
+def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
     """Several ranks at once, each with small requests in flight: what batching is for. Every request is
     verified after the clock against the colocated forward of it alone: bit for bit, or within
     packing.TOLERANCE where the worker packs (small_batched)."""
@@ -532,13 +533,12 @@ def _spawn_helper(kind: str, *args: str) -> subprocess.Popen:
                             env=os.environ.copy(), start_new_session=True)
 
 
-def run_push(ctx: "Context", mode: str, transport: str = "tcp") -> dict[str, Any]:
+def run_push(ctx: Context, mode: str, transport: str = "tcp") -> dict[str, Any]:
     import zmq
 
     from spec_serve.protocol import wire
-    from spec_serve.transport.sockets import make_socket
-
     from spec_serve.transport.hostpool import RecyclingAllocator
+    from spec_serve.transport.sockets import make_socket
 
     cfg = ctx.cfg
     alloc = RecyclingAllocator()  # as the client's I/O thread decodes
@@ -568,7 +568,7 @@ def run_push(ctx: "Context", mode: str, transport: str = "tcp") -> dict[str, Any
     return _figure(name, 0, nbytes, seconds, messages=cfg.transport_messages)
 
 
-def run_direct(ctx: "Context") -> dict[str, Any]:
+def run_direct(ctx: Context) -> dict[str, Any]:
     import zmq
 
     from spec_serve.protocol import wire
@@ -613,7 +613,7 @@ def run_direct(ctx: "Context") -> dict[str, Any]:
     return _figure("direct_null", tokens, nbytes, seconds)
 
 
-def run_broker_null(ctx: "Context", plane: bool = False) -> dict[str, Any]:
+def run_broker_null(ctx: Context, plane: bool = False) -> dict[str, Any]:
     """Transport only: 8B-shaped EAGLE-3 replies from the null worker, as frames or (``plane``) lent through
     the same-host plane; every reply checked after the clock."""
     from spec_serve.client.api import RemoteTargetModel
@@ -638,13 +638,13 @@ def run_broker_null(ctx: "Context", plane: bool = False) -> dict[str, Any]:
                    **verified(sum(mismatch(f.result(), want) is None for f in futures), len(futures)))
 
 
-def run_worker_pool(ctx: "Context") -> dict[str, Any]:
+def run_worker_pool(ctx: Context) -> dict[str, Any]:
     """The worker's hot path in-process: forward, host copy (pinned pool on a GPU), encode; release as sent."""
     with worker_threads(ctx.device):  # as a worker process runs it
         return _run_worker_pool(ctx)
 
 
-def _run_worker_pool(ctx: "Context") -> dict[str, Any]:
+def _run_worker_pool(ctx: Context) -> dict[str, Any]:
     from spec_serve.protocol import wire
     from spec_serve.worker.server import Job, Worker
 
@@ -667,7 +667,7 @@ def _run_worker_pool(ctx: "Context") -> dict[str, Any]:
                    pool_allocations=pool.stats()["allocations"] if pool else 0, pooled=pool is not None)
 
 
-def _fresh(ctx: "Context") -> dict[str, Any]:
+def _fresh(ctx: Context) -> dict[str, Any]:
     ctx.recycle = False
     try:
         return run_push(ctx, "wire")
@@ -682,9 +682,9 @@ class Context:
     """What scenarios share: config, target, batches, mapping, the cluster (started lazily)."""
 
     def __init__(self, cfg: BenchConfig, tmp: str):
+        from spec_serve.supervision.vocab import build_vocab_mapping
         from spec_serve.tools.random_target import write_random_init_target
         from spec_serve.tools.tiny import make_tiny_target
-        from spec_serve.supervision.vocab import build_vocab_mapping
 
         self.cfg, self.tmp = cfg, tmp
         self.device = torch.device(cfg.devices[0])

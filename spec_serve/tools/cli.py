@@ -19,9 +19,9 @@ from pathlib import Path
 
 import click
 
+from spec_serve.protocol.commands import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
 from spec_serve.telemetry import logs
 from spec_serve.tools.cli_config import ConfigGroup
-from spec_serve.protocol.commands import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -435,8 +435,8 @@ def _resolve_target(target: str):
 
 def _layer_ids(path: Path, aux: str | None, dspark: str | None) -> tuple[list[int] | None, list[int] | None]:
     """The layer-id flags, checked against the checkpoint's depth before the (slow) weight load."""
-    from spec_serve.supervision import contract
     from spec_serve.engines.targets import num_hidden_layers
+    from spec_serve.supervision import contract
 
     aux_ids, dspark_ids = _ids(aux), _ids(dspark)
     layers = num_hidden_layers(path)

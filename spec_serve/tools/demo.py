@@ -14,9 +14,9 @@ import torch
 
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines.hf import HFTarget
+from spec_serve.supervision.vocab import build_vocab_mapping
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
-from spec_serve.supervision.vocab import build_vocab_mapping
 
 KINDS = ("eagle3", "dspark")
 

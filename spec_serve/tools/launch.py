@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from spec_serve.transport.sockets import free_port
 

@@ -8,7 +8,6 @@ byte-identical files, so fingerprints and cached results are stable across runs.
 from __future__ import annotations
 
 import functools
-
 import json
 import random
 from pathlib import Path

@@ -9,7 +9,7 @@ lm_head slice the client caches. Equality is ``torch.equal``, tensor by tensor.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

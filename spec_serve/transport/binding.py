@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
-from spec_serve.telemetry.logs import event
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, Message, control
 from spec_serve.protocol.messages import BindGrant, BindRequest, Bound, Release, Reply
+from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
+from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.client")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -30,13 +30,13 @@ def _aligned(n: int) -> int:
 class Lease:
     """One slab lent out; returned to its pool after ``release`` was called ``refs`` times."""
 
-    def __init__(self, pool: "HostBufferPool", buffer: torch.Tensor):
+    def __init__(self, pool: HostBufferPool, buffer: torch.Tensor):
         self.pool = pool
         self.buffer = buffer
         self._refs = 1
         self._lock = threading.Lock()
 
-    def retain(self, n: int = 1) -> "Lease":
+    def retain(self, n: int = 1) -> Lease:
         with self._lock:
             self._refs += n
         return self
@@ -108,7 +108,7 @@ class HostBufferPool:
 
 
 def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None,
-            copy_stream: "torch.cuda.Stream | None" = None) -> tuple[dict, Lease | None, "torch.cuda.Event | None"]:
+            copy_stream: torch.cuda.Stream | None = None) -> tuple[dict, Lease | None, torch.cuda.Event | None]:
     """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU (or the pool copies
     host tensors too), else unchanged.
 

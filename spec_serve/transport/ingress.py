@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message

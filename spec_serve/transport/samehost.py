@@ -40,16 +40,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from spec_serve.transport import cuda_ipc
-
-from spec_serve.transport import shm
-
 from spec_serve.protocol import wire
 from spec_serve.telemetry.logs import event
+from spec_serve.transport import cuda_ipc, shm
 from spec_serve.transport.sockets import local_host_key
 
 log = logging.getLogger("spec_serve.samehost")
@@ -103,7 +101,7 @@ class Export:
 
     frames: list
     descriptor: dict[str, Any]
-    ready: "torch.cuda.Event | None"
+    ready: torch.cuda.Event | None
     data: torch.Tensor  # the reply's bytes in the slot (uint8)
     _give_back: Callable[[], None]
 
@@ -137,7 +135,7 @@ class WorkerPlane:
         self.reclaimed = 0
 
     @classmethod
-    def start(cls, device: torch.device, slots: int, lease_s: float) -> "WorkerPlane | None":
+    def start(cls, device: torch.device, slots: int, lease_s: float) -> WorkerPlane | None:
         """The plane, or None (frames only) when it is turned off or this host has no usable /dev/shm."""
         if not enabled():
             return None
@@ -169,7 +167,7 @@ class WorkerPlane:
         return ("cuda" if cuda else "shm"), shm.Owner(self.owner.pidns, pid, start)
 
     def export(self, header: Mapping, tensors: Mapping[str, torch.Tensor],
-               copy_stream: "torch.cuda.Stream | None") -> Export | None:
+               copy_stream: torch.cuda.Stream | None) -> Export | None:
         """Lend a slot holding ``tensors`` to the client of ``header``; None: send frames instead."""
         chosen = self.transport(header)
         if chosen is None:
@@ -258,7 +256,7 @@ class WorkerPlane:
             slot.segment.close()
         slot.buffer = slot.segment = slot.locator = slot.kind = None
 
-    def _write(self, buffer: torch.Tensor, placed: list, copy_stream: "torch.cuda.Stream | None"):
+    def _write(self, buffer: torch.Tensor, placed: list, copy_stream: torch.cuda.Stream | None):
         """Copy the tensors into ``buffer`` at their offsets: on ``copy_stream`` (returning its event) when a GPU
         is involved and every tensor is on that stream's device or the host, else synchronously (None)."""
         on_gpu = buffer.is_cuda or any(t.is_cuda for _, t, _, _ in placed)
@@ -394,12 +392,12 @@ class ClientPlane:
         self.device = torch.device(device)
         self.owner = shm.Owner.current()
         self.gpus = cuda_ipc.visible_gpus() if self.device.type == "cuda" else {}
-        self._controls: "collections.OrderedDict[str, shm.ControlBlock]" = collections.OrderedDict()
+        self._controls: collections.OrderedDict[str, shm.ControlBlock] = collections.OrderedDict()
         self._slots: dict[tuple[str, int], tuple[str, Any]] = {}  # (ctl, slot) -> (locator, Segment | tensor)
         self.off_reason: str | None = None
 
     @classmethod
-    def start(cls, device: torch.device, wanted: bool | None) -> "ClientPlane | None":
+    def start(cls, device: torch.device, wanted: bool | None) -> ClientPlane | None:
         if not (enabled() if wanted is None else wanted) or not shm.available():
             return None
         return cls(device)

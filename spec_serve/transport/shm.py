@@ -81,7 +81,7 @@ class Owner:
     start: int
 
     @classmethod
-    def current(cls) -> "Owner":
+    def current(cls) -> Owner:
         pid = os.getpid()
         return cls(pid_namespace(), pid, process_start(pid) or 0)
 
@@ -115,7 +115,7 @@ class Segment:
         return memoryview(self._mm)
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
+    def create(cls, name: str, size: int) -> Segment:
         path = _path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -129,7 +129,7 @@ class Segment:
             os.close(fd)
 
     @classmethod
-    def open(cls, name: str, writable: bool = False) -> "Segment":
+    def open(cls, name: str, writable: bool = False) -> Segment:
         """Map an existing segment (read-only unless ``writable``); ``SegmentError`` if that fails."""
         try:
             fd = os.open(_path(name), os.O_RDWR if writable else os.O_RDONLY)
@@ -180,7 +180,7 @@ class ControlBlock:
         return self.segment.name
 
     @classmethod
-    def create(cls, name: str, slots: int) -> "ControlBlock":
+    def create(cls, name: str, slots: int) -> ControlBlock:
         if not 0 < slots <= MAX_SLOTS:
             raise ValueError(f"slots must be in 1..{MAX_SLOTS}")
         segment = Segment.create(name, _SLOTS_AT + 16 * slots)
@@ -188,7 +188,7 @@ class ControlBlock:
         return cls(segment)
 
     @classmethod
-    def open(cls, name: str) -> "ControlBlock":
+    def open(cls, name: str) -> ControlBlock:
         return cls(Segment.open(name, writable=True))
 
     def gen(self, slot: int) -> int:

@@ -91,7 +91,7 @@ class _Policies:
     (a context has one ZAP handler; without domains, the first socket's policy would answer for all)."""
 
     def __init__(self):
-        self.by_domain: "weakref.WeakValueDictionary[str, KeyPolicy]" = weakref.WeakValueDictionary()
+        self.by_domain: weakref.WeakValueDictionary[str, KeyPolicy] = weakref.WeakValueDictionary()
 
     def callback(self, domain: str, key: bytes) -> bool:
         policy = self.by_domain.get(domain)

@@ -64,7 +64,7 @@ class ModelConfig:
         self.hf_config = AutoConfig.from_pretrained(server_args.model_path)
 
     @classmethod
-    def from_server_args(cls, server_args: ServerArgs) -> "ModelConfig":
+    def from_server_args(cls, server_args: ServerArgs) -> ModelConfig:
         return cls(server_args)
 
 
@@ -147,7 +147,7 @@ class ForwardBatch:
         self.capture_hidden_mode = CaptureHiddenMode.NULL
 
     @classmethod
-    def init_new(cls, model_worker_batch, model_runner) -> "ForwardBatch":
+    def init_new(cls, model_worker_batch, model_runner) -> ForwardBatch:
         reqs = model_worker_batch.reqs
         ids = torch.tensor([t for r in reqs for t in r.fill_ids], dtype=torch.int64)
         return cls(ids, [len(r.fill_ids) for r in reqs])
