@@ -57,7 +57,8 @@ def timed(paths: dict[str, Callable[[], object]], repeat: int) -> dict[str, list
     return times
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901, PLR0915
+    # A benchmark script: flags, then one timed scenario after another, read top to bottom.
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=64, help="payload size in MiB")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")

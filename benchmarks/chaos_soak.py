@@ -33,8 +33,9 @@ FAST_ENV = {"SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2", "SPEC_SERVE_HEARTBEAT_LIVENE
             "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "300"}
 
 
-def soak(target: str, duration: float, workers: int, ranks: int, kill_every: float, seed: int,
+def soak(target: str, duration: float, workers: int, ranks: int, kill_every: float, seed: int,  # noqa: C901, PLR0915
          distinct: int = 16, log_dir: Path | None = None) -> dict:
+    # The soak is one scenario (cluster, training ranks, a killer thread, the tally): read as one piece.
     rng = random.Random(seed)
     reference = HFTarget(target)
     ids, _, loss = sample_batch(target, batch=8, seq=64, seed=0)

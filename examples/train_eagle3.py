@@ -69,7 +69,8 @@ def soft_cross_entropy(logits, target_probs, position_mask):
     return loss, entropy, agree
 
 
-def train(args) -> int:
+def train(args) -> int:  # noqa: PLR0915
+    # An example training loop, meant to be read top to bottom as a user would write it.
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

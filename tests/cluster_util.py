@@ -385,8 +385,9 @@ def _holding_client_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    entry = {"slow-worker": _slow_worker_main, "swap-worker": _swap_worker_main,
-             "idle-client": _idle_client_main, "holding-client": _holding_client_main}.get(sys.argv[1] if len(sys.argv) > 1 else "")
+    entries = {"slow-worker": _slow_worker_main, "swap-worker": _swap_worker_main,
+               "idle-client": _idle_client_main, "holding-client": _holding_client_main}
+    entry = entries.get(sys.argv[1] if len(sys.argv) > 1 else "")
     if entry is None:
         sys.exit("usage: cluster_util.py slow-worker --delay S --target DIR --broker URL\n"
                  "       cluster_util.py swap-worker --target DIR --swap-to DIR --after N --broker URL\n"

@@ -147,7 +147,7 @@ def _wait_group_gone(pgid: int, timeout: float = 120.0) -> None:
     raise AssertionError(f"processes {alive} of group {pgid} still alive after {timeout:g}s")
 
 
-def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, batch, tmp_path):
+def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, batch, tmp_path):  # noqa: PLR0915
     """Two workers started as users start them, with the vLLM venv's own `spec-serve worker --engine vllm`
     (the installed package, not this checkout on the path) and vLLM's own flags, serve one sharded
     batch through a real broker within the fp32 tolerances of hf. The flags reach vLLM (its log says so;

@@ -27,7 +27,8 @@ def cluster(tiny_target_dir, tmp_path_factory):
         yield c
 
 
-def _run_load(cluster, reference, mapping, steps: int, num_shards: int = 1) -> None:
+def _run_load(cluster, reference, mapping, steps: int, num_shards: int = 1) -> None:  # noqa: C901
+    # One load run with its sampler and rank threads as closures over the shared tally: read as one piece.
     for seed in range(DISTINCT):
         reference.expected(seed, 4, 16)
     tally = Tally()

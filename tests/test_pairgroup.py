@@ -334,7 +334,8 @@ def test_nccl_round_trip_and_bandwidth():
                     pg.recv_tensors(specs, out=out)
                 torch.cuda.synchronize(pg.device)
                 dt = (time.perf_counter() - start) / reps
-                print(f"NCCL pair cuda:0 -> cuda:1, {name}: {nbytes / 2**20:.1f} MiB in {dt * 1e3:.3f} ms = {nbytes / dt / 1e9:.1f} GB/s")
+                print(f"NCCL pair cuda:0 -> cuda:1, {name}: {nbytes / 2**20:.1f} MiB in {dt * 1e3:.3f} ms"
+                      f" = {nbytes / dt / 1e9:.1f} GB/s")
                 assert torch.equal(out[specs[0][0]], torch.ones(specs[0][1], dtype=specs[0][2], device=pg.device))
         _finish(proc)
 
@@ -342,7 +343,8 @@ def test_nccl_round_trip_and_bandwidth():
 @pytest.mark.gpu
 @needs_2_gpus
 def test_nccl_peer_killed_mid_transfer_then_rebind():
-    with _peer("stream", "cuda:0", "host", "gpu-kill-a") as a, _peer("echo_then_sink", "cuda:0", "host", "gpu-kill-b", 2) as b:
+    with (_peer("stream", "cuda:0", "host", "gpu-kill-a") as a,
+          _peer("echo_then_sink", "cuda:0", "host", "gpu-kill-b", 2) as b):
         _kill_sender_then_rebind_and_kill_receiver(_gpu_client(a, "gpu-kill-a"), a, _gpu_client(b, "gpu-kill-b"), b)
 
 

@@ -278,7 +278,7 @@ def test_slow_client_never_returns_reused_bytes(cluster, tiny_vocab_mapping, ref
 
         def open_slowly(*args, **kwargs):
             reply = opened(*args, **kwargs)
-            for name, span in reply.items():
+            for span in reply.values():
                 copy = span._copy
 
                 def late_copy(out, copy=copy):

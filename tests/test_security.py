@@ -67,7 +67,8 @@ def test_authenticated_client_gets_correct_results(cluster, keys, tiny_target_di
         client.set_vocab_mapping(*tiny_vocab_mapping)
         got = [client.generate_batch(*reference.batch(seed)) for seed in range(3)]
         verified = sum(same(g, reference.expected(seed)) for seed, g in enumerate(got))
-        verified += same(client.generate_batch(*reference.batch(7), kind="dspark"), reference.expected(7, kind="dspark"))
+        dspark = client.generate_batch(*reference.batch(7), kind="dspark")
+        verified += same(dspark, reference.expected(7, kind="dspark"))
     print(f"\ncurve: authenticated client verified {verified}/4")
     assert verified == 4
 
@@ -127,7 +128,8 @@ def test_data_socket_admits_only_worker_keys(cluster, keys):
             try:
                 push.send_multipart(data_message(Status.OK, uuid.uuid4().bytes, {"worker": who}), flags=zmq.NOBLOCK)
                 try:
-                    delivered[who] = bool(wait_until(lambda: client.stats.unknown > before, 3, what="delivery"))
+                    delivered[who] = bool(wait_until(lambda before=before: client.stats.unknown > before, 3,
+                                                     what="delivery"))
                 except TimeoutError:
                     delivered[who] = False
             finally:

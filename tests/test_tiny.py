@@ -32,7 +32,8 @@ def test_loads_with_auto_classes(tiny_target_dir):
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (8, 128, 512)
     assert cfg.hidden_size // cfg.num_attention_heads >= 32
     assert len(tok) == cfg.vocab_size == model.get_input_embeddings().weight.shape[0]
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    specials = (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == specials
     ids = tok("Hello world, the draft model").input_ids
     assert ids[0] == tok.bos_token_id and max(ids) < cfg.vocab_size
     assert tok.decode(ids, skip_special_tokens=True) == "Hello world, the draft model"
@@ -41,7 +42,8 @@ def test_loads_with_auto_classes(tiny_target_dir):
 def test_tied_embeddings(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_target(tmp_path / "tied", tie_word_embeddings=True, layers=4))
+    target = make_tiny_target(tmp_path / "tied", tie_word_embeddings=True, layers=4)
+    model = AutoModelForCausalLM.from_pretrained(target)
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 

@@ -54,7 +54,8 @@ def test_rejects_bad_arguments():
 
 
 def test_d2t_round_trip():
-    selected, mask = build_vocab_mapping(torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0)), None, 1000, 100)
+    input_ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    selected, mask = build_vocab_mapping(input_ids, None, 1000, 100)
     d2t = to_d2t(selected)
     assert bool((d2t >= 0).all()) and bool((d2t[1:] >= d2t[:-1]).all())  # sorted ids: non-negative, non-decreasing
     assert torch.equal(from_d2t(d2t), selected)

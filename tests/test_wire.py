@@ -261,7 +261,8 @@ ENTRY = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         (raw_message(b"\xff\xfe"), "not valid JSON"),
         (raw_message(b"[" * 100_000), "not valid JSON"),
         (raw_message([ENTRY], b"\0" * 8), "JSON object"),
-        (raw_message(b'{"a":' + json.dumps(ENTRY).encode() + b',"a":' + json.dumps(ENTRY).encode() + b"}"), "duplicate"),
+        (raw_message(b'{"a":' + json.dumps(ENTRY).encode() + b',"a":' + json.dumps(ENTRY).encode() + b"}"),
+         "duplicate"),
         (raw_message({"a": {**ENTRY, "dtype": "F8"}}, b"\0" * 8), "unknown dtype"),
         (raw_message({"a": {**ENTRY, "dtype": ["F32"]}}, b"\0" * 8), "unknown dtype"),
         (raw_message({"a": {**ENTRY, "shape": [-2]}}, b"\0" * 8), "shape"),
@@ -320,7 +321,9 @@ def test_random_bytes_never_crash(frames):
 
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=4)
-json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3), max_leaves=8)
+json_values = st.recursive(
+    json_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3), max_leaves=8
+)
 entries = st.fixed_dictionaries(
     {
         "dtype": st.sampled_from(DTYPE_NAMES) | json_values,

@@ -351,41 +351,46 @@ def _check_header(header: Any, data_len: int) -> tuple[dict[str, str], list[tupl
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise WireError("__metadata__ must be an object of string values")
 
-    specs = []
-    for name, entry in header.items():
-        if name == _METADATA_KEY:
-            continue
-        if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
-            raise WireError(f"tensor {name!r}: entry must have exactly the keys {sorted(_ENTRY_KEYS)}")
-        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-        if dtype is None:
-            raise WireError(f"tensor {name!r}: unknown dtype {entry['dtype']!r}")
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and d >= 0 for d in shape)
-        ):
-            raise WireError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} non-negative ints")
-        # Strides are products of dims (zero dims count as 1) and must fit int64.
-        if math.prod(max(d, 1) for d in shape) >= _INT64_LIMIT:
-            raise WireError(f"tensor {name!r}: shape {shape} overflows int64")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(_is_int(o) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        ):
-            raise WireError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
-        begin, end = offsets
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes:
-            raise WireError(
-                f"tensor {name!r}: {entry['dtype']}{shape} needs {nbytes} bytes, data_offsets span {end - begin}"
-            )
-        specs.append((name, dtype, shape, begin, end))
+    specs = [_check_entry(name, entry) for name, entry in header.items() if name != _METADATA_KEY]
+    _check_tiling(specs, data_len)
+    return metadata, specs
 
-    # The data section must be tiled exactly: no gap, overlap or trailing byte.
+
+def _check_entry(name: str, entry: Any) -> tuple:
+    """Validate one tensor's entry; return (name, dtype, shape, begin, end)."""
+    if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
+        raise WireError(f"tensor {name!r}: entry must have exactly the keys {sorted(_ENTRY_KEYS)}")
+    dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise WireError(f"tensor {name!r}: unknown dtype {entry['dtype']!r}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(_is_int(d) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"tensor {name!r}: shape {shape!r} is not a list of <= {MAX_NDIM} non-negative ints")
+    # Strides are products of dims (zero dims count as 1) and must fit int64.
+    if math.prod(max(d, 1) for d in shape) >= _INT64_LIMIT:
+        raise WireError(f"tensor {name!r}: shape {shape} overflows int64")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(o) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise WireError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise WireError(
+            f"tensor {name!r}: {entry['dtype']}{shape} needs {nbytes} bytes, data_offsets span {end - begin}"
+        )
+    return (name, dtype, shape, begin, end)
+
+
+def _check_tiling(specs: list[tuple], data_len: int) -> None:
+    """The data section must be tiled exactly: no gap, overlap or trailing byte."""
     pos = 0
     for name, _, _, begin, end in sorted(specs, key=lambda s: (s[3], s[4])):
         if begin != pos:
@@ -394,7 +399,6 @@ def _check_header(header: Any, data_len: int) -> tuple[dict[str, str], list[tupl
         pos = end
     if pos != data_len:
         raise WireError(f"tensors cover {pos} bytes but the data section holds {data_len}")
-    return metadata, specs
 
 
 def _slices(views: list[memoryview], starts: list[int], pos: int, nbytes: int) -> tuple[memoryview, ...]:

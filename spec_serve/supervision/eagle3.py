@@ -47,7 +47,8 @@ def eagle3_targets(
 
 def lm_head_slice(output_embedding_weight: torch.Tensor, selected_token_ids: torch.Tensor) -> torch.Tensor:
     """The draft-vocab rows ``[Vd, H]`` of the target's lm_head weight ``[V, H]``: what the client caches."""
-    return output_embedding_weight.detach().index_select(0, selected_token_ids.to(output_embedding_weight.device)).contiguous()
+    rows = selected_token_ids.to(output_embedding_weight.device)
+    return output_embedding_weight.detach().index_select(0, rows).contiguous()
 
 
 # no_grad, not inference_mode: the results feed the trainer, and inference tensors cannot be

@@ -145,7 +145,8 @@ class BenchConfig:
 
 
 def bytes_per_token(hidden: int, draft_vocab: int, dtype_bytes: int = 2, mask_bytes: int = 8) -> dict[str, int]:
-    """Reply bytes a token: full EAGLE-3 (aux, probs f32, mask, ids, loss) and compact (aux, last, argmax, ids, loss)."""
+    """Reply bytes a token: full EAGLE-3 (aux, probs f32, mask, ids, loss) and compact (aux, last, argmax, ids,
+    loss)."""
     common = 3 * hidden * dtype_bytes + 8 + mask_bytes  # aux + input_ids int64 + loss_mask as sent
     return {"eagle3": common + draft_vocab * 4 + 1, "eagle3_compact": common + hidden * dtype_bytes + 4}
 
@@ -655,7 +656,7 @@ def _run_worker_pool(ctx: Context) -> dict[str, Any]:
     header = {"op": "generate", "kind": "eagle3", "vocab": "bench", "reply_to": "tcp://127.0.0.1:1"}
     n = max(ctx.cfg.steps, 4)
     start = time.perf_counter()
-    for i in range(n):
+    for _ in range(n):
         result = worker.serve(Job(bytes(16), header, wire.encode(batch), time.monotonic()))
         if result.ready is not None:
             result.ready.synchronize()  # the I/O thread sends only once the device->host copy is done

@@ -30,7 +30,7 @@ def plot_ratios(report: dict[str, Any], path: str) -> None:
         raise ValueError("the report has no ratios to plot (choose scenarios that pair up, see RATIOS)")
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     try:
-        for y, (label, values, median, goal) in enumerate(rows):
+        for y, (_label, values, median, goal) in enumerate(rows):
             ax.scatter(values, [y] * len(values), s=18, color="tab:blue", zorder=3)
             ax.plot([median] * 2, [y - 0.3, y + 0.3], color="tab:blue", linewidth=2)
             if goal is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from spec_serve.engines.options import SectionedCommand, engine_kwargs, engine_options
 from spec_serve.protocol.commands import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
 from spec_serve.telemetry import logs
 from spec_serve.tools.cli_config import ConfigGroup
@@ -28,7 +29,6 @@ log = logging.getLogger("spec_serve.worker")
 # A packing worker's default budget of real tokens a packed forward takes from several requests: four
 # rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
 DEFAULT_PACKED_TOKENS = 8192
-from spec_serve.engines.options import SectionedCommand, engine_kwargs, engine_options
 
 
 def _ids(value: str | None) -> list[int] | None:
@@ -535,7 +535,7 @@ def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
     except BrokerUnreachable as e:
         raise click.ClickException(str(e)) from None
     except TimeoutError:
-        raise click.ClickException(f"no answer from a broker at {broker_url} within {timeout:g}s")
+        raise click.ClickException(f"no answer from a broker at {broker_url} within {timeout:g}s") from None
     finally:
         client.close()
     if as_json:
@@ -686,7 +686,8 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     batch prints INVALID, a remote faster than colocated by over 10% is flagged IMPLAUSIBLE. Prints a
     table of figures (useful and padded tokens/s) and ratios and writes JSON. Scenarios: colocated,
     colocated_compact, colocated_packed,
-    remote_1w_packed, remote_1w_compact_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu, remote_1w_compact_own_gpu,
+    remote_1w_packed, remote_1w_compact_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu,
+    remote_1w_compact_own_gpu,
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
     zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.

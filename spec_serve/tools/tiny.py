@@ -63,7 +63,8 @@ def train_tokenizer(vocab: int):
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab < len(alphabet) + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab must be >= {len(alphabet) + len(SPECIAL_TOKENS)} for a byte-level tokenizer, got {vocab}")
+        least = len(alphabet) + len(SPECIAL_TOKENS)
+        raise ValueError(f"vocab must be >= {least} for a byte-level tokenizer, got {vocab}")
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

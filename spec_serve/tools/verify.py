@@ -17,7 +17,8 @@ from spec_serve.client.api import shard_bounds
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
 
-def sharded_forward(engine, batch: tuple[torch.Tensor, ...], wire_kind: str, shards: int = 1) -> dict[str, torch.Tensor]:
+def sharded_forward(engine, batch: tuple[torch.Tensor, ...], wire_kind: str,
+                    shards: int = 1) -> dict[str, torch.Tensor]:
     """``engine``'s outputs of ``wire_kind`` for ``batch`` (input_ids, attention_mask, loss_mask), each of
     the client's ``shards`` row ranges computed alone, concatenated; on the engine's device."""
     parts = [engine.generate_batch(*(t[lo:hi] for t in batch), kind=wire_kind)

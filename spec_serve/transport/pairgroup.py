@@ -138,6 +138,24 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
+def _check_out(specs: list[_Spec], out: Mapping[str, torch.Tensor]) -> None:
+    """Each ``out[name]`` must be a tensor of its spec's shape and dtype."""
+    for name, shape, dtype in specs:
+        t = out.get(name)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+            raise ValueError(f"out[{name!r}] must be a tensor of {shape} {dtype}, got {got}")
+
+
+def _mismatch(got: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """The header fields that differ from the expected ones, for the out-of-sync error."""
+    return ", ".join(
+        f"{field} {g:#x} != expected {e:#x}" if field in ("magic", "digest") else f"{field} {g} != expected {e}"
+        for field, g, e in zip(("magic", "version", "seq", "nbytes", "digest"), got, expected)
+        if g != e
+    )
+
+
 def _timedelta(seconds: float) -> timedelta:
     if not seconds > 0:
         raise ValueError(f"timeout must be positive, got {seconds!r}")
@@ -191,7 +209,8 @@ class PairGroup:
     :class:`PairGroupError`, and every later call raises it too.
     """
 
-    def __init__(self, backend: dist.Backend, store: dist.Store, rank: int, device: torch.device, timeout: float, port: int):
+    def __init__(self, backend: dist.Backend, store: dist.Store, rank: int, device: torch.device, timeout: float,
+                 port: int):
         self._pg: dist.Backend | None = backend
         self._store: dist.Store | None = store
         self.rank = rank
@@ -283,7 +302,8 @@ class PairGroup:
         """True once the group was closed or aborted."""
         return self._pg is None
 
-    def send_tensors(self, tensors: Mapping[str, torch.Tensor], dst_rank: int | None = None, *, timeout: float | None = None) -> None:
+    def send_tensors(self, tensors: Mapping[str, torch.Tensor], dst_rank: int | None = None, *,
+                     timeout: float | None = None) -> None:
         """Send ``tensors`` as one message; returns once every send has completed.
 
         The peer must call :meth:`recv_tensors` with the same (name, shape,
@@ -336,11 +356,7 @@ class PairGroup:
         self._check_peer(src_rank)
         specs = _normalise(specs)
         if out is not None:
-            for name, shape, dtype in specs:
-                t = out.get(name)
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-                    got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-                    raise ValueError(f"out[{name!r}] must be a tensor of {shape} {dtype}, got {got}")
+            _check_out(specs, out)
         layout = _layout(specs)
         pg = self._live()
         deadline = self._deadline(timeout)
@@ -349,13 +365,29 @@ class PairGroup:
         got = _HEADER.unpack(bytes(header.tolist()))
         expected = (_MAGIC, _VERSION, self._recv_seq, layout.total, layout.digest)
         if got != expected:
-            wrong = ", ".join(
-                f"{field} {g:#x} != expected {e:#x}" if field in ("magic", "digest") else f"{field} {g} != expected {e}"
-                for field, g, e in zip(("magic", "version", "seq", "nbytes", "digest"), got, expected)
-                if g != e
-            )
-            self._fail(f"recv: the message is not the one expected (group out of sync): {wrong}")
+            self._fail(f"recv: the message is not the one expected (group out of sync): {_mismatch(got, expected)}")
 
+        flat, direct, parts = self._recv_targets(layout, out)
+        works = [self._start("recv payload", pg.recv, [part], self.peer, _PAYLOAD_TAG + i)
+                 for i, part in enumerate(parts)]
+        for work in works:
+            self._wait(work, "recv payload", deadline)
+        self._recv_seq += 1
+
+        result = {name: _view(flat, offset, n, shape, dtype) for (name, shape, dtype), offset, n in layout.packed}
+        result.update(direct)
+        if out is None:
+            return result
+        for name, t in result.items():
+            if t is not out[name]:
+                out[name].copy_(t)
+        return out
+
+    def _recv_targets(
+        self, layout: _Layout, out: dict[str, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Where the payload lands: the flat buffer of the small tensors, the large ones (``out``'s own
+        where it is contiguous on this device), and the byte views received into, in payload order."""
         parts = []
         if out is None:
             flat = torch.empty(layout.packed_bytes, dtype=torch.uint8, device=self.device)
@@ -370,19 +402,7 @@ class PairGroup:
                 dst = torch.empty(shape, dtype=dtype, device=self.device)
             direct[name] = dst
             parts.append(_bytes(dst))
-        works = [self._start("recv payload", pg.recv, [part], self.peer, _PAYLOAD_TAG + i) for i, part in enumerate(parts)]
-        for work in works:
-            self._wait(work, "recv payload", deadline)
-        self._recv_seq += 1
-
-        result = {name: _view(flat, offset, n, shape, dtype) for (name, shape, dtype), offset, n in layout.packed}
-        result.update(direct)
-        if out is None:
-            return result
-        for name, t in result.items():
-            if t is not out[name]:
-                out[name].copy_(t)
-        return out
+        return flat, direct, parts
 
     def abort(self) -> None:
         """Tear the group down now, without waiting for the peer; idempotent."""

@@ -49,7 +49,8 @@ MODULES = (
 
 
 class ServerArgs:
-    def __init__(self, model_path: str, dtype: str = "auto", mem_fraction_static: float = 0.8, page_size: int = 1, **kw):
+    def __init__(self, model_path: str, dtype: str = "auto", mem_fraction_static: float = 0.8, page_size: int = 1,
+                 **kw):
         self.model_path, self.dtype = model_path, dtype
         self.mem_fraction_static, self.page_size = mem_fraction_static, page_size
         self.__dict__.update(kw)
@@ -128,7 +129,8 @@ class ScheduleBatch:
         self.extra = kw
 
     @classmethod
-    def init_new(cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, model_config, enable_overlap, spec_algorithm):
+    def init_new(cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, model_config, enable_overlap,
+                 spec_algorithm):
         return cls(reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache=tree_cache)
 
     def prepare_for_extend(self):
@@ -189,7 +191,9 @@ class FakeSGLangLlama(torch.nn.Module):
             out = self.hf.model(input_ids=chunk[None], use_cache=False, return_dict=True)
             finals.append(out.last_hidden_state[0])
             per_req.append([h[0] for _, h in self._seen])  # hooks fire in layer order
-        aux = [torch.cat([req[j] for req in per_req]) for j in range(len(per_req[0]))] if self.capture_aux_hidden_states else None
+        aux = None
+        if self.capture_aux_hidden_states:
+            aux = [torch.cat([req[j] for req in per_req]) for j in range(len(per_req[0]))]
         return self.logits_processor(
             forward_batch.input_ids, torch.cat(finals), self.hf.lm_head, forward_batch, aux or None
         )
@@ -216,7 +220,8 @@ _CONTENTS = {
     "sglang.srt.server_args": {"ServerArgs": ServerArgs},
     "sglang.srt.configs.model_config": {"ModelConfig": ModelConfig},
     "sglang.srt.model_executor.model_runner": {"ModelRunner": ModelRunner},
-    "sglang.srt.model_executor.forward_batch_info": {"ForwardBatch": ForwardBatch, "CaptureHiddenMode": CaptureHiddenMode},
+    "sglang.srt.model_executor.forward_batch_info": {"ForwardBatch": ForwardBatch,
+                                                     "CaptureHiddenMode": CaptureHiddenMode},
     "sglang.srt.managers.schedule_batch": {"Req": Req, "ScheduleBatch": ScheduleBatch},
     "sglang.srt.mem_cache.cache_init_params": {"CacheInitParams": CacheInitParams},
     "sglang.srt.mem_cache.radix_cache": {"RadixCache": RadixCache},
