@@ -176,7 +176,7 @@ class Message:
     service: str
     request_id: bytes
     header: dict[str, Any]
-    payload: list  # codec frames, zero-copy
+    payload: list[Any]  # codec frames, zero-copy
 
 
 def control(tag: bytes, command: bytes, service: str = "", request_id: bytes = b"",
@@ -186,7 +186,7 @@ def control(tag: bytes, command: bytes, service: str = "", request_id: bytes = b
             *payload]
 
 
-def parse_control(frames: Sequence, tag: bytes, commands: type[enum.Enum]) -> Message:
+def parse_control(frames: Sequence[Any], tag: bytes, commands: type[enum.Enum]) -> Message:
     """Parse a control message, checking tag, command, and frame sizes."""
     if len(frames) < CONTROL_FRAMES:
         raise ProtocolError(f"message has {len(frames)} frames, expected at least {CONTROL_FRAMES}")
@@ -217,7 +217,7 @@ def data_message(status: Status, request_id: bytes, header: Mapping[str, Any] | 
     return [DATA_TAG, status.value, request_id, encode_header(header), *payload]
 
 
-def parse_data(frames: Sequence) -> tuple[Status, bytes, dict, list]:
+def parse_data(frames: Sequence[Any]) -> tuple[Status, bytes, dict[str, Any], list[Any]]:
     """Parse a worker -> client data message."""
     if len(frames) < DATA_FRAMES:
         raise ProtocolError(f"data message has {len(frames)} frames, expected at least {DATA_FRAMES}")
@@ -233,7 +233,7 @@ def parse_data(frames: Sequence) -> tuple[Status, bytes, dict, list]:
     return status, request_id, decode_header(header), list(frames[DATA_FRAMES:])
 
 
-def _bytes(frame) -> bytes:
+def _bytes(frame: Any) -> bytes:
     # zmq.Frame exposes .bytes; plain bytes/memoryview pass through.
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 

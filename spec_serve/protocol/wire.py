@@ -74,6 +74,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+# One validated header entry: (name, dtype, shape, begin, end) of the data section.
+_EntrySpec = tuple[str, torch.dtype, list[int], int, int]
 
 Frame = bytes | memoryview
 Alloc = Callable[[int], torch.Tensor]
@@ -102,7 +104,7 @@ def encode(
             # view(uint8) rejects: flatten by strides. bool and bfloat16 have no
             # numpy dtype, so numpy sees the bytes as uint8.
             flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-            view = memoryview(flat.numpy())
+            view = flat.numpy().data
             frames.extend(view[i : i + MAX_FRAME_BYTES] for i in range(0, end - begin, MAX_FRAME_BYTES))
     return frames
 
@@ -326,9 +328,11 @@ def _parse_header(raw: bytes) -> Any:
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out = dict(pairs)
         if len(out) != len(pairs):
-            seen = set()
-            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-            raise WireError(f"duplicate key {dup!r} in header")
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise WireError(f"duplicate key {key!r} in header")
+                seen.add(key)
         return out
 
     try:
@@ -343,7 +347,7 @@ def _is_int(x: Any) -> bool:
     return type(x) is int  # bool is an int subclass and not a valid size
 
 
-def _check_header(header: Any, data_len: int) -> tuple[dict[str, str], list[tuple]]:
+def _check_header(header: Any, data_len: int) -> tuple[dict[str, str], list[_EntrySpec]]:
     """Validate the parsed header; return metadata and (name, dtype, shape, begin, end)."""
     if not isinstance(header, dict):
         raise WireError(f"header must be a JSON object, not {type(header).__name__}")
@@ -356,7 +360,7 @@ def _check_header(header: Any, data_len: int) -> tuple[dict[str, str], list[tupl
     return metadata, specs
 
 
-def _check_entry(name: str, entry: Any) -> tuple:
+def _check_entry(name: str, entry: Any) -> _EntrySpec:
     """Validate one tensor's entry; return (name, dtype, shape, begin, end)."""
     if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
         raise WireError(f"tensor {name!r}: entry must have exactly the keys {sorted(_ENTRY_KEYS)}")
@@ -389,7 +393,7 @@ def _check_entry(name: str, entry: Any) -> tuple:
     return (name, dtype, shape, begin, end)
 
 
-def _check_tiling(specs: list[tuple], data_len: int) -> None:
+def _check_tiling(specs: list[_EntrySpec], data_len: int) -> None:
     """The data section must be tiled exactly: no gap, overlap or trailing byte."""
     pos = 0
     for name, _, _, begin, end in sorted(specs, key=lambda s: (s[3], s[4])):

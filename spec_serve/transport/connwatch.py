@@ -24,7 +24,7 @@ class ConnectWatch:
     Used only by the thread that owns the socket; :meth:`close` before the socket is closed.
     """
 
-    def __init__(self, sock: zmq.Socket, url: str):
+    def __init__(self, sock: zmq.SyncSocket, url: str):
         self.url = url
         self.seen = 0  # OR of the zmq.EVENT_* bits observed
         self.monitor = sock.get_monitor_socket(_WATCHED)
@@ -67,7 +67,7 @@ class ConnectWatch:
         self.monitor.close(0)
 
 
-def connect_watched(sock: zmq.Socket, url: str) -> ConnectWatch:
+def connect_watched(sock: zmq.SyncSocket, url: str) -> ConnectWatch:
     """Connect ``sock`` to ``url`` with a watch attached first (so no early event is missed); on a
     failure the socket is closed and the error raised."""
     watch = ConnectWatch(sock, url)

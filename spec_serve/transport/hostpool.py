@@ -108,7 +108,8 @@ class HostBufferPool:
 
 
 def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None,
-            copy_stream: torch.cuda.Stream | None = None) -> tuple[dict, Lease | None, torch.cuda.Event | None]:
+            copy_stream: torch.cuda.Stream | None = None) -> tuple[dict[str, torch.Tensor], Lease | None,
+                                                                  torch.cuda.Event | None]:
     """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU (or the pool copies
     host tensors too), else unchanged.
 
@@ -163,7 +164,8 @@ def _storage_refs(t: torch.Tensor) -> int | None:
     if use_count is None:
         return None
     storage = t.untyped_storage()
-    return use_count(storage._cdata) - 1  # minus the `storage` object made just now
+    refs: int = use_count(storage._cdata) - 1  # minus the `storage` object made just now
+    return refs
 
 
 class RecyclingAllocator:

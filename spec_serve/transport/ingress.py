@@ -31,6 +31,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeAlias, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -55,13 +56,13 @@ def wire_bytes(nbytes: int, curve: bool) -> int:
     return body + (2 if body <= 255 else 9)
 
 
-Budget = "int | Callable[[], int]"
+Budget: TypeAlias = "int | Callable[[], int]"
 
 
 @dataclasses.dataclass
 class _Conn:
     fd: int
-    peer: tuple
+    peer: tuple[Any, ...]
     base: int  # received - delivered bytes already accounted for (forgiven)
     seen: int  # delivered message count at the last check
     held: int = 0  # undelivered bytes at the last check
@@ -77,8 +78,8 @@ class Ingress:
     connecting fails, the socket is closed.
     """
 
-    def __init__(self, sock: zmq.Socket, name: str, *, total: Budget, per_connection: Budget | None = None,
-                 router: bool = False, bind: str | None = None, connect: str | None = None):
+    def __init__(self, sock: zmq.SyncSocket, name: str, *, total: Budget, per_connection: Budget | None = None,
+                 router: bool = False, bind: str | None = None, connect: str | None = None) -> None:
         self.name = name
         self.total = total
         self.per_connection = total if per_connection is None else per_connection
@@ -102,7 +103,7 @@ class Ingress:
             sock.close(0)
             raise
 
-    def delivered(self, frames: list) -> None:
+    def delivered(self, frames: list[zmq.Frame]) -> None:
         """Account one received message (a ROUTER's identity frame is not on the wire)."""
         parts = frames[1:] if self.router else frames
         if not parts:
@@ -125,7 +126,10 @@ class Ingress:
         return budget() if callable(budget) else budget
 
 
-def _borrow(fd: int, use: Callable[[socket.socket], object]):
+_T = TypeVar("_T")
+
+
+def _borrow(fd: int, use: Callable[[socket.socket], _T]) -> _T | None:
     """``use(sock)`` on libzmq's descriptor ``fd`` without taking it over; None if ``fd`` is not a socket
     (any more) or the call fails."""
     try:
@@ -148,7 +152,7 @@ def _received(sock: socket.socket) -> int | None:
     return struct.unpack_from("<Q", info, _BYTES_RECEIVED_OFFSET)[0] if len(info) >= _TCP_INFO_LEN else None
 
 
-def _shutdown_if(peer: tuple) -> Callable[[socket.socket], bool]:
+def _shutdown_if(peer: tuple[Any, ...]) -> Callable[[socket.socket], bool]:
     """Shut the connection down (libzmq then closes it) if it is still the one to ``peer``."""
     def shutdown(sock: socket.socket) -> bool:
         if sock.getpeername() != peer:
@@ -166,17 +170,17 @@ class _Watcher(threading.Thread):
     once a second regardless.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(name="spec-serve-ingress", daemon=True)
         self._lock = threading.Lock()
-        self._added: list[tuple[Ingress, zmq.Socket]] = []
-        self._watched: dict[Ingress, tuple[zmq.Socket, dict[int, _Conn]]] = {}
+        self._added: list[tuple[Ingress, zmq.SyncSocket]] = []
+        self._watched: dict[Ingress, tuple[zmq.SyncSocket, dict[int, _Conn]]] = {}
         self._poke = threading.Event()
         self._epoll = select.epoll()
         self._owners: dict[int, _Conn] = {}  # fd -> the connection it is now (descriptors are reused)
         self._next_sweep = 0.0
 
-    def add(self, ingress: Ingress, monitor: zmq.Socket) -> None:
+    def add(self, ingress: Ingress, monitor: zmq.SyncSocket) -> None:
         with self._lock:  # also publishes the monitor socket to this thread
             self._added.append((ingress, monitor))
 
@@ -199,7 +203,7 @@ class _Watcher(threading.Thread):
             self._watched[ingress] = (monitor, {})
             poller.register(monitor, zmq.POLLIN)
         if self._watched:
-            ready = dict(poller.poll(CHECK_INTERVAL_S * 1000))
+            ready = dict(poller.poll(int(CHECK_INTERVAL_S * 1000)))  # what pyzmq does with a float
         else:
             self._poke.wait(CHECK_INTERVAL_S)
             ready = {}
@@ -221,7 +225,7 @@ class _Watcher(threading.Thread):
                 self._events(ingress, monitor, conns)
             self._check(ingress, conns, dirty, sweep)
 
-    def _events(self, ingress: Ingress, monitor: zmq.Socket, conns: dict[int, _Conn]) -> None:
+    def _events(self, ingress: Ingress, monitor: zmq.SyncSocket, conns: dict[int, _Conn]) -> None:
         while True:
             try:
                 msg = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))

@@ -43,9 +43,9 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,18 @@ def _timedelta(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _nccl_backend(store: dist.Store, rank: int, timeout: float) -> dist.Backend:
+class _Backend(Protocol):
+    """What a pair group uses of its torch backend, a ProcessGroupNCCL or ProcessGroupGloo (torch's stubs
+    leave their point-to-point calls undeclared)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+    def abort(self) -> None: ...
+
+
+def _nccl_backend(store: dist.Store, rank: int, timeout: float) -> _Backend:
     # NVLink SHARP (NVLS) multicast must stay off on the shared GPU hosts.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     opts = dist.ProcessGroupNCCL.Options()
@@ -183,7 +194,7 @@ def _nccl_backend(store: dist.Store, rank: int, timeout: float) -> dist.Backend:
         saved = {key: os.environ.get(key) for key in overrides}
         os.environ.update(overrides)
         try:
-            return dist.ProcessGroupNCCL(store, rank, 2, opts)
+            return cast(_Backend, dist.ProcessGroupNCCL(store, rank, 2, opts))
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -192,13 +203,13 @@ def _nccl_backend(store: dist.Store, rank: int, timeout: float) -> dist.Backend:
                     os.environ[key] = value
 
 
-def _gloo_backend(store: dist.Store, rank: int, timeout: timedelta, listen_host: str | None) -> dist.Backend:
+def _gloo_backend(store: dist.Store, rank: int, timeout: timedelta, listen_host: str | None) -> _Backend:
     if listen_host is None:
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
-    opts = dist.ProcessGroupGloo._Options()
+        return cast(_Backend, dist.ProcessGroupGloo(store, rank, 2, timeout))
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs know only Options
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=listen_host)]
     opts._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, 2, opts)
+    return cast(_Backend, dist.ProcessGroupGloo(store, rank, 2, opts))
 
 
 class PairGroup:
@@ -209,9 +220,9 @@ class PairGroup:
     :class:`PairGroupError`, and every later call raises it too.
     """
 
-    def __init__(self, backend: dist.Backend, store: dist.Store, rank: int, device: torch.device, timeout: float,
+    def __init__(self, backend: _Backend, store: dist.Store, rank: int, device: torch.device, timeout: float,
                  port: int):
-        self._pg: dist.Backend | None = backend
+        self._pg: _Backend | None = backend
         self._store: dist.Store | None = store
         self.rank = rank
         self.peer = 1 - rank
@@ -427,7 +438,7 @@ class PairGroup:
     def __enter__(self) -> PairGroup:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:
@@ -438,7 +449,7 @@ class PairGroup:
         if rank is not None and rank != self.peer:
             raise ValueError(f"rank {self.rank} can only talk to rank {self.peer}, not {rank!r}")
 
-    def _live(self) -> dist.Backend:
+    def _live(self) -> _Backend:
         if self._pg is None:
             raise PairGroupError(f"pair group is unusable ({self._error}): bind again with a fresh prefix")
         return self._pg
@@ -455,7 +466,7 @@ class PairGroup:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + _timedelta(self.timeout if timeout is None else timeout).total_seconds()
 
-    def _start(self, what: str, post, *args) -> dist.Work:
+    def _start(self, what: str, post: Callable[..., dist.Work], *args: Any) -> dist.Work:
         try:
             return post(*args)
         except Exception as exc:
@@ -482,7 +493,7 @@ class PairGroup:
         except Exception as exc:
             self._fail(f"{what} failed: {type(exc).__name__}: {exc}", exc)
 
-    def _fail(self, msg: str, cause: BaseException | None = None) -> None:
+    def _fail(self, msg: str, cause: BaseException | None = None) -> NoReturn:
         self._error = msg
         self.abort()
         raise PairGroupError(f"pair group rank {self.rank}: {msg}") from cause

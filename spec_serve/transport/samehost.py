@@ -41,7 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -84,7 +84,7 @@ class _Slot:
     kind: str | None = None
     buffer: torch.Tensor | None = None  # uint8 over the whole slot
     segment: shm.Segment | None = None
-    locator: dict | None = None  # what a client needs to find the buffer
+    locator: dict[str, Any] | None = None  # what a client needs to find the buffer
     version: int = 0
     holder: shm.Owner | None = None  # the client it is lent to, until it comes back
     deadline: float = 0.0
@@ -99,7 +99,7 @@ class Export:
     """One reply lent through the plane: its payload (the header frame), where its bytes lie, and the event
     after which they are written (None: already)."""
 
-    frames: list
+    frames: list[Any]
     descriptor: dict[str, Any]
     ready: torch.cuda.Event | None
     data: torch.Tensor  # the reply's bytes in the slot (uint8)
@@ -151,7 +151,7 @@ class WorkerPlane:
             event(log, logging.WARNING, "worker.plane_unavailable", error=e)
             return None
 
-    def transport(self, header: Mapping) -> tuple[str, shm.Owner] | None:
+    def transport(self, header: Mapping[str, Any]) -> tuple[str, shm.Owner] | None:
         """How this request's reply may be lent: (kind, the client's process); None: frames.
 
         The offer is a peer's: anything malformed, or another host, means frames, never an error.
@@ -166,7 +166,7 @@ class WorkerPlane:
         cuda = self._gpu is not None and self._gpu in gpus and pid != os.getpid()  # IPC needs two processes
         return ("cuda" if cuda else "shm"), shm.Owner(self.owner.pidns, pid, start)
 
-    def export(self, header: Mapping, tensors: Mapping[str, torch.Tensor],
+    def export(self, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                copy_stream: torch.cuda.Stream | None) -> Export | None:
         """Lend a slot holding ``tensors`` to the client of ``header``; None: send frames instead."""
         chosen = self.transport(header)
@@ -180,19 +180,21 @@ class WorkerPlane:
             if lent is None:
                 return None
             slot, gen = lent
+            # An acquired slot holds a buffer and its locator (_allocate).
+            buffer, locator = cast(torch.Tensor, slot.buffer), cast("dict[str, Any]", slot.locator)
         except Exception as e:  # no memory for a slot: frames
             event(log, logging.WARNING, "worker.plane_fallback", kind=kind, bytes=nbytes, error=e)
             return None
         try:
-            ready = self._write(slot.buffer, placed, copy_stream)
+            ready = self._write(buffer, placed, copy_stream)
         except Exception as e:
             self._give_back(slot.index, gen)
             event(log, logging.WARNING, "worker.plane_fallback", kind=kind, bytes=nbytes, error=e)
             return None
         self.lent += 1
         descriptor = {"kind": kind, "ctl": self.ctl.name, "slot": slot.index, "gen": gen, "nbytes": nbytes,
-                      **slot.locator}
-        return Export([frame], descriptor, ready, slot.buffer[:nbytes], lambda: self._give_back(slot.index, gen))
+                      **locator}
+        return Export([frame], descriptor, ready, buffer[:nbytes], lambda: self._give_back(slot.index, gen))
 
     def _acquire(self, kind: str, nbytes: int, holder: shm.Owner) -> tuple[_Slot, int] | None:
         with self._lock:
@@ -256,7 +258,8 @@ class WorkerPlane:
             slot.segment.close()
         slot.buffer = slot.segment = slot.locator = slot.kind = None
 
-    def _write(self, buffer: torch.Tensor, placed: list, copy_stream: torch.cuda.Stream | None):
+    def _write(self, buffer: torch.Tensor, placed: list[tuple[str, torch.Tensor, int, int]],
+               copy_stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """Copy the tensors into ``buffer`` at their offsets: on ``copy_stream`` (returning its event) when a GPU
         is involved and every tensor is on that stream's device or the host, else synchronously (None)."""
         on_gpu = buffer.is_cuda or any(t.is_cuda for _, t, _, _ in placed)
@@ -324,7 +327,7 @@ class _Span:
         return out.view(self.dtype).view(self.shape)
 
 
-class PlaneReply(dict):
+class PlaneReply(dict[str, _Span]):
     """A reply's tensors (``_Span``) in a slot the worker lent, with its data-message ``header``.
 
     Copy them out, then ``settle``: the slot goes back to the worker whatever happens; the result
@@ -332,8 +335,9 @@ class PlaneReply(dict):
     ``release`` gives the slot back without looking (the bytes were not used).
     """
 
-    def __init__(self, spans: dict, header: dict, request_id: bytes, ctl: shm.ControlBlock, slot: int, gen: int,
-                 devices: set, resend: Callable[[str], concurrent.futures.Future]):
+    def __init__(self, spans: dict[str, _Span], header: dict[str, Any], request_id: bytes, ctl: shm.ControlBlock,
+                 slot: int, gen: int, devices: set[torch.device],
+                 resend: Callable[[str], concurrent.futures.Future[Any]]) -> None:
         super().__init__(spans)
         self.header = header
         self.request_id = request_id
@@ -341,7 +345,7 @@ class PlaneReply(dict):
         self._settled = False
         self._lock = threading.Lock()
 
-    def settle(self) -> concurrent.futures.Future | None:
+    def settle(self) -> concurrent.futures.Future[Any] | None:
         """After copying the tensors out: None if they are intact, else the future of the request sent again."""
         if self._give_back() is not False:
             return None
@@ -364,12 +368,12 @@ class PlaneReply(dict):
         return intact
 
 
-def settle(reply: Any) -> concurrent.futures.Future | None:
+def settle(reply: Any) -> concurrent.futures.Future[Any] | None:
     """``PlaneReply.settle`` for a plane reply; None for any other reply (frames, NCCL)."""
     return reply.settle() if isinstance(reply, PlaneReply) else None
 
 
-def release(future: concurrent.futures.Future) -> None:
+def release(future: concurrent.futures.Future[Any]) -> None:
     """Give back the slot of a plane reply that was not settled (the batch failed or was answered already)."""
     if future.done() and not future.cancelled() and future.exception() is None:
         release_reply(future.result())
@@ -393,7 +397,7 @@ class ClientPlane:
         self.owner = shm.Owner.current()
         self.gpus = cuda_ipc.visible_gpus() if self.device.type == "cuda" else {}
         self._controls: collections.OrderedDict[str, shm.ControlBlock] = collections.OrderedDict()
-        self._slots: dict[tuple[str, int], tuple[str, Any]] = {}  # (ctl, slot) -> (locator, Segment | tensor)
+        self._slots: dict[tuple[str, int], tuple[str | None, Any]] = {}  # (ctl, slot) -> (locator, Segment | tensor)
         self.off_reason: str | None = None
 
     @classmethod
@@ -408,8 +412,8 @@ class ClientPlane:
             return None
         return {"host": local_host_key(), "pid": self.owner.pid, "start": self.owner.start, "gpus": list(self.gpus)}
 
-    def open(self, header: dict, payload: list, request_id: bytes,
-             resend: Callable[[str], concurrent.futures.Future]) -> PlaneReply:
+    def open(self, header: dict[str, Any], payload: list[Any], request_id: bytes,
+             resend: Callable[[str], concurrent.futures.Future[Any]]) -> PlaneReply:
         """The reply whose bytes ``header["plane"]`` places; ``PlaneError`` if they cannot be read here."""
         d = _descriptor(header.get("plane"))
         if len(payload) != 1:
@@ -425,7 +429,7 @@ class ClientPlane:
             spans, devices = self._cuda_spans(d, payload[0])
         return PlaneReply(spans, header, request_id, ctl, d["slot"], d["gen"], devices, resend)
 
-    def _shm_spans(self, d: dict, header_frame) -> tuple[dict, set]:
+    def _shm_spans(self, d: dict[str, Any], header_frame: Any) -> tuple[dict[str, _Span], set[torch.device]]:
         segment = self._mapped(d, lambda: shm.Segment.open(d["segment"]))
         if d["nbytes"] > segment.size:
             raise PlaneError(f"plane reply of {d['nbytes']} bytes overruns {segment.name} ({segment.size} bytes)")
@@ -435,7 +439,7 @@ class ClientPlane:
             raise PlaneError(f"plane reply header: {e}") from None
         return {name: _Span(s.dtype, s.shape, s.copy_into) for name, s in spans.items()}, set()
 
-    def _cuda_spans(self, d: dict, header_frame) -> tuple[dict, set]:
+    def _cuda_spans(self, d: dict[str, Any], header_frame: Any) -> tuple[dict[str, _Span], set[torch.device]]:
         key = repr(sorted(d["cuda"].items())) if isinstance(d["cuda"], dict) else ""
         buffer = self._mapped(d, lambda: cuda_ipc.open_shared(d["cuda"], self.gpus), key)
         if d["nbytes"] > buffer.numel():
@@ -444,8 +448,11 @@ class ClientPlane:
             layout, _ = wire.parse_header(header_frame, d["nbytes"])
         except wire.WireError as e:
             raise PlaneError(f"plane reply header: {e}") from None
-        spans = {name: _Span(dtype, shape, lambda out, b=begin, e=end: out.copy_(buffer[b:e], non_blocking=True))
-                 for name, (dtype, shape, begin, end) in layout.items()}
+
+        def copier(begin: int, end: int) -> Callable[[torch.Tensor], Any]:
+            return lambda out: out.copy_(buffer[begin:end], non_blocking=True)
+
+        spans = {name: _Span(dtype, shape, copier(begin, end)) for name, (dtype, shape, begin, end) in layout.items()}
         devices = {buffer.device} | ({self.device} if self.device.type == "cuda" else set())
         return spans, devices
 
@@ -458,7 +465,7 @@ class ClientPlane:
         self._controls.move_to_end(name)
         return ctl
 
-    def _mapped(self, d: dict, opener: Callable[[], Any], key: str | None = None):
+    def _mapped(self, d: dict[str, Any], opener: Callable[[], Any], key: str | None = None) -> Any:
         """The slot's buffer, mapped once per (control block, slot, locator); a slot's old buffer is dropped."""
         key = key if key is not None else d.get("segment")
         cached = self._slots.get((d["ctl"], d["slot"]))
@@ -468,7 +475,7 @@ class ClientPlane:
         self._slots[(d["ctl"], d["slot"])] = (key, mapped)
         return mapped
 
-    def _open(self, opener: Callable[[], Any]):
+    def _open(self, opener: Callable[[], Any]) -> Any:
         try:
             return opener()
         except cuda_ipc.CudaIpcError as e:
@@ -523,7 +530,7 @@ class ClientPlane:
 _DESCRIPTOR = {"kind": str, "ctl": str, "slot": int, "gen": int, "nbytes": int}
 
 
-def _descriptor(d: Any) -> dict:
+def _descriptor(d: Any) -> dict[str, Any]:
     """A peer's ``plane`` header, checked: types, ranges, and the one locator its kind has."""
     if not isinstance(d, dict) or not all(type(d.get(k)) is t for k, t in _DESCRIPTOR.items()):
         raise PlaneError(f"plane descriptor must hold {sorted(_DESCRIPTOR)} with the right types")

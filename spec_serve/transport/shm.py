@@ -154,7 +154,7 @@ class Segment:
         if self._registered:
             self._registered = False
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-        self.data = None
+        self.data = None  # type: ignore[assignment]  # closed: drop the view of the unmapped memory
         with contextlib.suppress(BufferError):  # a view still alive elsewhere: unmapped when it goes
             self._mm.close()
 
@@ -225,7 +225,7 @@ class ControlBlock:
         return [n.decode(errors="replace") for n in names if n]
 
     def close(self) -> None:
-        self._words = None
+        self._words = None  # type: ignore[assignment]  # closed: drop the view of the segment
         self.segment.close()
 
 

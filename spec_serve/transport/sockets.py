@@ -29,7 +29,9 @@ import tempfile
 import threading
 import uuid
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -90,7 +92,7 @@ class _Policies:
     """The ZAP credentials provider of one context: each request goes to the policy of its socket's domain
     (a context has one ZAP handler; without domains, the first socket's policy would answer for all)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.by_domain: weakref.WeakValueDictionary[str, KeyPolicy] = weakref.WeakValueDictionary()
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -102,7 +104,7 @@ _authenticators: dict[int, tuple[ThreadAuthenticator, _Policies]] = {}
 _auth_lock = threading.Lock()
 
 
-def _admit(sock: zmq.Socket, policy: KeyPolicy) -> None:
+def _admit(sock: zmq.SyncSocket, policy: KeyPolicy) -> None:
     """Make ``sock`` a CURVE server that admits exactly ``policy``'s keys (one ZAP handler per context)."""
     with _auth_lock:
         entry = _authenticators.get(id(sock.context))
@@ -118,7 +120,7 @@ def _admit(sock: zmq.Socket, policy: KeyPolicy) -> None:
 
 
 def make_socket(
-    ctx: zmq.Context,
+    ctx: zmq.SyncContext,
     kind: int,
     *,
     bind: str | None = None,
@@ -130,14 +132,14 @@ def make_socket(
     hwm: int = DEFAULT_HWM,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     immediate: bool = False,
-) -> zmq.Socket:
+) -> zmq.SyncSocket:
     """Create a socket with the project's options; bind or connect it.
 
     With ``security``: ``admit`` makes it a CURVE server admitting that policy's keys (the caller
     keeps the policy); otherwise a CURVE client of the broker, or of ``curve_server_key`` (a worker
     connecting to a client's data socket learns that key from the request).
     """
-    sock = ctx.socket(kind)
+    sock: zmq.SyncSocket = ctx.socket(kind)
     try:
         _configure(sock, kind, bind, connect, identity, security, admit, curve_server_key, hwm, max_frame_bytes,
                    immediate)
@@ -147,8 +149,9 @@ def make_socket(
     return sock
 
 
-def _configure(sock, kind, bind, connect, identity, security, admit, curve_server_key, hwm, max_frame_bytes,
-               immediate) -> None:
+def _configure(sock: zmq.SyncSocket, kind: int, bind: str | None, connect: str | None, identity: bytes | None,
+               security: Security | None, admit: KeyPolicy | None, curve_server_key: bytes | None, hwm: int,
+               max_frame_bytes: int, immediate: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -176,7 +179,7 @@ def _configure(sock, kind, bind, connect, identity, security, admit, curve_serve
         sock.connect(connect)
 
 
-def send_lent(sock: zmq.Socket, frames, flags: int = 0) -> zmq.MessageTracker:
+def send_lent(sock: zmq.SyncSocket, frames: Iterable[Any], flags: int = 0) -> zmq.MessageTracker:
     """Send a multipart message whose frames borrow memory the caller will reuse; return a tracker
     that is done only once libzmq has let go of *every* frame.
 
@@ -192,9 +195,10 @@ def send_lent(sock: zmq.Socket, frames, flags: int = 0) -> zmq.MessageTracker:
     return tracker
 
 
-def bound_endpoint(sock: zmq.Socket) -> str:
+def bound_endpoint(sock: zmq.SyncSocket) -> str:
     """The endpoint a socket bound to, with the real port of a ``:*`` bind."""
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return endpoint
 
 
 def keygen(directory: Path, name: str) -> tuple[Path, Path]:
@@ -228,7 +232,8 @@ def route_address(broker_url: str) -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
-        return probe.getsockname()[0]
+        address: str = probe.getsockname()[0]
+        return address
     finally:
         probe.close()
 
@@ -301,4 +306,5 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on now (the OS picks it)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
