@@ -30,7 +30,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,13 +39,16 @@ from spec_serve.protocol.messages import BindGrant, BindRequest, Bound, Release,
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
 from spec_serve.telemetry.logs import event
 
+if TYPE_CHECKING:
+    from spec_serve.transport.pairgroup import PairGroup
+
 log = logging.getLogger("spec_serve.client")
 
 # Header keys a bound request carries; stripped when it falls back to frames.
 BOUND_KEYS = ("bound", "nccl")
 
 
-def encode_specs(tensors: dict[str, torch.Tensor]) -> list:
+def encode_specs(tensors: dict[str, torch.Tensor]) -> list[list[Any]]:
     """JSON-able (name, shape, dtype) list of ``tensors`` for the metadata message."""
     return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()]
 
@@ -71,7 +74,7 @@ def decode_specs(raw: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
 class _Bound:
     """One live binding: the worker, the group's prefix and the PairGroup (used on the pair thread)."""
 
-    def __init__(self, worker: str, prefix: str, pair):
+    def __init__(self, worker: str, prefix: str, pair: PairGroup):
         self.worker = worker
         self.prefix = prefix
         self.pair = pair
@@ -82,7 +85,8 @@ class ClientBinding:
     """Client side of the NCCL data plane. ``ensure()`` runs on user threads, ``on_metadata``
     and ``lost`` on the I/O thread, receives on a dedicated pair thread."""
 
-    def __init__(self, io, service: str, device: torch.device, timeout: float, retry_s: float):
+    def __init__(self, io: Any, service: str, device: torch.device, timeout: float, retry_s: float):
+        # io: the client's I/O thread (spec_serve.client), which owns this binding.
         self.io = io
         self.service = service
         self.device = device
@@ -137,10 +141,12 @@ class ClientBinding:
             reply = self.io.submit(ClientCommand.BIND, self.service, request.to_json(), (), self.timeout,
                                    max_retries=0).result()
             if isinstance(reply, Message):  # BOUND from the broker: a refusal (or the worker was lost meanwhile)
-                return self._give_up(f"broker refused: {Bound.from_json(reply.header).error}")
+                self._give_up(f"broker refused: {Bound.from_json(reply.header).error}")
+                return None
             grant = BindGrant.from_json(reply)
         except Exception as e:
-            return self._give_up(f"bind request failed: {e}")
+            self._give_up(f"bind request failed: {e}")
+            return None
         prefix, worker = grant.bind.prefix, grant.bind.worker
         try:
             from spec_serve.transport.pairgroup import PairGroup
@@ -150,7 +156,8 @@ class ClientBinding:
                 prefix=prefix, timeout=self.timeout, listen_host=self.io.local_host).result()
         except Exception as e:
             self._send_release(prefix)
-            return self._give_up(f"could not form the pair group with worker {worker}: {e}")
+            self._give_up(f"could not form the pair group with worker {worker}: {e}")
+            return None
         self._state = _Bound(worker, prefix, pair)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         event(log, logging.INFO, "client.nccl_bound", worker=worker, backend=backend, device=self.device)
@@ -159,11 +166,10 @@ class ClientBinding:
     def _give_up(self, reason: str) -> None:
         self._not_before = time.monotonic() + self.retry_s
         event(log, logging.WARNING, "client.nccl_fallback", fallback="frames", retry_in_s=self.retry_s, reason=reason)
-        return None
 
     # ------------------------------------------------------------- I/O side
 
-    def on_metadata(self, request_id: bytes, header: dict, expect: ReplySpecs | None, max_bytes: int) -> bool:
+    def on_metadata(self, request_id: bytes, header: dict[str, Any], expect: ReplySpecs | None, max_bytes: int) -> bool:
         """A worker's nccl reply header: receive its tensors on the pair thread, once they are what
         ``expect`` says (a reply nobody waits for: at most ``max_bytes``). False when no live binding
         matches or the specs are wrong (the binding is dropped; the caller falls back to frames)."""
@@ -190,7 +196,8 @@ class ClientBinding:
         self._pair_thread.submit(self._receive, state, request_id, specs, header)
         return True
 
-    def _receive(self, state: _Bound, request_id: bytes, specs, header: dict) -> None:
+    def _receive(self, state: _Bound, request_id: bytes, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 header: dict[str, Any]) -> None:
         if state.broken is not None:
             tensors, error = None, state.broken
         else:
