@@ -43,7 +43,7 @@ class Eagle3Batch:
     seq_lens: torch.Tensor | None = None
     doc_remaining: torch.Tensor | None = None
 
-    def to_trainer_inputs(self) -> dict[str, torch.Tensor]:
+    def to_trainer_inputs(self) -> dict[str, torch.Tensor | None]:
         """The keyword arguments of NeMo's EAGLE-3 trainer module for this batch."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
                 "aux_hidden_states": self.aux_hidden_states, "target_probs": self.target_probs,
@@ -167,7 +167,7 @@ def patch_recipe() -> type:
     remote``; returns the class it replaced. Call it before the recipe's ``setup()``."""
     import importlib
 
-    recipe = importlib.import_module(_RECIPE_MODULE)
+    recipe: Any = importlib.import_module(_RECIPE_MODULE)
     previous = recipe.RemoteEagle3TargetModel
     recipe.RemoteEagle3TargetModel = SpecServeEagle3Target
     return previous

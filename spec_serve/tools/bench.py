@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -87,9 +88,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from spec_serve.tools.launch import Cluster
 
 # Llama-3.1-8B's shape (the GPU benchmark builds it with random bf16 weights on the device).
 LLAMA_8B_CONFIG = {
@@ -308,13 +312,14 @@ def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bo
     weight = lm_head_slice(engine.get_output_embeddings().weight, ctx.mapping[0]) if compact else None
     mask = ctx.mapping[1].to(device)
     batches = ctx.batches if packed else [tuple(t.to(device) for t in b) for b in ctx.batches]
-    nbytes, start, outputs = 0, 0.0, []
+    outputs: list[dict[str, torch.Tensor]] = []
+    nbytes, start = 0, 0.0
     for i, b in enumerate(batches):
         if i == warmup:
             _sync(device)
             start, nbytes, outputs = time.perf_counter(), 0, []
         if compact:
-            out = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), weight, mask)
+            out = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), cast(torch.Tensor, weight), mask)
         elif packed:
             out = engine.generate_packed([b], kind="eagle3")[0]
             outputs.append(out)
@@ -335,6 +340,10 @@ def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bo
 # ---------------------------------------------------------------------- remote
 
 
+def _mark_done(done_at: dict[int, float], i: int, _future: Any) -> None:
+    done_at.setdefault(i, time.perf_counter())
+
+
 def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str, nccl: bool = False,
                own_device: bool = False, packed: bool = False, plane: bool = False,
                dspark: bool = False) -> dict[str, Any]:
@@ -351,7 +360,7 @@ def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str
     device = torch.device(ctx.cfg.devices[-1]) if nccl or own_device else ctx.device
     warmup = max(ctx.cfg.warmup, 1)
     batches = ctx.batches[: warmup + ctx.cfg.steps]
-    with RemoteTargetModel(ctx.cluster.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
+    with RemoteTargetModel(ctx.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl,
                            same_host_plane=plane) as client:
         client.set_vocab_mapping(*ctx.mapping)
@@ -359,7 +368,7 @@ def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str
         futures = []
         for i, b in enumerate(batches):
             future = client.generate_batch_async(*b, kind="dspark" if dspark else "eagle3")
-            future.add_done_callback(lambda _, i=i: done_at.setdefault(i, time.perf_counter()))
+            future.add_done_callback(functools.partial(_mark_done, done_at, i))
             futures.append(future)
         nbytes, outputs = 0, []  # the timed results, kept (the futures hold them anyway) and verified after
         for i, f in enumerate(futures):
@@ -393,7 +402,7 @@ def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
 
     cfg = ctx.cfg
     vocab = ctx.info["vocab_size"]
-    clients = [RemoteTargetModel(ctx.cluster.frontend, service=service, device=ctx.device, prefetch_depth=4,
+    clients = [RemoteTargetModel(ctx.frontend, service=service, device=ctx.device, prefetch_depth=4,
                                  timeout=600, same_host_plane=False) for _ in range(cfg.small_ranks)]
     try:
         for c in clients:
@@ -519,7 +528,7 @@ def _push_sender(args: list[str]) -> None:
     sock = make_socket(ctx, zmq.PUSH, connect=endpoint, hwm=4)
     if mode == "raw":
         blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
-        view = memoryview(blob.numpy())
+        view = blob.numpy().data
         raw = [view[i : i + wire.MAX_FRAME_BYTES] for i in range(0, len(view), wire.MAX_FRAME_BYTES)]
     for _ in range(count):
         frames = raw if mode == "raw" else wire.encode(tensors)
@@ -529,7 +538,7 @@ def _push_sender(args: list[str]) -> None:
     sock.close(linger=2000)
 
 
-def _spawn_helper(kind: str, *args: str) -> subprocess.Popen:
+def _spawn_helper(kind: str, *args: object) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "spec_serve.tools.bench", kind, *map(str, args)],
                             env=os.environ.copy(), start_new_session=True)
 
@@ -543,7 +552,7 @@ def run_push(ctx: Context, mode: str, transport: str = "tcp") -> dict[str, Any]:
 
     cfg = ctx.cfg
     alloc = RecyclingAllocator()  # as the client's I/O thread decodes
-    zctx = zmq.Context.instance()
+    zctx: zmq.SyncContext = zmq.Context.instance()
     bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{ctx.tmp}/push.sock"
     pull = make_socket(zctx, zmq.PULL, bind=bind, hwm=4)
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -620,7 +629,7 @@ def run_broker_null(ctx: Context, plane: bool = False) -> dict[str, Any]:
     from spec_serve.client.api import RemoteTargetModel
 
     cfg = ctx.cfg
-    with RemoteTargetModel(ctx.cluster.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600,
+    with RemoteTargetModel(ctx.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600,
                            same_host_plane=plane) as client:
         client.set_vocab_mapping(*ctx.mapping)
         batch = make_batch(1, cfg.transport_seq, ctx.info["vocab_size"], 0)
@@ -709,7 +718,7 @@ class Context:
                                                      dtype_bytes)
         self._engine = None
         self.recycle = True
-        self.cluster = None
+        self.cluster: Cluster | None = None  # started by start_cluster
         self._stack = contextlib.ExitStack()
 
     def engine(self):
@@ -737,6 +746,12 @@ class Context:
 
     def _aux_ids(self):
         return [int(i) for i in LLAMA_8B_AUX_LAYERS.split(",")] if self.cfg.gpu_8b else None
+
+    @property
+    def frontend(self) -> str:
+        """The cluster's client endpoint; scenarios that use it run after ``start_cluster``."""
+        assert self.cluster is not None, "start_cluster first"
+        return self.cluster.frontend
 
     def start_cluster(self, services: set[str]) -> None:
         """One broker; each service its own workers (all start in parallel, then we wait)."""

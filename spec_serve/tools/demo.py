@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
@@ -44,7 +45,7 @@ def run_rank(rank: int, broker: str, reference: HFTarget, target_dir: str, mappi
     with RemoteTargetModel(broker, prefetch_depth=2, num_shards=shards, timeout=60) as target:
         target.check_target_info(reference.target_info())
         target.set_vocab_mapping(*mapping)
-        inflight: list = []
+        inflight: list[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = []
         for step in range(steps):
             kind = KINDS[step % 2]
             ids, attn, loss = sample_batch(target_dir, batch, seq, seed=1000 * rank + step)

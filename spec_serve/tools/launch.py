@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, cast
 
 from spec_serve.transport.sockets import free_port
 
@@ -77,10 +78,11 @@ class Cluster:
         # OpenMP's spinning threads oversubscribe the cores and slow all by 10x.
         env = {"OMP_NUM_THREADS": "1", **os.environ, **self.env, **(env or {})}
         env = {k: v for k, v in env.items() if v is not None}  # None: unset it for this process
-        out = subprocess.DEVNULL
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_path(name), "ab")
+        out: int | IO[bytes] = subprocess.DEVNULL
+        log_path = self.log_path(name)
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(log_path, "ab")
         # A new session: Ctrl-C in the parent's terminal reaches only the parent,
         # which then shuts the children down in order.
         command = [sys.executable, "-m", "spec_serve.tools.cli"] if command is None else list(command)
@@ -108,7 +110,7 @@ class Cluster:
                     raise RuntimeError(f"a worker exited with {proc.returncode}")
             try:
                 _, body = self.get("/workers")
-                workers = [w for w in body["workers"] if service is None or w["service"] == service]
+                workers = [w for w in cast(dict, body)["workers"] if service is None or w["service"] == service]
                 if len(workers) >= count:
                     return
             except OSError:
@@ -140,7 +142,7 @@ def local_cluster(target: str | Path | None = None, workers: int = 2, *, worker_
     try:
         cluster.start_broker(*broker_args)
         for _ in range(workers):
-            cluster.start_worker(target, *worker_args)
+            cluster.start_worker(cast("str | Path", target), *worker_args)  # given whenever workers > 0
         if workers:
             cluster.wait_workers(workers, timeout=ready_timeout)
         yield cluster

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
 
 import torch
 
@@ -107,8 +108,11 @@ class HostBufferPool:
                     "free": len(self._free)}
 
 
-def to_host(tensors: Mapping[str, torch.Tensor], pool: HostBufferPool | None,
-            copy_stream: torch.cuda.Stream | None = None) -> tuple[dict[str, torch.Tensor], Lease | None,
+_Key = TypeVar("_Key", bound=Hashable)
+
+
+def to_host(tensors: Mapping[_Key, torch.Tensor], pool: HostBufferPool | None,
+            copy_stream: torch.cuda.Stream | None = None) -> tuple[dict[_Key, torch.Tensor], Lease | None,
                                                                   torch.cuda.Event | None]:
     """Host copies of ``tensors``: views of one pooled slab when any lives on a GPU (or the pool copies
     host tensors too), else unchanged.
