@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up the test environment from scratch (idempotent) and run the whole test suite.
+# Set up the test environment from scratch (idempotent), lint and type-check, and run the whole test suite.
 # This is the README's test command, and exactly what CI runs (.ci/run).
 #   SPEC_SERVE_SKIP_VLLM=1  skip the real vLLM-on-CPU engine tests (they build their own venv)
 #   extra arguments go to the main pytest run, e.g. `bash scripts/test.sh -k wire`
@@ -20,6 +20,10 @@ if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then
   (apt-get install -y -qq iproute2 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq iproute2)) \
     >/dev/null 2>&1 || echo "note: iproute2 not installed; the netns test will skip"
 fi
+
+# Guard rails (configured in pyproject.toml): lint, then type-check, before any test runs.
+"$VENV/bin/ruff" check .
+"$VENV/bin/mypy"
 
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 
