@@ -97,7 +97,9 @@ class _Reader:
     def text(self, key: str, *, max_chars: int | None = None, nullable: bool = False,
              error: str | None = None) -> str | None:
         """A string, or None when absent (or null, if ``nullable``)."""
-        ok: Callable[[Any], bool] = lambda v: isinstance(v, str) and (max_chars is None or len(v) <= max_chars)
+        def ok(v: Any) -> bool:
+            return isinstance(v, str) and (max_chars is None or len(v) <= max_chars)
+
         expected = "a string" if max_chars is None else f"a string of at most {max_chars} characters"
         result: str | None = self._take(key, ok, expected, error, False, nullable)
         return result
@@ -122,7 +124,9 @@ class _Reader:
     def number(self, key: str, *, positive: bool = False, below: float = math.inf, required: bool = False,
                expected: str = "a number") -> float | None:
         """An int or float as sent (not converted, so it re-encodes to the same bytes)."""
-        ok: Callable[[Any], bool] = lambda v: _is_number(v) and (not positive or v > 0) and v < below
+        def ok(v: Any) -> bool:
+            return _is_number(v) and (not positive or v > 0) and v < below
+
         result: float | None = self._take(key, ok, expected, None, required, False)
         return result
 
@@ -130,8 +134,10 @@ class _Reader:
         return bool(self._take(key, lambda v: isinstance(v, bool), "true or false", None, False, True))
 
     def texts(self, key: str, *, max_items: int | None = None, error: str | None = None) -> list[str] | None:
-        ok: Callable[[Any], bool] = lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v) \
-            and (max_items is None or len(v) <= max_items)
+        def ok(v: Any) -> bool:
+            return (isinstance(v, list) and all(isinstance(s, str) for s in v)
+                    and (max_items is None or len(v) <= max_items))
+
         result: list[str] | None = self._take(key, ok, "a list of strings", error, False, False)
         return result
 
@@ -487,7 +493,8 @@ class WorkerBind(WireMessage):
         r = _Reader(cls.COMMAND, raw)
         bad = "BIND without reply_to, prefix or request id"
         return cls(client=r.required_text("client"), reply_to=r.required_text("reply_to", error=bad),
-                   prefix=r.required_text("prefix", error=bad), timeout=_default(r.number("timeout", positive=True), 30.0),
+                   prefix=r.required_text("prefix", error=bad),
+                   timeout=_default(r.number("timeout", positive=True), 30.0),
                    device_type=r.text("device_type", nullable=True), data_key=r.text("data_key", nullable=True))
 
 
@@ -588,7 +595,8 @@ class BindGrant(WireMessage):
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> BindGrant:
         r = _Reader(cls.COMMAND, raw)
-        return cls(worker=r.required_text("worker"), bind=Rendezvous.from_json(_default(r.obj("bind", required=True), {})))
+        worker = r.required_text("worker")
+        return cls(worker=worker, bind=Rendezvous.from_json(_default(r.obj("bind", required=True), {})))
 
 
 @dataclasses.dataclass(frozen=True)
