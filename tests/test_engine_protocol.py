@@ -113,7 +113,8 @@ def cluster(tiny_target_dir):
 def test_remote_and_colocated_answer_alike_through_the_protocol(cluster, tiny_target_dir, tiny_vocab_mapping,
                                                                  colocated_target):
     """The same calls on a TargetEngine, colocated or remote, give bit-equal batches of every kind."""
-    engines: list[TargetEngine] = [colocated_target(vocab_mapping=None), RemoteTargetModel(cluster.frontend, timeout=60)]
+    engines: list[TargetEngine] = [colocated_target(vocab_mapping=None),
+                                   RemoteTargetModel(cluster.frontend, timeout=60)]
     try:
         for engine in engines:
             assert isinstance(engine, TargetEngine)
@@ -124,7 +125,8 @@ def test_remote_and_colocated_answer_alike_through_the_protocol(cluster, tiny_ta
             assert torch.equal(getattr(remote, name)().weight, getattr(colocated, name)().weight), name
         batch = sample_batch(tiny_target_dir, 3, 40, seed=7)
         for kind in Kind:
-            want, got = colocated.generate_batch(*batch, kind=kind.value), remote.generate_batch(*batch, kind=kind.value)
+            want = colocated.generate_batch(*batch, kind=kind.value)
+            got = remote.generate_batch(*batch, kind=kind.value)
             assert tuple(got) == tuple(want), kind  # RESPONSE_TENSORS order, whichever engine answered
             assert_equal_batches(got, want)
     finally:

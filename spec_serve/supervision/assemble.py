@@ -16,7 +16,7 @@ from the same ops in the same order:
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from spec_serve.supervision.eagle3 import eagle3_targets, shift_left
 
 # The draft-vocab mapping on the engine's device, (selected_token_ids [Vd], selected_token_mask [V]);
 # None until one is set (then only EAGLE-3 refuses).
-DeviceMapping = Optional[tuple[torch.Tensor, torch.Tensor]]
+DeviceMapping = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def layer_ids(kind: Kind, aux_layer_ids: Sequence[int], dspark_layer_ids: Sequence[int]) -> Sequence[int]:
@@ -58,7 +58,8 @@ def per_token(
     if kind is Kind.EAGLE3_COMPACT:
         out["last_hidden_states"] = last
     else:
-        out["draft_logits"] = logits.index_select(-1, mapping[0])
+        # A full EAGLE-3 request has a mapping: engines refuse one before set_vocab_mapping.
+        out["draft_logits"] = logits.index_select(-1, mapping[0])  # type: ignore[index]
     return out
 
 
@@ -99,7 +100,8 @@ def contract_tensors(
             "input_ids": shifted_ids,
             "loss_mask": shifted_loss,
         }
-    target_probs, position_mask = eagle3_targets(per_token["draft_logits"][:, 1:], argmax, mapping[1], shifted_loss)
+    selected_mask = mapping[1]  # type: ignore[index]  # set for full EAGLE-3, as in per_token
+    target_probs, position_mask = eagle3_targets(per_token["draft_logits"][:, 1:], argmax, selected_mask, shifted_loss)
     if next_real is not None:
         kept = next_real.clone()
         kept[:, -1] = True  # no next token anywhere: eagle3_targets' softmax of zeros, kept as is
