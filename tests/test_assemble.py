@@ -12,13 +12,15 @@ import concurrent.futures
 import pytest
 import torch
 
-from spec_serve.client.api import RemoteError, _assemble
+from spec_serve.client.assembly import assemble
+from spec_serve.client.errors import RemoteError
+from spec_serve.client.received import Received
 from spec_serve.protocol import wire
 from spec_serve.transport.hostpool import RecyclingAllocator
 
 
-def _reply(tensors: dict[str, torch.Tensor]) -> dict[str, wire.TensorSpan]:
-    return wire.parse(wire.encode(tensors))[0]
+def _reply(tensors: dict[str, torch.Tensor]) -> Received:
+    return Received(b"", {}, wire.parse(wire.encode(tensors))[0])
 
 
 def _batch(rows: int, seed: int) -> dict[str, torch.Tensor]:
@@ -34,7 +36,7 @@ def _batch(rows: int, seed: int) -> dict[str, torch.Tensor]:
 def test_shards_arriving_out_of_order_fill_their_rows():
     parts = [_batch(1, 0), _batch(2, 1), _batch(1, 2)]
     futures = [concurrent.futures.Future() for _ in parts]
-    out = _assemble(futures, [1, 2, 1], torch.device("cpu"), RecyclingAllocator())
+    out = assemble(futures, [1, 2, 1], torch.device("cpu"), RecyclingAllocator())
     for k in (2, 0, 1):
         assert not out.done()
         futures[k].set_result(_reply(parts[k]))
@@ -47,20 +49,20 @@ def test_shards_arriving_out_of_order_fill_their_rows():
 def test_single_shard_keeps_single_frame_tensors_as_views():
     batch = {"small": torch.arange(6.0).view(2, 3)}
     future = concurrent.futures.Future()
-    out = _assemble([future], [2], torch.device("cpu"), RecyclingAllocator())
+    out = assemble([future], [2], torch.device("cpu"), RecyclingAllocator())
     reply = _reply(batch)
     future.set_result(reply)
     got = out.result(timeout=5)["small"]
     assert torch.equal(got, batch["small"])
-    assert got.data_ptr() == torch.frombuffer(reply["small"].parts[0], dtype=torch.uint8).data_ptr()
+    assert got.data_ptr() == torch.frombuffer(reply.tensors["small"].parts[0], dtype=torch.uint8).data_ptr()
 
 
 def test_device_tensor_shards_mix_with_frame_shards():
     """A shard that came over the pair group (tensors, not spans) merges like any other."""
     parts = [_batch(1, 3), _batch(1, 4)]
     futures = [concurrent.futures.Future() for _ in parts]
-    out = _assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
-    futures[0].set_result(parts[0])
+    out = assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
+    futures[0].set_result(Received(b"", {}, parts[0]))
     futures[1].set_result(_reply(parts[1]))
     got = out.result(timeout=5)
     assert all(torch.equal(got[n], torch.cat([p[n] for p in parts])) for n in parts[0])
@@ -75,7 +77,7 @@ def test_device_tensor_shards_mix_with_frame_shards():
 def test_mismatched_shard_fails_the_batch(bad):
     good = _batch(1, 5)
     futures = [concurrent.futures.Future(), concurrent.futures.Future()]
-    out = _assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
+    out = assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
     futures[0].set_result(_reply(good))
     futures[1].set_result(_reply({**{k: v for k, v in good.items() if k != "big"}, **bad}))
     with pytest.raises(RemoteError):
@@ -84,7 +86,7 @@ def test_mismatched_shard_fails_the_batch(bad):
 
 def test_failed_shard_fails_the_batch_once():
     futures = [concurrent.futures.Future(), concurrent.futures.Future()]
-    out = _assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
+    out = assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator())
     futures[1].set_exception(TimeoutError("worker gone"))
     futures[0].set_result(_reply(_batch(1, 6)))  # arrives after the failure: ignored
     with pytest.raises(TimeoutError, match="worker gone"):

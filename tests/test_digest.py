@@ -1,4 +1,4 @@
-"""The reply digest (spec_serve/protocol/digest.py) and the client's check hook in ``_assemble``.
+"""The reply digest (spec_serve/protocol/digest.py) and the client's check hook in ``assembly.assemble``.
 
 tests/test_integrity.py runs the whole path with real processes; these pin down the digest itself
 (against a plain numpy reference, on odd sizes and unaligned views), what it cannot catch, the
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from spec_serve.client.api import _assemble
+from spec_serve.client.assembly import assemble
+from spec_serve.client.received import Received
 from spec_serve.protocol import digest, wire
 
 
@@ -84,8 +85,8 @@ def test_verify_modes_and_sampling(monkeypatch):
     assert not any(digest.Sampler("off").wants() for _ in range(5))
 
 
-def _reply(tensors: dict[str, torch.Tensor]) -> dict[str, wire.TensorSpan]:
-    return wire.parse(wire.encode(tensors))[0]
+def _reply(tensors: dict[str, torch.Tensor]) -> Received:
+    return Received(b"", {}, wire.parse(wire.encode(tensors))[0])
 
 
 def test_a_retried_shard_lands_on_its_own_rows():
@@ -102,7 +103,7 @@ def test_a_retried_shard_lands_on_its_own_rows():
             return retry
         return None
 
-    out = _assemble(first, [2, 2], torch.device("cpu"), None, check)
+    out = assemble(first, [2, 2], torch.device("cpu"), None, check)
     first[1].set_result(_reply(bad))
     first[0].set_result(_reply(good[0]))
     assert not out.done()
@@ -118,7 +119,7 @@ def test_a_check_that_raises_fails_the_batch():
     def check(k, reply, landed):
         raise RuntimeError("second mismatch")
 
-    out = _assemble([future], [1], torch.device("cpu"), None, check)
+    out = assemble([future], [1], torch.device("cpu"), None, check)
     future.set_result(_reply({"x": torch.ones(1, 2)}))
     with pytest.raises(RuntimeError, match="second mismatch"):
         out.result(timeout=5)

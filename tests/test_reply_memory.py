@@ -23,7 +23,7 @@ import pytest
 import torch
 import zmq
 
-import spec_serve.client.api as client_module
+import spec_serve.client.io_thread as client_module
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, workers
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import packing

@@ -1,0 +1,76 @@
+"""The end-to-end check of reply bytes: each shard as landed on the client's device against the
+digests its worker computed (spec_serve/protocol/digest.py), with one retry on another worker."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from spec_serve.client.errors import IntegrityError
+from spec_serve.client.received import Received
+from spec_serve.client.stats import ClientStats
+from spec_serve.protocol import digest
+from spec_serve.supervision.contract import ReplySpecs
+from spec_serve.telemetry.logs import event
+from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
+from spec_serve.transport.binding import BOUND_KEYS, ClientBinding
+
+log = logging.getLogger("spec_serve.client")
+
+# Sends a prepared request again: (header, payload, what its reply must hold) -> its future.
+Resubmit = Callable[[dict, Sequence, ReplySpecs], concurrent.futures.Future]
+
+
+class DigestCheck:
+    """``check(k, reply, landed)`` for ``assembly.assemble`` over the shards ``requests`` of one batch.
+
+    None accepts request ``k``'s landed tensors; a mismatch with the worker's digests returns the
+    future of one retry on another worker (the worker is named in ``avoid``; a bound request goes
+    back to the pool as frames), and a second mismatch raises ``IntegrityError``. Runs on the I/O thread.
+    """
+
+    def __init__(self, requests: list[tuple[dict, Sequence]], expects: list[ReplySpecs], resubmit: Resubmit,
+                 stats: ClientStats, service: str, binding: ClientBinding | None):
+        self.requests = requests
+        self.expects = expects
+        self.resubmit = resubmit
+        self.stats = stats
+        self.service = service
+        self.binding = binding
+        self.retried: dict[int, str] = {}  # request index -> the worker whose reply mismatched first
+
+    def __call__(self, k: int, reply: Received, landed: Mapping[str, torch.Tensor]) -> concurrent.futures.Future | None:
+        header, payload = self.requests[k]
+        if not header.get("verify"):
+            return None
+        self.stats.digest_checks += 1
+        bad = digest.mismatches(reply.header.get("digests"), landed)
+        if not bad:
+            return None
+        worker = str(reply.header.get("worker"))
+        self._count_mismatch(k, reply, worker, bad)
+        if k in self.retried:
+            raise IntegrityError(f"reply to request {reply.request_id.hex()[:12]} differs from its worker's "
+                                 f"digest in {', '.join(bad)} on the retry too (first from worker {self.retried[k]}, "
+                                 f"then from worker {worker}): the bytes change between the worker's device "
+                                 f"and ours; see the ERROR lines client.digest_mismatch")
+        self.retried[k] = worker
+        return self._retry_elsewhere(k, worker)
+
+    def _count_mismatch(self, k: int, reply: Received, worker: str, bad: list[str]) -> None:
+        self.stats.digest_mismatches += 1
+        CLIENT_INTEGRITY_FAILURES.labels(service=self.service, check="digest").inc()
+        event(log, logging.ERROR, "client.digest_mismatch", request=reply.request_id.hex()[:12], worker=worker,
+              tensors=",".join(bad), retry=k not in self.retried)
+
+    def _retry_elsewhere(self, k: int, worker: str) -> concurrent.futures.Future:
+        header, payload = self.requests[k]
+        if header.get("nccl") and self.binding is not None:
+            self.binding.mark_broken(f"digest mismatch in a reply from worker {worker}")
+        retry = {key: v for key, v in header.items() if key not in BOUND_KEYS}
+        retry["avoid"] = worker
+        self.requests[k] = (retry, payload)
+        return self.resubmit(retry, payload, self.expects[k])

@@ -1,0 +1,429 @@
+"""The client's I/O thread: it alone touches the sockets.
+
+Requests go to the broker over a DEALER socket; replies come straight from the worker to a PULL
+socket the client binds (its address travels in the request). The thread heartbeats the broker,
+sends every request again with the same id when the broker is lost or restarted, and hands what
+arrives to the pending requests (pending.py, worker_replies.py). User threads talk to it through a
+queue and a wake-up pipe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Callable, Sequence
+
+import torch
+import zmq
+
+from spec_serve.client.errors import BrokerUnreachable, RemoteError
+from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
+from spec_serve.client.received import Received
+from spec_serve.client.stats import ClientStats
+from spec_serve.client.vocab import VocabRegistrations
+from spec_serve.client.worker_replies import WorkerReplies
+from spec_serve.protocol import wire
+from spec_serve.protocol.commands import (
+    CLIENT_PORT_HINT,
+    CLIENT_TAG,
+    CONNECT_TIMEOUT,
+    CONTROL_SLACK_BYTES,
+    FRONTEND_PORT,
+    ClientCommand,
+    ErrorCode,
+    ProtocolError,
+    control,
+    new_request_id,
+    parse_control,
+)
+from spec_serve.supervision.contract import ReplySpecs, reply_bytes
+from spec_serve.telemetry.logs import event
+from spec_serve.transport import samehost
+from spec_serve.transport.binding import ClientBinding
+from spec_serve.transport.connwatch import ConnectWatch, connect_watched
+from spec_serve.transport.hostpool import RecyclingAllocator
+from spec_serve.transport.ingress import Ingress
+from spec_serve.transport.sockets import (
+    KeyPolicy,
+    Security,
+    bound_endpoint,
+    check_connect_url,
+    make_socket,
+    route_address,
+)
+
+log = logging.getLogger("spec_serve.client")
+
+
+def _ipc_endpoint() -> str:
+    return f"ipc://{os.environ.get('TMPDIR', '/tmp')}/spec-serve-{uuid.uuid4().hex}.sock"
+
+
+class ClientIO(threading.Thread):
+    """Owns the sockets; every other thread goes through ``call``, ``submit`` and ``register_vocab``."""
+
+    def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
+                 max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
+                 device: torch.device, same_host_plane: bool | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT):
+        super().__init__(name="spec-serve-client-io", daemon=True)
+        self.broker_url = check_connect_url(broker_url, CLIENT_PORT_HINT, FRONTEND_PORT)
+        self.ctx = zmq.Context.instance()
+        self.connect_timeout = connect_timeout
+        self._created_at = time.monotonic()
+        self._heard = False  # any valid message from the broker yet (on this or an earlier socket)
+        self._lost_since: float | None = None  # broker silent past its liveness window, since when
+        # Set while requests cannot reach a broker: new ones fail at once with it instead of waiting.
+        self._unreachable: BrokerUnreachable | None = None
+        self._misdirected = False  # the broker said we reached its workers' port
+        self._watch: ConnectWatch | None = None
+        self._broker_instance: str | None = None
+        self.security = security
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness = liveness
+        self.max_message_bytes = max_message_bytes
+        self.identity = uuid.uuid4().bytes
+        self.stats = ClientStats()
+        # CPU results spanning frames are assembled into reused buffers (fresh ones fault on every page).
+        self.recv_alloc = RecyclingAllocator()
+        self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self.requests = Requests(self._send, self.stats, max_retries,
+                                 leave_binding=lambda request_id, why: self.replies.nccl_fallback(request_id, why))
+        self.vocab = VocabRegistrations()
+        self._ipc_files: list[str] = []
+        self.data = self.dealer = self.data_ingress = None
+        # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
+        self.plane = samehost.ClientPlane.start(device, same_host_plane)
+        self.replies = WorkerReplies(self.requests, self.stats, self.plane, max_message_bytes, self.call,
+                                     self._send_new)
+        self._wake_r, self._wake_w = os.pipe()
+        try:
+            os.set_blocking(self._wake_w, False)
+            self._open_sockets(broker_url, security, advertise_host)
+        except BaseException:
+            self._release_resources()  # a constructor that raises leaks no descriptor
+            raise
+
+    def _open_sockets(self, broker_url: str, security: Security | None, advertise_host: str | None) -> None:
+        # Where peers reach us: the data socket, and a bound worker's gloo connections (binding.py).
+        local = broker_url.startswith("ipc://")
+        self.local_host = "127.0.0.1" if local else advertise_host or route_address(broker_url)
+        if local:
+            data_bind = _ipc_endpoint()
+        else:
+            data_bind = f"tcp://{self.local_host}:*"
+        # With CURVE, only the workers' keys may push replies here (none without worker_keys_dir).
+        self.data_keys = KeyPolicy(security.worker_keys_dir) if security else None
+        self.data = make_socket(self.ctx, zmq.PULL, security=security, admit=self.data_keys)
+        # Workers may push at most the replies we wait for (and one late duplicate) before we see them whole.
+        self.data_ingress = Ingress(self.data, "client.data", total=self._reply_room, bind=data_bind)
+        self.data_endpoint = bound_endpoint(self.data)
+        if data_bind.startswith("ipc://"):
+            self._ipc_files.append(data_bind[len("ipc://"):])
+        self.data_key = security.keypair()[0].decode() if security else None
+        self.dealer = self._connect()
+
+    def _release_resources(self) -> None:
+        """Close the sockets and the wake-up pipe, and unlink our ipc socket files."""
+        if self.data_ingress is not None:
+            self.data_ingress.close()
+        for sock in (self.dealer, self.data):
+            if sock is not None:
+                sock.close(0)
+        self._unlink_ipc_files()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _unlink_ipc_files(self) -> None:
+        for path in self._ipc_files:  # libzmq leaves a named ipc socket's file behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _connect(self) -> zmq.Socket:
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security)
+        if self._heard:  # reached once: what went wrong since is a lost broker, not a wrong address
+            sock.connect(self.broker_url)
+            self._watch = None
+        else:
+            self._watch = connect_watched(sock, self.broker_url)
+        return sock
+
+    def _reply_room(self) -> int:
+        """Bytes the data socket may hold undelivered (read by the ingress watcher thread)."""
+        table = self.requests.table
+        return table.expected + table.largest + CONTROL_SLACK_BYTES * (1 + len(table))
+
+    def use_binding(self, binding: ClientBinding) -> None:
+        """The NCCL data plane's client side (transport/binding.py) this client routes bound replies to."""
+        self.replies.binding = binding
+
+    # ------------------------------------------------------ user-side entry
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread."""
+        if self._closing.is_set():
+            raise RuntimeError("client is closed")
+        self._inbox.put(fn)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def submit(self, command: ClientCommand, service: str, header: dict, payload: Sequence,
+               timeout: float, request_id: bytes | None = None, max_retries: int | None = None,
+               expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+        """Send a request; a future of its ``Received``. ``expect``: the tensors its reply must hold (checked
+        before anything is allocated)."""
+        pending = Pending(request_id or new_request_id(), command.value, service, header, list(payload),
+                          concurrent.futures.Future(), timeout, max_retries=max_retries, expect=expect,
+                          expect_bytes=reply_bytes(expect) if expect else 0)
+        self.call(lambda: self._send_new(pending))
+        return pending.future
+
+    def register_vocab(self, service: str, payload: list, header: dict, timeout: float) -> concurrent.futures.Future:
+        """Register a mapping as the current one (SET_VOCAB with ``header``); a future of its digest.
+
+        The same message releases our earlier registrations that no pending request names, so the
+        broker keeps only live mappings however often the mapping changes.
+        """
+        digest: concurrent.futures.Future = concurrent.futures.Future()
+
+        def send() -> None:
+            release = self.vocab.release_unnamed(p.header.get("vocab") for p in self.requests.table.values())
+            pending = Pending(new_request_id(), ClientCommand.SET_VOCAB.value, service,
+                              dict(header, release=release), payload, concurrent.futures.Future(), timeout)
+            pending.future.add_done_callback(lambda f: self._registered(f, service, payload, digest))
+            self._send_new(pending)
+
+        self.call(send)
+        return digest
+
+    def _registered(self, reply: concurrent.futures.Future, service: str, payload: list,
+                    digest: concurrent.futures.Future) -> None:
+        """I/O thread: record the VOCAB_OK's digest as the current mapping."""
+        if reply.exception() is not None:
+            digest.set_exception(reply.exception())
+            return
+        name = reply.result().header["digest"]
+        self.vocab.record(name, service, payload)
+        digest.set_result(name)
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        # The I/O thread must send DISCONNECT before it stops, or the broker
+        # counts this client (and what it queued) until its liveness expires.
+        sent = threading.Event()
+        self.call(lambda: (self._disconnect(), sent.set()))
+        if self.is_alive():
+            sent.wait(timeout=2)
+        self._closing.set()
+        self.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # ------------------------------------------------------------ I/O loop
+
+    def run(self) -> None:
+        self._poller = zmq.Poller()
+        for sock in (self.dealer, self.data, self._wake_r):
+            self._poller.register(sock, zmq.POLLIN)
+        self._next_beat = 0.0
+        self._broker_expiry = time.monotonic() + self.heartbeat_interval * self.liveness
+        try:
+            while not self._closing.is_set():
+                events = dict(self._poller.poll(min(self.heartbeat_interval, 0.1) * 1000))
+                now = time.monotonic()
+                self._run_calls(events)
+                self._read_sockets(events, now)
+                self._keep_alive(now)
+                self._check_reached(now)
+                self.requests.check_timers(now)
+        finally:
+            self._shut_down()
+
+    def _run_calls(self, events: dict) -> None:
+        """What user threads handed us (``call``)."""
+        if self._wake_r in events:
+            os.read(self._wake_r, 4096)
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _read_sockets(self, events: dict, now: float) -> None:
+        if self.dealer in events:
+            self._broker_expiry = now + self.heartbeat_interval * self.liveness
+            self._drain(self.dealer, self._on_control)
+        if self.data in events:
+            self._drain(self.data, self.replies.on_data)
+
+    def _keep_alive(self, now: float) -> None:
+        """Heartbeat the broker; a fresh socket when it stayed silent past its liveness window."""
+        if now >= self._next_beat and not self._misdirected:
+            self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
+            self._next_beat = now + self.heartbeat_interval
+            if self.plane is not None:
+                self.plane.tick()
+        if now > self._broker_expiry:
+            self._broker_expiry = now + self.heartbeat_interval * self.liveness
+            if self._heard:  # never reached: libzmq keeps retrying the same socket
+                self._reconnect(now)
+
+    def _shut_down(self) -> None:
+        self.requests.close()
+        if self._watch is not None:
+            self._watch.close()
+        self.dealer.close(linger=500)  # let a final DISCONNECT leave
+        self.data_ingress.close()
+        self.data.close(0)
+        self._unlink_ipc_files()
+        if self.plane is not None:
+            self.plane.close()
+
+    def _drain(self, sock: zmq.Socket, handler: Callable[[list], None]) -> None:
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if sock is self.data:
+                self.data_ingress.delivered(frames)
+            try:
+                handler(frames)
+            except (ProtocolError, wire.WireError) as e:
+                event(log, logging.WARNING, "client.bad_message", error=e)
+            except Exception as e:  # whatever a peer sends, the I/O thread must live on
+                log.exception("client.handler_failed error=%s", e)
+
+    def _send(self, frames: list) -> None:
+        try:
+            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # not connected or saturated: timeouts and heartbeats recover
+
+    def _send_new(self, pending: Pending) -> None:
+        if self._unreachable is not None:
+            pending.future.set_exception(BrokerUnreachable(str(self._unreachable)))
+            return
+        self.requests.add(pending, time.monotonic())
+
+    def _disconnect(self) -> None:
+        self._send(control(CLIENT_TAG, ClientCommand.DISCONNECT.value))
+
+    # ------------------------------------------------------ broker health
+
+    def _reconnect(self, now: float) -> None:
+        """Lazy Pirate: the broker went silent; a fresh socket, and every outstanding request again."""
+        if self._lost_since is None:  # one line per outage, not one per liveness window
+            self._lost_since = now
+            event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url,
+                  silent_s=round(self.heartbeat_interval * self.liveness, 1))
+        self._poller.unregister(self.dealer)
+        self.dealer.close(0)
+        self.dealer = self._connect()
+        self._poller.register(self.dealer, zmq.POLLIN)
+        self.stats.broker_reconnects += 1
+        self._resend_all()
+
+    def _resend_all(self) -> None:
+        """The broker was lost or restarted: our vocab mappings and every pending request again."""
+        for frames in self.vocab.all_registrations():
+            self._send(frames)
+        self.requests.resend_all(time.monotonic())
+
+    def _broker_answered(self) -> None:
+        """A valid message from the broker: we are (again) connected."""
+        if self._lost_since is not None:
+            event(log, logging.WARNING, "client.broker_regained", broker=self.broker_url,
+                  after_s=round(time.monotonic() - self._lost_since, 1))
+            self._lost_since = None
+        if self._unreachable is not None:
+            event(log, logging.WARNING, "client.broker_reached", broker=self.broker_url)
+            self._unreachable = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        self._heard = True
+
+    def _check_reached(self, now: float) -> None:
+        """Fail fast, naming the address and the likely cause, when no broker ever answered."""
+        if self._heard or self._unreachable is not None:
+            return
+        self._watch.read()  # keep the monitor's queue short; cause() needs only what it saw
+        if now - self._created_at > self.connect_timeout:
+            self._fail_all(BrokerUnreachable(
+                f"no spec-serve broker answered at {self.broker_url} within {self.connect_timeout:g}s: "
+                f"{self._watch.cause()}. Clients connect to {CLIENT_PORT_HINT}"))
+
+    def _fail_all(self, error: BrokerUnreachable) -> None:
+        """Requests cannot reach a broker: fail those pending, and every new one at once, with ``error``."""
+        if self._unreachable is None:
+            event(log, logging.WARNING, "client.broker_unreachable", broker=self.broker_url, error=error)
+        self._unreachable = error
+        for pending in self.requests.table.values():
+            self.requests.fail(pending, BrokerUnreachable(str(error)))
+
+    # ------------------------------------------------------ broker messages
+
+    def _on_control(self, frames: list) -> None:
+        msg = parse_control(frames, CLIENT_TAG, ClientCommand)
+        command = ClientCommand(msg.command)
+        if command is ClientCommand.ERROR and msg.header.get("code") == ErrorCode.WRONG_PORT.value:
+            self._misdirected = True  # no use heartbeating a port that only says so again
+            self._fail_all(BrokerUnreachable(f"{self.broker_url}: {msg.header.get('error')}"))
+            return
+        self._broker_answered()
+        if command is ClientCommand.HEARTBEAT:
+            self._on_heartbeat(msg.header.get("broker"))
+            return
+        binding = self.replies.binding
+        if command is ClientCommand.BOUND and msg.header.get("lost") and binding is not None:
+            # The bound worker died or re-registered (a pending BIND resolves below as a refusal).
+            binding.lost(msg.header.get("prefix"), str(msg.header.get("error")))
+        pending = self.requests.table.get(msg.request_id)
+        if pending is None:
+            return
+        if command is ClientCommand.ERROR:
+            self._on_refusal(pending, msg.header)
+        else:
+            self.requests.resolve(pending, Received(msg.request_id, msg.header, broker_command=command))
+
+    def _on_heartbeat(self, instance: str | None) -> None:
+        if self._broker_instance is not None and instance != self._broker_instance:
+            event(log, logging.WARNING, "client.broker_restarted", broker=self.broker_url)
+            self._broker_instance = instance
+            self._resend_all()
+        self._broker_instance = instance
+
+    def _on_refusal(self, pending: Pending, header: dict) -> None:
+        """The broker's ERROR for a pending request: retry, or fail it with what the code means."""
+        code, error = header.get("code"), str(header.get("error"))
+        now = time.monotonic()
+        if header.get("unknown_vocab") and self.vocab.holds(pending.header.get("vocab")):
+            self._send(self.vocab.registration(pending.header["vocab"]))  # e.g. a restarted broker lacks it
+            self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S)
+        elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
+            self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S,
+                                exhausted=TimeoutError if code == ErrorCode.TIMEOUT.value else RemoteError)
+        elif code == ErrorCode.TARGET_CHANGED.value:
+            self.replies.target_changed(pending, error, worker=None)
+        elif code == ErrorCode.KILLED_WORKERS.value:
+            self.requests.fail(pending, RemoteError(error))
+        else:
+            self.requests.fail(pending, ValueError(error))
+
+    # ---------------------------------------- for the NCCL binding (binding.py)
+
+    def send_control(self, frames: list) -> None:
+        self._send(frames)

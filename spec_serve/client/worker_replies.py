@@ -1,0 +1,204 @@
+"""Workers' data messages to the requests they answer: as frames, through the same-host plane, or
+as NCCL metadata whose tensors follow on the bound worker's pair group. I/O thread unless noted."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Callable, Mapping
+
+from spec_serve.client.errors import RemoteError, TargetChangedError
+from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
+from spec_serve.client.received import Received, ReceivedTensor
+from spec_serve.client.stats import ClientStats
+from spec_serve.protocol import wire
+from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
+from spec_serve.supervision.contract import validate_reply
+from spec_serve.telemetry.logs import event
+from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
+from spec_serve.transport import samehost
+from spec_serve.transport.binding import BOUND_KEYS, ClientBinding
+
+log = logging.getLogger("spec_serve.client")
+
+
+class WorkerReplies:
+    """Resolves, retries or fails pending requests from the data messages workers push to us.
+
+    ``call`` runs a function on the I/O thread from any thread; ``send_new`` sends a new request (there).
+    """
+
+    def __init__(self, requests: Requests, stats: ClientStats, plane: samehost.ClientPlane | None,
+                 max_message_bytes: int, call: Callable[[Callable[[], None]], None],
+                 send_new: Callable[[Pending], None]):
+        self.requests = requests
+        self.stats = stats
+        self.plane = plane
+        self.max_message_bytes = max_message_bytes
+        self.binding: ClientBinding | None = None  # set when the client uses the NCCL data plane
+        self._call = call
+        self._send_new = send_new
+
+    def on_data(self, frames: list) -> None:
+        status, request_id, header, payload = parse_data(frames)
+        pending = self.requests.table.get(request_id)
+        if status is Status.OK and header.get("nccl"):
+            self._on_nccl_metadata(request_id, header, pending)
+            return
+        lent = header.get("plane") if status is Status.OK else None
+        if pending is None or (status is Status.OK and not self.same_target(pending, header)):
+            if pending is None:
+                self.requests.count_stray(request_id)
+            self._give_back(lent)  # answered already, or not ours to use: the slot goes back unread
+            return
+        if status is Status.ERROR:
+            self._on_error(pending, header)
+        elif pending.command == ClientCommand.BIND.value:  # {"bind": {store_host, store_port, prefix, worker, timeout}}
+            self.requests.resolve(pending, Received(request_id, header))
+        else:
+            self._on_tensors(pending, header, payload, lent)
+
+    def _on_error(self, pending: Pending, header: dict) -> None:
+        code, error = header.get("code"), f"worker {header.get('worker')}: {header.get('error')}"
+        if code == ErrorCode.BAD_REQUEST.value:
+            self.requests.fail(pending, ValueError(error))
+        elif code == ErrorCode.ENGINE_DEAD.value:  # not retried: this request may be what killed it
+            self.requests.fail(pending, RemoteError(f"{error} (its engine died serving this request; the worker "
+                                                    f"left the pool)"))
+        else:
+            self.requests.retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
+
+    def _on_tensors(self, pending: Pending, header: dict, payload: list, lent) -> None:
+        size = sum(len(memoryview(f)) for f in payload) + samehost.lent_bytes(lent)
+        if size > self.max_message_bytes:  # an honest worker refuses this itself (max_reply_bytes)
+            self._give_back(lent)
+            self.requests.fail(pending, ValueError(
+                f"reply of {size} bytes from worker {header.get('worker')} exceeds this client's "
+                f"max_message_bytes of {self.max_message_bytes}"))
+            return
+        if lent is not None:
+            tensors = self._open_lent(pending, header, payload)
+            if tensors is None:
+                return
+        else:  # checked here; the bytes stay in the frames until copied to where the caller wants them (assembly)
+            tensors = wire.parse(payload, max_bytes=self.max_message_bytes)[0]
+        if not self._meets_contract(pending, header, tensors):
+            return
+        if int(header.get("batched", 1)) > 1:
+            self.stats.batched += 1
+        self.requests.resolve(pending, Received(pending.request_id, header, tensors))
+
+    def _meets_contract(self, pending: Pending, header: dict, tensors: Mapping[str, ReceivedTensor]) -> bool:
+        """Whether the reply holds what the request expects, checked before anything is allocated for it;
+        if not, it is dropped and the request retried."""
+        if pending.expect is None:
+            return True
+        try:
+            validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()}, pending.expect)
+        except ValueError as e:
+            samehost.release_reply(tensors)
+            self.stats.contract_violations += 1
+            event(log, logging.WARNING, "client.bad_reply", worker=header.get("worker"), error=e)
+            self.requests.retry(pending, time.monotonic(), f"worker {header.get('worker')}: {e}",
+                                delay=RETRY_BACKOFF_S)
+            return False
+        return True
+
+    # ------------------------------------------------------------- target
+
+    def same_target(self, pending: Pending, header: dict) -> bool:
+        """True if the reply comes from the target the request was pinned to (its ``fingerprint``);
+        else the request fails and the reply is dropped."""
+        expected, got = pending.header.get("fingerprint"), header.get("fingerprint")
+        if expected is None or got == expected:
+            return True
+        self.target_changed(pending, f"worker {header.get('worker')} of service {pending.service!r} serves target "
+                            f"fingerprint {got}, but this client set up with {expected}: its reply was discarded; "
+                            f"start a new client to use the new target", worker=header.get("worker"))
+        return False
+
+    def target_changed(self, pending: Pending, message: str, worker) -> None:
+        self.stats.target_mismatches += 1
+        CLIENT_INTEGRITY_FAILURES.labels(service=pending.service, check="fingerprint").inc()
+        event(log, logging.ERROR, "client.target_changed", request=pending.short_id, worker=worker, error=message)
+        self.requests.fail(pending, TargetChangedError(message))
+
+    # ------------------------------------------------------ same-host plane
+
+    def _open_lent(self, pending: Pending, header: dict, payload: list) -> samehost.PlaneReply | None:
+        """A reply whose bytes a same-host worker lent, as the slot's spans (assembly copies them out, then
+        settles); None if the plane cannot deliver it here, and it was asked for again as frames."""
+        try:
+            if self.plane is None:
+                raise samehost.PlaneError("this client does not use the same-host plane")
+            tensors = self.plane.open(header, payload, pending.request_id,
+                                      lambda reason: self._resend_as_frames(pending, reason))
+        except samehost.PlaneError as e:
+            self._give_back(header.get("plane"))
+            if self.plane is not None:
+                self.plane.failed(e)
+            self._plane_fallback(pending, str(e))
+            return None
+        self.stats.plane_replies += 1
+        return tensors
+
+    def _give_back(self, lent) -> None:
+        """A lent reply that will not be read: its slot goes back to the worker now."""
+        if lent is not None and self.plane is not None:
+            self.plane.release(lent)
+
+    def _plane_fallback(self, pending: Pending, reason: str) -> None:
+        """Send a request again, as frames (not the request's fault: no attempt used)."""
+        self._count_fallback(pending, reason)
+        pending.drop_header_keys(("plane",))
+        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
+
+    def _resend_as_frames(self, pending: Pending, reason: str) -> concurrent.futures.Future:
+        """Any thread: a lent reply's bytes were overwritten while we copied them: the request again, as
+        frames, under a new id (the old one was answered)."""
+        again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
+                                    header={k: v for k, v in pending.header.items() if k != "plane"},
+                                    attempts=0, sent_at=0.0, resend_at=None)
+        self._call(lambda: (self._count_fallback(again, reason), self._send_new(again)))
+        return again.future
+
+    def _count_fallback(self, pending: Pending, reason: str) -> None:
+        self.stats.plane_fallbacks += 1
+        event(log, logging.INFO, "client.plane_fallback", request=pending.short_id, reason=reason)
+
+    # ------------------------------------------- NCCL data plane (binding.py)
+
+    def _on_nccl_metadata(self, request_id: bytes, header: dict, pending: Pending | None) -> None:
+        """Tensors follow on the pair group: receive them even for a request already answered, or the
+        worker's send (and the group) stalls. No live binding: re-send as frames."""
+        expect = pending.expect if pending is not None else None
+        largest = self.requests.table.largest
+        if self.binding is None or not self.binding.on_metadata(request_id, header, expect, largest):
+            self.nccl_fallback(request_id, f"nccl reply from worker {header.get('worker')} without a live binding",
+                               prefix=str(header.get("pair")))
+
+    def nccl_resolve(self, request_id: bytes, tensors: dict, header: dict) -> None:
+        """The pair thread received a bound request's tensors (``header``: its metadata message)."""
+        pending = self.requests.table.get(request_id)
+        if pending is None or pending.future.done():
+            self.requests.table.remove(request_id)
+            self.requests.count_stray(request_id)
+            return
+        if not self.same_target(pending, header):
+            return
+        self.stats.nccl_batches += 1
+        self.requests.resolve(pending, Received(request_id, header, tensors))
+
+    def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
+        """Re-send a bound request as a plain one (frames, shared pool; no attempt used) and drop the binding."""
+        if self.binding is not None:
+            self.binding.mark_broken(reason, prefix)
+        pending = self.requests.table.get(request_id)
+        if pending is None or not any(k in pending.header for k in BOUND_KEYS):
+            return
+        pending.drop_header_keys(BOUND_KEYS)
+        self.stats.nccl_fallbacks += 1
+        event(log, logging.INFO, "client.nccl_request_fallback", request=pending.short_id, reason=reason)
+        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
