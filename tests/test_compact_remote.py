@@ -69,9 +69,5 @@ def test_compact_remote_equals_colocated(cluster, tiny_target_dir, tiny_vocab_ma
 def test_compact_needs_a_mapping(cluster, tiny_target_dir):
     with RemoteTargetModel(cluster.frontend, compact=True, timeout=30) as remote:
         batch = sample_batch(tiny_target_dir, 1, 8, seed=0)
-        try:
+        with pytest.raises(RuntimeError, match="set_vocab_mapping"):
             remote.generate_batch(*batch, kind="eagle3")
-        except RuntimeError as e:
-            assert "set_vocab_mapping" in str(e)
-        else:
-            raise AssertionError("compact EAGLE-3 without a mapping must fail")
