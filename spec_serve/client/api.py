@@ -10,7 +10,8 @@ import concurrent.futures
 import threading
 import time
 import types
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -180,8 +181,10 @@ class RemoteTargetModel:
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
                           self._digest_check(requests, expects))
         if expand:
-            result = expand_later(result, self._lm_head_slices[self._vocab_digest], self._selected_mask,
-                                  self.device, self._expander)
+            mapping = self._vocab_digest
+            assert mapping is not None  # EAGLE-3 without a mapping was refused above
+            result = expand_later(result, self._lm_head_slices[mapping], self._selected_mask, self.device,
+                                  self._expander)
         result.add_done_callback(lambda _: self._credits.release())
         return result
 
@@ -383,7 +386,7 @@ class RemoteTargetModel:
             if self._expander is not None:
                 self._expander.shutdown(wait=False)
 
-    def __enter__(self) -> "RemoteTargetModel":
+    def __enter__(self) -> RemoteTargetModel:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import threading
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 

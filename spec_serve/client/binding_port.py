@@ -8,7 +8,7 @@ This port gives it those until it reads ``Received`` itself.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.received import Received

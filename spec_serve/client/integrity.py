@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 

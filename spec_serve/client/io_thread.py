@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
@@ -92,7 +92,7 @@ class ClientIO(threading.Thread):
         self.stats = ClientStats()
         # CPU results spanning frames are assembled into reused buffers (fresh ones fault on every page).
         self.recv_alloc = RecyclingAllocator()
-        self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._closing = threading.Event()
         self.requests = Requests(self._send, self.stats, max_retries,
                                  leave_binding=lambda request_id, why: self.replies.nccl_fallback(request_id, why))

@@ -12,7 +12,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received
@@ -90,7 +91,7 @@ class PendingTable:
 
     def __init__(self) -> None:
         self._by_id: dict[bytes, Pending] = {}
-        self._recent: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+        self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.expected = 0
         self.largest = 0  # bytes of the largest reply expected so far (room for one late duplicate)
 

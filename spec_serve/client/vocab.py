@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control, new_request_id
 

@@ -7,7 +7,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from spec_serve.client.errors import RemoteError, TargetChangedError
 from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
