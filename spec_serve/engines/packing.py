@@ -158,8 +158,8 @@ def row_attention(model) -> Iterator[None]:
     config._attn_implementation = ATTENTION
     try:
         # Every packed row has a length of its own, so no cuDNN attention: it builds an execution plan
-        # for each new sequence length (on the H200, rows of new lengths made a packed forward slower
-        # than the padded one). Flash and memory-efficient kernels take any length as it comes.
+        # for each new sequence length, so rows of new lengths would make a packed forward slower than the
+        # padded one (BENCHMARKS.md, "Packed forwards"). Flash and memory-efficient kernels take any length as it comes.
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield
     finally:
@@ -188,10 +188,10 @@ class Tolerance:
         return getattr(self, f"{'probs' if name == 'target_probs' else 'hidden'}_{measure}")
 
 
-# By the model's dtype. float32: the kernels differ by shape only (CPU, measured: hidden max_error
-# 1.7e-6, rel_norm 3.8e-7; probs 7.5e-7, 6.2e-7; no flips). bfloat16: rounds at 2^-8, and GEMM and
+# By the model's dtype. float32: the kernels differ by shape only, far below these bounds (BENCHMARKS.md,
+# "Packed forwards", has what was seen). bfloat16: rounds at 2^-8, and GEMM and
 # attention kernels are chosen by shape, so a packed row differs as a row batched differently does;
-# the bounds sit above what the H200 measured (BENCHMARKS.md, "Packed forwards"), far below what a row
+# the bounds sit above what an H200 showed (BENCHMARKS.md, "Packed forwards"), far below what a row
 # attending to another row gives (rel_norm ~1). float16 rounds finer than bfloat16: the same bounds.
 _HALF = Tolerance(hidden_max_error=0.25, hidden_rel_norm=0.1, probs_max_error=0.05, probs_rel_norm=0.15,
                   flip_rate=0.05)

@@ -13,8 +13,8 @@ A ROUTER socket prepends the peer identity to what it receives.
 
 Replies to supervision requests go straight from the worker to the client's
 data socket, ``[DATA_TAG, status, request_id, header, *payload]``; the broker
-sees only a small DONE. Measured here, a Python broker hop halved the
-throughput of 64 MiB replies.
+sees only a small DONE: a Python broker hop on every reply byte would cap
+throughput at what one broker thread copies (BENCHMARKS.md).
 """
 
 from __future__ import annotations

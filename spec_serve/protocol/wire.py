@@ -50,8 +50,8 @@ __all__ = [
     "parse_header",
 ]
 
-# libzmq on the GPU machine failed to send one 64 MiB frame ("Bad address
-# (src/tcp.cpp:227)") while 16 MiB frames worked and ran fastest over ipc.
+# The largest frame the codec makes. libzmq has failed to send a 64 MiB frame ("Bad address
+# (src/tcp.cpp:227)") where 16 MiB frames worked (BENCHMARKS.md).
 MAX_FRAME_BYTES = 16 << 20
 # The limit safetensors itself puts on the JSON header.
 MAX_HEADER_BYTES = 100_000_000
@@ -205,8 +205,8 @@ class TensorSpan:
         viewed as this tensor.
 
         CPU copies run on this thread with the GIL released and without torch's intra-op threads: those
-        would compete with ZeroMQ's I/O thread, which is receiving the next message meanwhile (measured
-        on 2 cores: the multi-threaded copy took 86% of the receive loop, one thread 42%). A CUDA ``out``
+        would compete with ZeroMQ's I/O thread, which is receiving the next message meanwhile
+        (BENCHMARKS.md, "Changes"). A CUDA ``out``
         gets host-to-device copies straight from the frames, on the current stream.
         """
         if not (out.dtype == torch.uint8 and out.is_contiguous() and out.numel() == self.nbytes):

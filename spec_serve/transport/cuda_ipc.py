@@ -10,7 +10,7 @@ buffer alive ("limbo") until that consumer's count is returned, which a killed c
 So the worker returns its count at once (``_release_ipc_counter_cuda``), and the plane's leases and
 generation words decide when the buffer may be written again.
 
-Sharing leaves two files in /dev/shm (seen on the H200 machine, torch 2.11): torch's ref counters
+Sharing leaves two files in /dev/shm (torch 2.11 on CUDA): torch's ref counters
 (``torch_<pid>_<n>_<n>``, unlinked by torch at a normal exit) and the CUDA driver's file for the
 share's interprocess event (``cuda.shm.<dev>.<pid in hex>.<n>``, left behind even at a normal exit).
 ``share`` names both as *companions*: the worker records them in its control block, unlinks the

@@ -2,7 +2,7 @@
 
 A GPU engine's outputs must land in host memory before ZeroMQ can send them. ``tensor.to("cpu")``
 allocates fresh pageable memory every time (a page fault per 4 KiB, and pageable device->host copies
-run at about a quarter of pinned ones on the H200 machine: 15.5 versus 54.8 GB/s). Instead a worker
+run far slower than pinned ones: BENCHMARKS.md). Instead a worker
 copies every output of one forward into one slab taken from a small pool of pinned buffers and hands
 views of it to the codec (zero copy). The slab goes back to the pool when libzmq has let go of every
 frame that borrows it (``sockets.send_lent``: one tracker over all frames, never the last frame's
@@ -176,8 +176,8 @@ class RecyclingAllocator:
     """``alloc=`` hook for ``wire.decode`` on a receiver: reuse a buffer once nobody holds its tensors.
 
     A tensor spanning several 16 MiB frames is assembled with one copy into memory from ``alloc``.
-    Fresh buffers over 32 MiB come straight from mmap and fault on every 4 KiB page (measured here:
-    that copy, not the socket, dominated the codec path). This keeps up to ``max_buffers`` buffers
+    Fresh buffers over 32 MiB come straight from mmap and fault on every 4 KiB page, so that copy, not
+    the socket, would dominate the codec path (BENCHMARKS.md, "frames_fresh"). This keeps up to ``max_buffers`` buffers
     and hands one out again, same size, when its storage has no user left (the trainer dropped the
     batch), so a steady workload allocates nothing after warm-up.
 

@@ -7,8 +7,8 @@ Options and why:
 - small high-water marks: they count messages, not bytes, and one message may
   be hundreds of MiB; flow control is done with credits above this layer.
 - MAXMSGSIZE: libzmq refuses any frame above this before allocating it. The
-  codec splits tensors into frames of at most 16 MiB (a single 64 MiB frame
-  failed in libzmq on the GPU machine), so honest peers never come near it.
+  codec splits tensors into frames of at most 16 MiB (wire.MAX_FRAME_BYTES),
+  so honest peers never come near it.
 - ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
 - IMMEDIATE (``immediate=True``, a worker's sockets to client data endpoints):
   messages queue only on a connection that completed its handshake, so a
