@@ -114,7 +114,7 @@ def test_unpackable_requests_are_named_and_served_padded(tiny_target_dir, tiny_v
         with pytest.raises(ValueError, match="cannot be packed"):
             engine.generate_packed([(ids, bad_attn, bad_loss)])
         worker = Worker(engine, "tcp://127.0.0.1:1", packing=True, max_batch_tokens=4096)
-        worker._mappings["v0"] = tiny_vocab_mapping
+        worker.vocab.put("v0", tiny_vocab_mapping)
         result = worker.serve(_job((ids, bad_attn, bad_loss)))
         assert result.status is Status.OK
         got, want = wire.decode(result.frames), engine.generate_batch(ids, bad_attn, bad_loss)
@@ -126,11 +126,11 @@ def test_serve_group_packs_and_splits(tiny_target_dir, tiny_vocab_mapping, coloc
     never past a bind/release), the split, and a bad request not spoiling the others."""
     engine = colocated_target()
     worker = Worker(engine, "tcp://127.0.0.1:1", packing=True, max_batch_tokens=10_000)
-    worker._mappings["v0"] = tiny_vocab_mapping
+    worker.vocab.put("v0", tiny_vocab_mapping)
     batches = [sample_batch(tiny_target_dir, rows, seq, seed=s) for s, (rows, seq) in enumerate(((1, 32), (3, 48),
                                                                                                   (2, 16)))]
     for kind in KINDS:
-        group = worker._take_group(collections.deque(_job(b, kind) for b in batches))
+        group = worker.compute.take_group(collections.deque(_job(b, kind) for b in batches))
         assert len(group) == 3
         for b, result in zip(batches, worker.serve_group(group)):
             assert result.status is Status.OK and result.header["batched"] == 3
@@ -139,13 +139,13 @@ def test_serve_group_packs_and_splits(tiny_target_dir, tiny_vocab_mapping, coloc
     control = Job(b"", {"prefix": "p"}, [], time.monotonic(), control="release")
     backlog = collections.deque([_job(batches[0]), _job(batches[1], kind="dspark"), _job(batches[2], vocab="other"),
                                  _job(batches[2]), control, _job(batches[1])])
-    assert len(worker._take_group(backlog)) == 2
+    assert len(worker.compute.take_group(backlog)) == 2
     assert [j.control or j.header["kind"] for j in backlog] == ["dspark", "eagle3", "release", "eagle3"]
     # The budget counts real tokens, not padded ones.
     real = [int(b[1].sum()) for b in batches]
     worker.max_batch_tokens = real[0] + real[1]
     backlog = collections.deque(_job(b) for b in batches)
-    assert len(worker._take_group(backlog)) == 2 and len(backlog) == 1
+    assert len(worker.compute.take_group(backlog)) == 2 and len(backlog) == 1
     # A bad request in a group: it alone fails, the others are served.
     worker.max_batch_tokens = 10_000
     bad = (batches[1][0] + 10_000, batches[1][1], batches[1][2])

@@ -660,7 +660,7 @@ def _run_worker_pool(ctx: Context) -> dict[str, Any]:
 
     engine = ctx.engine()
     worker = Worker(engine, "tcp://127.0.0.1:1", capacity=2)
-    worker._mappings["bench"] = ctx.mapping
+    worker.vocab.put("bench", ctx.mapping)
     batch = dict(zip(("input_ids", "attention_mask", "loss_mask"), ctx.batches[0]))
     header = {"op": "generate", "kind": "eagle3", "vocab": "bench", "reply_to": "tcp://127.0.0.1:1"}
     n = max(ctx.cfg.steps, 4)

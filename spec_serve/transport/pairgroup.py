@@ -220,15 +220,13 @@ class PairGroup:
     :class:`PairGroupError`, and every later call raises it too.
     """
 
-    def __init__(self, backend: _Backend, store: dist.Store, rank: int, device: torch.device, timeout: float,
-                 port: int):
+    def __init__(self, backend: _Backend, store: dist.Store, rank: int, device: torch.device, timeout: float):
         self._pg: _Backend | None = backend
         self._store: dist.Store | None = store
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
         self.timeout = timeout
-        self.port = port
         self._send_seq = 0
         self._recv_seq = 0
         # Reused so a steady stream of messages allocates (and page-faults) once.
@@ -294,7 +292,7 @@ class PairGroup:
         try:
             if store is None:
                 if rank == 0:
-                    store, port = cls.host_store(host, port, timeout)
+                    store, _ = cls.host_store(host, port, timeout)
                 else:
                     store = dist.TCPStore(host, port, world_size=2, is_master=False, timeout=td)
             prefixed = dist.PrefixStore(f"spec_serve/pair/{prefix}/", store)
@@ -304,9 +302,7 @@ class PairGroup:
                 backend = _gloo_backend(prefixed, rank, td, host if listen_host is None and rank == 0 else listen_host)
         except Exception as exc:
             raise PairGroupError(f"pair group {prefix!r} rank {rank}: could not form the group: {exc}") from exc
-        if isinstance(store, dist.TCPStore):
-            port = store.port
-        return cls(backend, store, rank, device, timeout, port)
+        return cls(backend, store, rank, device, timeout)
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,151 @@
+"""The compute thread: take jobs in order, group what may share a packed forward, run them on the
+executor, and hand the results to the I/O thread (a queue plus an inproc wake-up). A bind or release
+of the NCCL pair runs in order with the jobs around it.
+
+Batching (docs/packing.md): queued generate requests of the same kind and vocab share one packed forward
+of at most ``max_batch_tokens`` real tokens (0: each request alone).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+
+import zmq
+
+from spec_serve.engines import packing
+from spec_serve.protocol import wire
+from spec_serve.protocol.commands import Op
+from spec_serve.supervision.contract import Kind
+from spec_serve.worker.executor import Executor
+from spec_serve.worker.jobs import Job, RequestError, Result
+from spec_serve.worker.nccl_pair import PairBinding
+from spec_serve.worker.threads import ThreadShare
+
+
+class ComputeLoop:
+    def __init__(self, ctx: zmq.Context, wake_endpoint: str, executor: Executor, pair: PairBinding, *,
+                 packing: bool, max_batch_tokens: int, threads: ThreadShare | None):
+        self.ctx = ctx
+        self.wake_endpoint = wake_endpoint  # the I/O thread binds it before start()
+        self.executor = executor
+        self.pair = pair
+        self.packing = packing
+        self.max_batch_tokens = max_batch_tokens
+        self.threads = threads  # math threads: this worker's share of the host's cores, kept between forwards
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._results: queue.Queue[Result] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="spec-serve-compute", daemon=True)
+
+    # ------------------------------------------------- the I/O thread's side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def finish(self) -> None:
+        """The loop ends once it reaches this (after the jobs queued before it)."""
+        self._jobs.put(None)
+
+    def results(self) -> list[Result]:
+        """The results posted so far, in order."""
+        taken = []
+        while True:
+            try:
+                taken.append(self._results.get_nowait())
+            except queue.Empty:
+                return taken
+
+    @property
+    def drained(self) -> bool:
+        """True once the thread has ended and every result it posted was taken."""
+        return not self._thread.is_alive() and self._results.empty()
+
+    # ---------------------------------------------------- the compute thread
+
+    def _run(self) -> None:
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(self.wake_endpoint)
+
+        def post(*results: Result) -> None:
+            for result in results:
+                self._results.put(result)
+            wake.send(b"")
+
+        try:
+            backlog: collections.deque[Job] = collections.deque()
+            while self.executor.engine_error is None:
+                if not backlog:
+                    job = self._jobs.get()
+                    if job is None:
+                        return
+                    backlog.append(job)
+                if self.threads is not None:
+                    self.threads.rebalance()
+                if backlog[0].control is not None:  # bind/release, in order with the jobs before it
+                    self.pair.control(backlog.popleft(), post)
+                    continue
+                if not self.packing or self.max_batch_tokens <= 0:
+                    results = [self.executor.serve(backlog.popleft())]
+                elif not self._take_queued(backlog):
+                    return
+                else:
+                    results = self.executor.serve_group(self.take_group(backlog))
+                post(*results)
+                self.pair.send(results)
+        finally:
+            wake.close(0)
+
+    def _take_queued(self, backlog: collections.deque[Job]) -> bool:
+        """Move every job queued now into ``backlog`` (it may share the packed forward); False at the end."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            backlog.append(job)
+
+    # -------------------------------------------------------------- batching
+
+    def take_group(self, backlog: collections.deque[Job]) -> list[Job]:
+        """Pop the oldest job and every later one that can share its packed forward within the token
+        budget (order kept). The scan stops at a bind/release, which must run in order."""
+        first = backlog.popleft()
+        head = self._pack_key(first)
+        if head is None or head[1] >= self.max_batch_tokens:
+            return [first]
+        key, tokens = head
+        group, rest = [first], collections.deque()
+        while backlog and backlog[0].control is None:
+            job = backlog.popleft()
+            other = self._pack_key(job)
+            if other is not None and other[0] == key and tokens + other[1] <= self.max_batch_tokens:
+                group.append(job)
+                tokens += other[1]
+            else:
+                rest.append(job)
+        backlog.extendleft(reversed(rest))
+        return group
+
+    def _pack_key(self, job: Job):
+        """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
+        job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
+        if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value or job.header.get("nccl") \
+                or job.control is not None:
+            return None
+        try:
+            tensors = self.executor.request_tensors(job)
+            ids = tensors["input_ids"]
+            if ids.dim() != 2 or any(t.shape != ids.shape for t in tensors.values()):
+                return None
+            lengths = packing.row_lengths(tensors["attention_mask"], tensors["loss_mask"])
+        except (RequestError, wire.WireError, ValueError):
+            return None  # served alone, which reports the error
+        if lengths is None:
+            return None
+        return (job.header.get("kind", Kind.EAGLE3.value), job.header.get("vocab")), sum(lengths)

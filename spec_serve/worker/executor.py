@@ -1,0 +1,239 @@
+"""Jobs to results on the engine, on the compute thread: run a request (alone, or several in one packed
+forward), take the reply's integrity fields, and put the outputs where the reply will carry them: the
+NCCL pair, a same-host plane slot, or frames in a pooled host slab. Every failure becomes an error reply."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from spec_serve.engines import engine_dead, packing
+from spec_serve.protocol import digest, wire
+from spec_serve.protocol.commands import ErrorCode, Op, Status
+from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
+from spec_serve.telemetry.logs import event, one_line
+from spec_serve.transport import samehost
+from spec_serve.transport.binding import encode_specs
+from spec_serve.transport.hostpool import HostBufferPool, to_host
+from spec_serve.worker.faults import Faults
+from spec_serve.worker.jobs import Job, RequestError, Result, error_result
+from spec_serve.worker.nccl_pair import PairBinding
+from spec_serve.worker.vocab_store import VocabStore
+
+log = logging.getLogger("spec_serve.worker")
+
+
+def _is_generate(job: Job) -> bool:
+    return job.header.get("op", Op.GENERATE.value) == Op.GENERATE.value
+
+
+class Executor:
+    def __init__(self, engine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding, faults: Faults,
+                 host_pool: HostBufferPool | None, device: torch.device, max_message_bytes: int):
+        self.engine = engine
+        self.name = name
+        # Packing (docs/packing.md): each generate request runs without its padding. Off: every request
+        # runs padded, bit-equal to the colocated forward.
+        self.packing = packing
+        self.vocab = vocab
+        self.pair = pair
+        self.faults = faults
+        self.host_pool = host_pool
+        self.max_message_bytes = max_message_bytes
+        # The device->host copy of a reply runs on its own stream, so the next forward starts at once
+        # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Same-host clients get GENERATE replies through slots of memory they map; None: frames only.
+        # Worker.run sets it for as long as it serves.
+        self.plane: samehost.WorkerPlane | None = None
+        # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
+        self.engine_error: str | None = None
+        self.batches = 0  # packed forwards run for several requests
+
+    # ------------------------------------------------------------ one job
+
+    def serve(self, job: Job) -> Result:
+        """Run one job on the engine; every failure becomes an error reply."""
+        start = time.perf_counter()
+        try:
+            return self._serve(job, start)
+        except RequestError as e:
+            code, message = e.code, str(e)
+        except (ValueError, wire.WireError) as e:
+            code, message = ErrorCode.BAD_REQUEST, str(e)
+        except Exception as e:
+            if engine_dead(e):
+                return self._dead_result(job, e)
+            log.exception("worker.engine_failed worker=%s", self.name)  # the engine failed: report, keep serving
+            code, message = ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
+        event(log, logging.INFO, "worker.request_failed", code=code.value, error=message)
+        return error_result(job, self.name, code, message)
+
+    def _serve(self, job: Job, start: float) -> Result:
+        nccl = bool(job.header.get("nccl")) and _is_generate(job)
+        if nccl:
+            self.pair.check(job)
+        tensors, tokens = self._execute(job)
+        integrity = self._integrity([job], [tensors])[0]
+        if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
+            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
+                      "pair": self.pair.prefix, "specs": encode_specs(tensors), **integrity}
+            return Result(job, Status.OK, header, [], tokens, send=self.faults.corrupt_tensors(tensors))
+        export = self._lend(job, tensors)
+        if export is not None:  # same-host client: the bytes wait in a slot it maps
+            self.faults.corrupt_lent(export)
+            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6),
+                      "plane": export.descriptor, **integrity}
+            return self._within_client_limit(Result(job, Status.OK, header, export.frames, tokens,
+                                                    ready=export.ready, export=export))
+        host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
+        try:
+            frames = wire.encode(host)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        self.faults.corrupt_frames(job, frames, ready)
+        header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), **integrity}
+        return self._within_client_limit(Result(job, Status.OK, header, frames, tokens, lease, ready))
+
+    def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
+        op = job.header.get("op", Op.GENERATE.value)
+        if op == Op.GENERATE.value:
+            return self._generate(job)
+        if op == Op.EMBEDDINGS.value:
+            which = job.header.get("which")
+            if which == "input":
+                weight = self.engine.get_input_embeddings().weight
+            elif which == "output":
+                weight = self.engine.get_output_embeddings().weight
+            else:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"embeddings 'which' must be input or output, got {which!r}")
+            return {"weight": weight.detach().to("cpu").contiguous()}, 0
+        if op == Op.LM_HEAD_SLICE.value:
+            ids, _ = self.vocab.get(job.header.get("vocab"))
+            weight = self.engine.get_output_embeddings().weight.detach()
+            return {"weight": weight.index_select(0, ids.to(weight.device)).to("cpu")}, 0
+        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
+
+    def _generate(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
+        kind = Kind.parse(job.header.get("kind", Kind.EAGLE3.value))
+        tensors = self.request_tensors(job)
+        self.vocab.select(self.engine, kind, job.header.get("vocab"))
+        request = tuple(tensors[n] for n in REQUEST_TENSORS)
+        if self.packing and packing.row_lengths(tensors["attention_mask"], tensors["loss_mask"]) is not None:
+            out = self.engine.generate_packed([request], kind=kind.value)[0]
+        else:  # not packing, or a request packing cannot take (left padding, loss on padding): padded
+            out = self.engine.generate_batch(*request, kind=kind.value)
+        tokens = int(tensors["attention_mask"].sum())
+        return out, tokens
+
+    def request_tensors(self, job: Job) -> dict[str, torch.Tensor]:
+        """The request's tensors, decoded once (cached on the job)."""
+        if job.tensors is not None:
+            return job.tensors
+        tensors = wire.decode(job.payload, max_bytes=self.max_message_bytes)
+        missing = [n for n in REQUEST_TENSORS if n not in tensors]
+        if missing or len(tensors) != len(REQUEST_TENSORS):
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"request must hold exactly {list(REQUEST_TENSORS)}, got {sorted(tensors)}")
+        job.tensors = tensors
+        return tensors
+
+    # ------------------------------------------------------ a packed group
+
+    def serve_group(self, jobs: list[Job]) -> list[Result]:
+        """Serve jobs with one packed forward and split the result per job; one job: ``serve``."""
+        if len(jobs) == 1:
+            return [self.serve(jobs[0])]
+        start = time.perf_counter()
+        try:
+            kind = Kind.parse(jobs[0].header.get("kind", Kind.EAGLE3.value))
+            parts = [self.request_tensors(job) for job in jobs]
+            self.vocab.select(self.engine, kind, jobs[0].header.get("vocab"))
+            outs = self.engine.generate_packed([tuple(p[n] for n in REQUEST_TENSORS) for p in parts], kind=kind.value)
+            elapsed = round(time.perf_counter() - start, 6)
+            results = self._split_replies(jobs, parts, outs, {"worker": self.name, "compute_s": elapsed,
+                                                              "batched": len(jobs)})
+            self.batches += 1
+            return [self._within_client_limit(result) for result in results]
+        except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
+            if engine_dead(e):  # any of these rows may be what killed it
+                return [self._dead_result(job, e) for job in jobs]
+            event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
+            return [self.serve(job) for job in jobs]
+
+    def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], header: dict) -> list[Result]:
+        """One reply per job of a packed forward: each same-host job's outputs lent in a slot of its own, the
+        others' encoded from one host slab for all of them (released once per reply)."""
+        integrity = self._integrity(jobs, outs)
+        exports: list = []
+        lease = None
+        try:
+            for job, out in zip(jobs, outs):
+                exports.append(self._lend(job, out))
+            framed = [i for i, export in enumerate(exports) if export is None]
+            host, lease, ready = to_host({(i, k): v for i in framed for k, v in outs[i].items()}, self.host_pool,
+                                         self._copy_stream) if framed else ({}, None, None)
+            results = []
+            for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
+                tokens = int(part["attention_mask"].sum())
+                if export is not None:
+                    results.append(Result(job, Status.OK, dict(header, plane=export.descriptor, **checks),
+                                          export.frames, tokens, ready=export.ready, export=export))
+                else:
+                    frames = wire.encode({k: host[(i, k)] for k in outs[i]})
+                    results.append(Result(job, Status.OK, dict(header, **checks), frames, tokens, lease, ready))
+            if lease is not None:
+                lease.retain(len(framed) - 1)  # one release per reply sent
+            return results
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            for export in exports:
+                if export is not None:
+                    export.cancel()
+            raise
+
+    # ------------------------------------------------------------ replies
+
+    def _lend(self, job: Job, tensors: dict[str, torch.Tensor]) -> samehost.Export | None:
+        """A GENERATE reply lent to a same-host client through the plane; None: send it as frames."""
+        if self.plane is None or not _is_generate(job):
+            return None
+        return self.plane.export(job.header, tensors, self._copy_stream)
+
+    def _integrity(self, jobs: list[Job], outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Per job, the reply header fields its client checks: the fingerprint of the target that computed
+        it and, when the request asked (``verify``), a digest of each output tensor, taken here on our
+        device before any copy (spec_serve/protocol/digest.py); one host transfer for all of them."""
+        fingerprint = self.engine.target_info().fingerprint
+        wanted = [i for i, job in enumerate(jobs) if job.header.get("verify")]
+        fields: list[dict[str, Any]] = [{"fingerprint": fingerprint} for _ in jobs]
+        for i, sums in zip(wanted, digest.digests([outputs[i] for i in wanted])):
+            fields[i]["digests"] = sums
+        return fields
+
+    def _within_client_limit(self, result: Result) -> Result:
+        """``result``, or a bad_request error if its payload exceeds the ``max_reply_bytes`` the client
+        named: refused here, once, rather than sent for the client to drop (and ask for again)."""
+        limit = result.job.header.get("max_reply_bytes")
+        size = result.nbytes
+        if not isinstance(limit, int) or size <= limit:
+            return result
+        result.drop()
+        message = (f"reply of {size} bytes exceeds the client's max_message_bytes of {limit}: raise the "
+                   f"client's max_message_bytes or send fewer rows per request (num_shards)")
+        event(log, logging.INFO, "worker.request_failed", code=ErrorCode.BAD_REQUEST.value, error=message)
+        return error_result(result.job, self.name, ErrorCode.BAD_REQUEST, message)
+
+    def _dead_result(self, job: Job, exc: BaseException) -> Result:
+        """The engine died running ``job``: answer ``engine_dead`` and stop serving (the worker then leaves)."""
+        if self.engine_error is None:
+            self.engine_error = one_line(exc)
+            log.error("worker.engine_dead worker=%s error=%s", self.name, self.engine_error,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+        return error_result(job, self.name, ErrorCode.ENGINE_DEAD, self.engine_error)

@@ -1,0 +1,179 @@
+"""The worker's session with the broker, on the I/O thread: register (READY), heartbeat, hear the
+broker's commands, and reconnect Lazy-Pirate style when it falls silent. Lifecycle log lines say when
+the worker registered, lost and regained the broker, or never reached it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+
+from spec_serve.protocol.commands import (
+    CONNECT_TIMEOUT,
+    CONTROL_SLACK_BYTES,
+    WORKER_PORT_HINT,
+    WORKER_TAG,
+    Message,
+    ProtocolError,
+    WorkerCommand,
+    control,
+    parse_control,
+)
+from spec_serve.telemetry.logs import event
+from spec_serve.transport.ingress import Ingress
+from spec_serve.transport.sockets import Security, make_socket
+
+log = logging.getLogger("spec_serve.worker")
+
+Handler = Callable[[Message], None]
+
+
+class WorkerRefused(RuntimeError):
+    """The broker refused to register this worker: its target differs from the service's, or it reached
+    the broker's client port instead of the worker port."""
+
+
+class BrokerSession:
+    """One DEALER to the broker at a time. ``handlers`` serve the commands that carry work (REQUEST,
+    BIND, RELEASE, SET_VOCAB); the session itself answers DISCONNECT (register again) and REFUSED
+    (``WorkerRefused``). ``before_ready`` runs before each READY; False: do not register."""
+
+    def __init__(self, ctx: zmq.Context, identity: bytes, name: str, broker_url: str, service: str, *,
+                 security: Security | None, info, capacity: int, max_message_bytes: int,
+                 heartbeat_interval: float, liveness: int, handlers: Mapping[WorkerCommand, Handler],
+                 before_ready: Callable[[], bool]):
+        self.ctx, self.identity, self.name = ctx, identity, name
+        self.broker_url, self.service, self.security = broker_url, service, security
+        self.info, self.capacity, self.max_message_bytes = info, capacity, max_message_bytes
+        self.heartbeat_interval, self.liveness = heartbeat_interval, liveness
+        self.handlers, self.before_ready = handlers, before_ready
+        self.sock: zmq.Socket | None = None
+        self._ingress: Ingress | None = None
+        self._poller: zmq.Poller | None = None
+        self._next_beat = self._expiry = 0.0
+        self._started = time.monotonic()
+        self._registered = False  # the broker has answered our latest READY
+        self._ever_registered = False
+        self._lost_since: float | None = None
+        self._unreachable_logged = False
+
+    def open(self, poller: zmq.Poller) -> None:
+        """Connect, register, and have ``poller`` watch the broker socket (this one and each reconnect's)."""
+        self._poller = poller
+        self._connect()
+        now = time.monotonic()
+        self._next_beat = now + self.heartbeat_interval
+        self._expiry = now + self.heartbeat_interval * self.liveness
+
+    def close(self, linger_ms: int) -> None:
+        if self._ingress is not None:
+            self._ingress.close()
+        if self.sock is not None:
+            self.sock.close(linger_ms)
+
+    def _connect(self) -> None:
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security)
+        # Only the broker sends here: at most a request per slot (and a vocab mapping) at a time.
+        self._ingress = Ingress(sock, "worker.broker", connect=self.broker_url,
+                                total=(self.capacity + 1) * (self.max_message_bytes + CONTROL_SLACK_BYTES))
+        self.sock = sock
+        self._poller.register(sock, zmq.POLLIN)
+        self._send_ready()
+
+    def receive(self, now: float) -> None:
+        """Handle what the broker sent; any valid message proves it alive until ``liveness`` beats from now."""
+        heard = False
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._ingress.delivered(frames)
+            try:
+                msg = parse_control(frames, WORKER_TAG, WorkerCommand)
+            except ProtocolError as e:
+                event(log, logging.WARNING, "worker.bad_message", error=e)
+                continue
+            heard = True
+            if self._dispatch(msg):
+                self._send_ready()
+            elif not self._registered:
+                self._on_registered()
+        if heard:
+            self._expiry = now + self.heartbeat_interval * self.liveness
+
+    def _dispatch(self, msg: Message) -> bool:
+        """Handle one broker message; True if we must register again."""
+        command = WorkerCommand(msg.command)
+        if command is WorkerCommand.DISCONNECT:
+            return True
+        if command is WorkerCommand.REFUSED:
+            raise WorkerRefused(str(msg.header.get("error") or "no reason given"))
+        handler = self.handlers.get(command)
+        if handler is not None:
+            handler(msg)
+        return False
+
+    def keep_alive(self, now: float) -> bool:
+        """Heartbeat when due (True if one went), and reconnect if the broker has been silent too long."""
+        beat = now >= self._next_beat
+        if beat:
+            self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
+            self._next_beat = now + self.heartbeat_interval
+        if now > self._expiry:
+            # Lazy-Pirate style: the broker went silent; reconnect and register again.
+            self._broker_silent(now)
+            self._poller.unregister(self.sock)
+            self._ingress.close()
+            self.sock.close(0)
+            self._connect()
+            self._expiry = now + self.heartbeat_interval * self.liveness
+        return beat
+
+    def send_done(self, request_id: bytes, header: dict) -> None:
+        """Tell the broker a request's reply left (or could not): its slot is free."""
+        self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, request_id, header))
+
+    def leave(self, reason: str | None) -> None:
+        """Leave the pool for good: in-flight requests go to other workers."""
+        self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.LEAVE.value, self.service,
+                                           header={"reason": reason}))
+        event(log, logging.ERROR, "worker.left_pool", worker=self.name, reason=f"engine dead: {reason}")
+
+    def _send_ready(self) -> None:
+        if not self.before_ready():
+            return
+        header = {"target_info": self.info.to_dict(), "capacity": self.capacity, "pid": os.getpid(),
+                  "host": socket.gethostname(), "max_message_bytes": self.max_message_bytes}
+        self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
+        self._registered = False
+        event(log, logging.DEBUG, "worker.registering", worker=self.name, service=self.service,
+              broker=self.broker_url)
+
+    def _on_registered(self) -> None:
+        """The broker answered our READY: we serve from now on."""
+        self._registered = self._ever_registered = True
+        now = time.monotonic()
+        if self._lost_since is not None:
+            event(log, logging.INFO, "worker.broker_regained", broker=self.broker_url,
+                  after_s=round(now - self._lost_since, 1))
+            self._lost_since = None
+        event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url,
+              target=self.info.model_name, capacity=self.capacity)
+
+    def _broker_silent(self, now: float) -> None:
+        """Log a broker outage once (not once per liveness window), and a broker that never answered."""
+        if self._registered:  # it was there: an outage starts (while it lasts, _registered stays False)
+            self._lost_since = now
+            event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url,
+                  silent_s=round(self.heartbeat_interval * self.liveness, 1))
+        never_answered = not self._ever_registered and not self._unreachable_logged
+        if never_answered and now - self._started > CONNECT_TIMEOUT:
+            self._unreachable_logged = True
+            event(log, logging.WARNING, "worker.broker_unreachable", broker=self.broker_url,
+                  waited_s=round(now - self._started), expected=WORKER_PORT_HINT, action="still trying")
+
