@@ -39,7 +39,7 @@ class Result:
     frames: list
     tokens: int = 0
     lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
-    ready: "torch.cuda.Event | None" = None  # the frames' device->host copy; sent only once it completed
+    ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
     send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
     export: samehost.Export | None = None  # a slot lent through the same-host plane; cancelled if undeliverable
 

@@ -51,9 +51,10 @@ class BrokerSession:
         self.info, self.capacity, self.max_message_bytes = info, capacity, max_message_bytes
         self.heartbeat_interval, self.liveness = heartbeat_interval, liveness
         self.handlers, self.before_ready = handlers, before_ready
-        self.sock: zmq.Socket | None = None
-        self._ingress: Ingress | None = None
-        self._poller: zmq.Poller | None = None
+        # Set by open(), which comes before every other use.
+        self.sock: zmq.Socket
+        self._ingress: Ingress
+        self._poller: zmq.Poller
         self._next_beat = self._expiry = 0.0
         self._started = time.monotonic()
         self._registered = False  # the broker has answered our latest READY
@@ -70,10 +71,8 @@ class BrokerSession:
         self._expiry = now + self.heartbeat_interval * self.liveness
 
     def close(self, linger_ms: int) -> None:
-        if self._ingress is not None:
-            self._ingress.close()
-        if self.sock is not None:
-            self.sock.close(linger_ms)
+        self._ingress.close()
+        self.sock.close(linger_ms)
 
     def _connect(self) -> None:
         sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security)
