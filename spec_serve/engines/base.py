@@ -9,7 +9,8 @@ tests/test_engine_protocol.py checks every engine class against it.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -39,7 +40,7 @@ class TargetEngine(Protocol):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         loss_mask: torch.Tensor,
-        kind: "str | Kind" = "eagle3",
+        kind: str | Kind = "eagle3",
     ) -> dict[str, torch.Tensor]:
         """The contract tensors of ``kind`` for one right-padded ``[B,S]`` batch, in ``RESPONSE_TENSORS`` order.
 
@@ -67,7 +68,7 @@ class PackingEngine(TargetEngine, Protocol):
     def generate_packed(
         self,
         requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-        kind: "str | Kind" = "eagle3",
+        kind: str | Kind = "eagle3",
     ) -> list[dict[str, torch.Tensor]]:
         """``generate_batch`` of each ``(input_ids, attention_mask, loss_mask)`` request, in one forward."""
         ...

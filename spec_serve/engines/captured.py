@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +99,7 @@ class CapturedHead:
     def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._vocab.get()
 
-    def check_request(self, input_ids, attention_mask, loss_mask, kind: "str | Kind") -> tuple[Kind, list[int]]:
+    def check_request(self, input_ids, attention_mask, loss_mask, kind: str | Kind) -> tuple[Kind, list[int]]:
         """Validate a request; return its kind and each row's true length (right padding required)."""
         kind = Kind.parse(kind)
         contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
@@ -174,7 +174,7 @@ class CapturedTarget:
         self,
         path: str | Path,
         device: str | torch.device,
-        dtype: "str | torch.dtype | None",
+        dtype: str | torch.dtype | None,
         aux_layer_ids: Sequence[int] | None,
         dspark_layer_ids: Sequence[int] | None,
         model_name: str | None,

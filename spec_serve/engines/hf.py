@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -23,10 +23,11 @@ from spec_serve.supervision.contract import Kind, TargetInfo
 from spec_serve.supervision.vocab import VocabMappingSlot
 
 
-def parse_devices(device: "str | torch.device | Sequence[str | torch.device]") -> list[torch.device]:
+def parse_devices(device: str | torch.device | Sequence[str | torch.device]) -> list[torch.device]:
     """``"cuda:0,cuda:1"`` or a list -> the devices one target is spread over; one device -> ``[it]``."""
     items = device.split(",") if isinstance(device, str) else [device] if isinstance(device, torch.device) else device
-    devices = [torch.device(d.strip() if isinstance(d, str) else d) for d in items if not isinstance(d, str) or d.strip()]
+    devices = [torch.device(d.strip() if isinstance(d, str) else d)
+               for d in items if not isinstance(d, str) or d.strip()]
     if not devices:
         raise ValueError(f"no device in {device!r}")
     if len({d.type for d in devices}) > 1:
@@ -122,7 +123,7 @@ def _random_init_model(config, marker: Path, dtype, device: torch.device, trust_
     return model
 
 
-def _load_model(path: Path, config, dtype: "str | torch.dtype | None", devices: Sequence[torch.device],
+def _load_model(path: Path, config, dtype: str | torch.dtype | None, devices: Sequence[torch.device],
                 trust_remote_code: bool):
     """The checkpoint's causal LM on ``devices`` (spread over them if several), frozen, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -154,7 +155,7 @@ class HFTarget:
         self,
         path: str | Path,
         device: str | torch.device = "cpu",
-        dtype: "str | torch.dtype | None" = None,
+        dtype: str | torch.dtype | None = None,
         aux_layer_ids: Sequence[int] | None = None,
         dspark_layer_ids: Sequence[int] | None = None,
         model_name: str | None = None,
@@ -260,7 +261,7 @@ class HFTarget:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         loss_mask: torch.Tensor,
-        kind: "str | Kind" = "eagle3",
+        kind: str | Kind = "eagle3",
     ) -> dict[str, torch.Tensor]:
         """Run the target on one right-padded ``[B,S]`` batch; return the contract tensors of ``kind``.
 
@@ -279,7 +280,7 @@ class HFTarget:
     def generate_packed(
         self,
         requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-        kind: "str | Kind" = "eagle3",
+        kind: str | Kind = "eagle3",
     ) -> list[dict[str, torch.Tensor]]:
         """``generate_batch`` for each ``(input_ids, attention_mask, loss_mask)`` request, in one packed forward.
 
@@ -311,7 +312,7 @@ class HFTarget:
         reason = packing.unsupported_reason(self.model)
         return None if reason is None else f"{self.model_name}: {reason}"
 
-    def _check_request(self, kind: "str | Kind", input_ids, attention_mask, loss_mask) -> Kind:
+    def _check_request(self, kind: str | Kind, input_ids, attention_mask, loss_mask) -> Kind:
         kind = Kind.parse(kind)
         contract.validate_request(input_ids, attention_mask, loss_mask, self.vocab_size)
         if kind is Kind.EAGLE3 and self._vocab.on_device is None:

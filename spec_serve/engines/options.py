@@ -9,7 +9,8 @@ keyword; its value is parsed as JSON, and a value that is not JSON stays a strin
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import click
 

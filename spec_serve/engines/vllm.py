@@ -25,14 +25,15 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from spec_serve.supervision.contract import Kind
 from spec_serve.engines import EngineDead
 from spec_serve.engines.captured import CapturedTarget
+from spec_serve.supervision.contract import Kind
 
 # vllm.LLM keywords spec-serve sets itself: the capture depends on them, or a worker flag owns them.
 RESERVED_KWARGS = {"model": "--target", "dtype": "--dtype", "speculative_config": None, "kv_transfer_config": None}
@@ -93,7 +94,7 @@ class VLLMTarget(CapturedTarget):
         self,
         path: str | Path,
         device: str | torch.device = "cpu",
-        dtype: "str | torch.dtype | None" = None,
+        dtype: str | torch.dtype | None = None,
         aux_layer_ids: Sequence[int] | None = None,
         dspark_layer_ids: Sequence[int] | None = None,
         model_name: str | None = None,
@@ -155,7 +156,6 @@ class VLLMTarget(CapturedTarget):
             cleanup_hidden_states,
             load_hidden_states,
         )
-
         from vllm.v1.engine.exceptions import EngineDeadError
 
         ids = input_ids.detach().to("cpu", torch.int64)
@@ -186,7 +186,7 @@ class VLLMTarget(CapturedTarget):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         loss_mask: torch.Tensor,
-        kind: "str | Kind" = "eagle3",
+        kind: str | Kind = "eagle3",
     ) -> dict[str, torch.Tensor]:
         """Run the target on one right-padded ``[B,S]`` batch; return the contract tensors of ``kind``."""
         kind, lengths = self.head.check_request(input_ids, attention_mask, loss_mask, kind)

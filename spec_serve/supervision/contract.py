@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class Kind(str, enum.Enum):
     DSPARK = "dspark"
 
     @classmethod
-    def parse(cls, value: "str | Kind") -> "Kind":
+    def parse(cls, value: str | Kind) -> Kind:
         try:
             return cls(value)
         except ValueError:
@@ -134,7 +135,7 @@ class TargetInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TargetInfo":
+    def from_dict(cls, d: Mapping[str, Any]) -> TargetInfo:
         fields = {f.name for f in dataclasses.fields(cls)}
         missing = fields - set(d)
         if missing:
@@ -144,7 +145,7 @@ class TargetInfo:
         kw["dspark_layer_ids"] = tuple(int(i) for i in kw["dspark_layer_ids"])
         return cls(**kw)
 
-    def mismatches(self, other: "TargetInfo | Mapping[str, Any]", *, ignore: Sequence[str] = ()) -> dict[str, tuple]:
+    def mismatches(self, other: TargetInfo | Mapping[str, Any], *, ignore: Sequence[str] = ()) -> dict[str, tuple]:
         """Fields whose values differ, as ``{field: (ours, theirs)}``.
 
         ``other`` may be a partial mapping: only the fields it names are compared.
