@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 
 
-def parse_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype | str":
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     """``None``/"auto" -> "auto" (the checkpoint's dtype); "bfloat16"/"bf16"/torch.bfloat16 -> torch.bfloat16."""
     if dtype is None or dtype == "auto":
         return "auto"
@@ -35,14 +35,17 @@ def parse_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype | str":
     return value
 
 
-def resolve_dtype(path: str | Path, dtype: "str | torch.dtype | None") -> torch.dtype:
+def resolve_dtype(path: str | Path, dtype: str | torch.dtype | None) -> torch.dtype:
     """``dtype`` as a torch dtype; ``None``/"auto" means the checkpoint's (float32 if it names none)."""
     parsed = parse_dtype(dtype)
-    if parsed != "auto":
+    if isinstance(parsed, torch.dtype):
         return parsed
     config = json.loads((Path(path) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return parse_dtype(name)
+    named = parse_dtype(name)
+    if not isinstance(named, torch.dtype):  # the config's own dtype is "auto": nothing to resolve it to
+        raise ValueError(f"{path}: config.json gives dtype {name!r}, not a torch dtype")
+    return named
 
 
 def fingerprint(path: str | Path) -> str:

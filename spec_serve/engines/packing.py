@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -59,10 +59,15 @@ class PackedLayout:
     shapes: list[tuple[int, int]]  # each request's [B, S]
 
     @classmethod
-    def build(cls, requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> "PackedLayout":
+    def build(cls, requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> PackedLayout:
         """Pack ``(input_ids, attention_mask, loss_mask)`` requests in order; ``ValueError`` if one is
         not packable (see ``row_lengths``). Built where the inputs are, usually on the host."""
-        ids, positions, segments, spans, real, shapes = [], [], [], [], [], []
+        ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        segments: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = []
+        real: list[torch.Tensor] = []
+        shapes: list[tuple[int, int]] = []
         offset = 0
         for i, (input_ids, attention_mask, loss_mask) in enumerate(requests):
             lengths = row_lengths(attention_mask, loss_mask)
@@ -78,7 +83,7 @@ class PackedLayout:
                 offset += n
             spans.append((start, offset))
             real.append(mask.flatten().nonzero().squeeze(1))
-            shapes.append(tuple(input_ids.shape))
+            shapes.append((input_ids.shape[0], input_ids.shape[1]))  # [B, S]: the engine validated it 2-D
         if offset == 0:
             raise ValueError("nothing to pack: every row is empty")
         return cls(torch.cat(ids)[None], torch.cat(positions)[None], tuple(segments), spans, real, shapes)
@@ -87,7 +92,7 @@ class PackedLayout:
     def tokens(self) -> int:
         return self.input_ids.shape[1]
 
-    def to(self, inputs: torch.device, outputs: torch.device) -> "PackedLayout":
+    def to(self, inputs: torch.device, outputs: torch.device) -> PackedLayout:
         """The packed inputs on the model's input device, the scatter indices where its outputs land."""
         return dataclasses.replace(self, input_ids=self.input_ids.to(inputs), position_ids=self.position_ids.to(inputs),
                                    real=[r.to(outputs) for r in self.real])

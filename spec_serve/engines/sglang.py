@@ -18,20 +18,21 @@ vLLM engine. sglang is imported only inside :class:`SGLangTarget`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from spec_serve.supervision.contract import Kind
 from spec_serve.engines.captured import CapturedTarget
+from spec_serve.supervision.contract import Kind
 from spec_serve.transport.sockets import free_port
 
 
 class _KeepHiddenStates(torch.nn.Module):
     """Stands in for the model's ``LogitsProcessor``: records what it is given, computes nothing."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.hidden_states: torch.Tensor | None = None
         self.aux_hidden_states: list[torch.Tensor] | None = None
@@ -61,7 +62,7 @@ class SGLangTarget(CapturedTarget):
         self,
         path: str | Path,
         device: str | torch.device = "cuda",
-        dtype: "str | torch.dtype | None" = None,
+        dtype: str | torch.dtype | None = None,
         aux_layer_ids: Sequence[int] | None = None,
         dspark_layer_ids: Sequence[int] | None = None,
         model_name: str | None = None,
@@ -173,6 +174,8 @@ class SGLangTarget(CapturedTarget):
             # Prefill only: nothing is decoded later, so every KV slot is free again.
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
+        if last is None or aux is None:
+            raise RuntimeError("SGLang's forward never reached the logits processor: no hidden states captured")
         if len(aux) != len(self._layer_ids):
             raise RuntimeError(f"SGLang captured {len(aux)} layers, expected {len(self._layer_ids)}")
         return last, aux
@@ -182,7 +185,7 @@ class SGLangTarget(CapturedTarget):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         loss_mask: torch.Tensor,
-        kind: "str | Kind" = "eagle3",
+        kind: str | Kind = "eagle3",
     ) -> dict[str, torch.Tensor]:
         """Run the target on one right-padded ``[B,S]`` batch; return the contract tensors of ``kind``."""
         kind, lengths = self.head.check_request(input_ids, attention_mask, loss_mask, kind)
