@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from spec_serve.protocol.commands import ProtocolError
+from spec_serve.protocol.commands import Op, ProtocolError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -32,15 +32,15 @@ T = TypeVar("T")
 
 # A request's timeout when its header names none (seconds), and the largest one accepted.
 DEFAULT_REQUEST_TIMEOUT = 120
+DEFAULT_KIND = "eagle3"  # supervision.contract.Kind.EAGLE3: what a REQUEST naming no kind asks for
 MAX_REQUEST_TIMEOUT = 1e7
 MAX_FINGERPRINT_CHARS = 128
 MAX_ENDPOINT_CHARS = 512
 _SHOWN_CHARS = 80  # of a bad value, in an error
 
 
-def wire_field(default: Any = None, *, key: str | None = None, always: bool = False) -> Any:
-    """A message field: ``key`` when its JSON key differs from its name; ``always``: sent even as null/false."""
-    return dataclasses.field(default=default, metadata={"key": key, "always": always})
+# Field metadata: ``always``, sent even as null/false; ``key``, its JSON key where that differs from its name.
+ALWAYS: Mapping[str, Any] = {"always": True}
 
 
 def json_key(field: dataclasses.Field[Any]) -> str:
@@ -220,6 +220,20 @@ class SupervisionRequest(WireMessage):
             client=r.text("client"),
         )
 
+    @property
+    def operation(self) -> str:
+        """``op``; a request that names none asks to generate."""
+        return Op.GENERATE.value if self.op is None else self.op
+
+    @property
+    def is_generate(self) -> bool:
+        return self.operation == Op.GENERATE.value
+
+    @property
+    def supervision_kind(self) -> str:
+        """``kind``; EAGLE-3 when the request names none."""
+        return DEFAULT_KIND if self.kind is None else self.kind
+
     def unbound(self) -> SupervisionRequest:
         """The request as plain frames through the shared pool: no bound worker, no pair group."""
         return dataclasses.replace(self, bound=None, nccl=False)
@@ -345,7 +359,7 @@ class StatusPage(WireMessage):
     max_message_bytes: int = 0
     services: dict[str, Json] = dataclasses.field(default_factory=dict)
     workers: list[Json] = dataclasses.field(default_factory=list)
-    next: list[Any] | None = wire_field(always=True)
+    next: list[Any] | None = dataclasses.field(default=None, metadata=ALWAYS)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> StatusPage:
@@ -374,7 +388,7 @@ class BindRequest(WireMessage):
 
     reply_to: str = ""
     timeout: float = DEFAULT_REQUEST_TIMEOUT
-    device_type: str | None = wire_field(always=True)
+    device_type: str | None = dataclasses.field(default=None, metadata=ALWAYS)
     data_key: str | None = None
 
     @classmethod
@@ -393,7 +407,7 @@ class Bound(WireMessage):
 
     COMMAND: ClassVar[str] = "BOUND"
 
-    ok: bool = wire_field(False, always=True)
+    ok: bool = dataclasses.field(default=False, metadata=ALWAYS)
     code: str | None = None
     lost: str | None = None
     prefix: str | None = None
@@ -412,7 +426,7 @@ class Release(WireMessage):
 
     COMMAND: ClassVar[str] = "RELEASE"
 
-    prefix: str | None = wire_field(always=True)
+    prefix: str | None = dataclasses.field(default=None, metadata=ALWAYS)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Release:
@@ -485,7 +499,7 @@ class WorkerBind(WireMessage):
     reply_to: str = ""
     prefix: str = ""
     timeout: float = 30.0
-    device_type: str | None = wire_field(always=True)
+    device_type: str | None = dataclasses.field(default=None, metadata=ALWAYS)
     data_key: str | None = None
 
     @classmethod
@@ -507,7 +521,7 @@ class Done(WireMessage):
 
     status: str = "ok"
     tokens: int | None = None
-    nbytes: int | None = wire_field(key="bytes")
+    nbytes: int | None = dataclasses.field(default=None, metadata={"key": "bytes"})
     via: str | None = None
     error: str | None = None
 
@@ -524,7 +538,7 @@ class Leave(WireMessage):
 
     COMMAND: ClassVar[str] = "LEAVE"
 
-    reason: str | None = wire_field(always=True)
+    reason: str | None = dataclasses.field(default=None, metadata=ALWAYS)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Leave:
