@@ -10,7 +10,6 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from spec_serve.broker.headers import request_timeout, valid_endpoint
 from spec_serve.broker.state import ClientState, WorkerState
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
@@ -22,6 +21,7 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
 )
+from spec_serve.protocol.messages import BindRequest, Bound, Release, WorkerBind
 from spec_serve.telemetry.logs import event
 
 if TYPE_CHECKING:
@@ -41,27 +41,19 @@ class Bindings:
         granted by the worker itself, which sends the client the rendezvous over its data socket."""
         if not msg.request_id:
             raise ProtocolError("BIND without a request id")
-        if not valid_endpoint(msg.header.get("reply_to")):
-            raise ProtocolError("BIND header needs reply_to, a tcp://host:port or ipc:// endpoint")
-        timeout = request_timeout(msg.header)
-        data_key, device_type = msg.header.get("data_key"), msg.header.get("device_type")
-        if not isinstance(data_key, (str, type(None))) or not isinstance(device_type, (str, type(None))):
-            raise ProtocolError("BIND header data_key and device_type must be strings")
+        request = BindRequest.from_json(msg.header)
         self.unbind_client(client.identity, "its client bound again")  # one binding per client
         worker = self._pick(client, msg)
         if worker is None:
             return
         prefix = uuid.uuid4().hex
         worker.bound_to, worker.bind_prefix, worker.bind_request = client.identity, prefix, msg.request_id
-        header = {"client": client.identity.hex(), "reply_to": msg.header["reply_to"], "prefix": prefix,
-                  "timeout": timeout, "device_type": device_type}
-        if data_key is not None:
-            header["data_key"] = data_key
+        header = WorkerBind(client=client.identity.hex(), reply_to=request.reply_to, prefix=prefix,
+                            timeout=float(request.timeout), device_type=request.device_type, data_key=request.data_key)
         if not self.router.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.BIND.value, msg.service,
                                                               msg.request_id, header)):
             worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
-            self._refuse(client, msg, {"ok": False, "code": ErrorCode.UNAVAILABLE.value,
-                                       "error": f"worker {worker.name} unreachable"})
+            self._refuse(client, msg, f"worker {worker.name} unreachable")
             return
         event(log, logging.INFO, "broker.bound", worker=worker.name, client=client.identity.hex()[:12])
         self.router.status_stale = True
@@ -78,16 +70,17 @@ class Bindings:
         error = (f"all {len(names)} workers of service {msg.service!r} are bound to other clients" if names
                  else f"no worker of service {msg.service!r} is registered")
         self.router.metrics.errors.labels(code=ErrorCode.UNAVAILABLE.value).inc()
-        self._refuse(client, msg, {"ok": False, "code": ErrorCode.UNAVAILABLE.value, "error": error})
+        self._refuse(client, msg, error)
         return None
 
-    def _refuse(self, client: ClientState, msg: Message, header: dict) -> None:
+    def _refuse(self, client: ClientState, msg: Message, error: str) -> None:
+        refusal = Bound(ok=False, code=ErrorCode.UNAVAILABLE.value, error=error)
         self.router.to_client(client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
-                                                       msg.request_id, header))
+                                                       msg.request_id, refusal))
 
     def release(self, client: ClientState, msg: Message, now: float) -> None:
         """RELEASE: end the client's binding named by ``prefix``, or all of them without one."""
-        prefix = msg.header.get("prefix")
+        prefix = Release.from_json(msg.header).prefix
         for worker in self.bound_to(client.identity):
             if prefix is None or prefix == worker.bind_prefix:
                 self.unbind(worker, "released by its client")
@@ -108,11 +101,11 @@ class Bindings:
         alive = worker.identity in self.router.workers
         if alive:
             self.router.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.RELEASE.value, worker.service,
-                                                           b"", {"prefix": prefix}))
+                                                           b"", Release(prefix)))
         if notify and client in self.router.clients:
             self.router.to_client(client, control(CLIENT_TAG, ClientCommand.BOUND.value, worker.service, request_id,
-                                  {"ok": False, "lost": worker.name, "prefix": prefix,
-                                   "error": f"bound worker {worker.name} lost: {reason}"}))
+                                  Bound(ok=False, lost=worker.name, prefix=prefix,
+                                        error=f"bound worker {worker.name} lost: {reason}")))
         event(log, logging.INFO, "broker.unbound", worker=worker.name, client=client.hex()[:12], reason=reason)
         self.router.status_stale = True
         if alive:

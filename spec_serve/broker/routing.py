@@ -11,6 +11,7 @@ saturated, so it runs under a test without sockets. Method names follow the Majo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import logging
 import time
@@ -18,7 +19,6 @@ import uuid
 from typing import Callable
 
 from spec_serve.broker.binding import Bindings
-from spec_serve.broker.headers import request_timeout, valid_endpoint
 from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
 from spec_serve.broker.vocab_registry import BadMapping, VocabRegistry
 from spec_serve.protocol.commands import (
@@ -33,6 +33,17 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
     encode_header,
+)
+from spec_serve.protocol.messages import (
+    BrokerError,
+    BrokerHeartbeat,
+    Done,
+    Leave,
+    Ready,
+    Refused,
+    SetVocab,
+    SupervisionRequest,
+    VocabOk,
 )
 from spec_serve.supervision.contract import TargetInfo
 from spec_serve.telemetry.logs import event
@@ -114,10 +125,11 @@ class Router:
     def to_worker(self, identity: bytes, frames: list) -> bool:
         return self.send(Peer.WORKER, identity, frames)
 
-    def send_error(self, client: bytes, request_id: bytes, code: ErrorCode, message: str, **extra) -> None:
+    def send_error(self, client: bytes, request_id: bytes, code: ErrorCode, message: str, *,
+                   unknown_vocab: bool = False, unbound: bool = False) -> None:
         self.metrics.errors.labels(code=code.value).inc()
-        self.to_client(client, control(
-            CLIENT_TAG, ClientCommand.ERROR.value, "", request_id, {"code": code.value, "error": message, **extra}))
+        error = BrokerError(code=code.value, error=message, unknown_vocab=unknown_vocab, unbound=unbound)
+        self.to_client(client, control(CLIENT_TAG, ClientCommand.ERROR.value, "", request_id, error))
 
     @property
     def expiry_window(self) -> float:
@@ -139,7 +151,8 @@ class Router:
         """REQUEST: queue it for the service's pool, or send it straight to the client's bound worker."""
         if not msg.request_id:
             raise ProtocolError("REQUEST without a request id")
-        timeout = request_timeout(msg.header)
+        header = SupervisionRequest.from_json(msg.header)
+        timeout = float(header.timeout)
         if msg.request_id in self.killers:  # a retry that crossed its killed_workers error
             self.send_error(client.identity, msg.request_id, ErrorCode.KILLED_WORKERS, self.killers[msg.request_id])
             return
@@ -151,16 +164,15 @@ class Router:
             existing.deadline = max(existing.deadline, now + timeout)
             self.metrics.duplicate_requests.inc()
             return
-        size = self._admit(client, msg, now)
+        size = self._admit(client, msg, header, now)
         if size is None:
             return
         bound = None
-        if msg.header.get("bound") is not None:
-            bound = self._bound_worker(client, msg)
+        if header.bound is not None:
+            bound = self._bound_worker(client, msg, header.bound)
             if bound is None:
                 return
-        request = Request(msg.request_id, client.identity, msg.service, msg.header, msg.payload, now + timeout, now,
-                          size)
+        request = Request(msg.request_id, client.identity, msg.service, header, msg.payload, now + timeout, now, size)
         self.requests[msg.request_id] = request
         client.requests.add(msg.request_id)
         service = self.service(msg.service, now)
@@ -171,19 +183,13 @@ class Router:
         service.queues.setdefault(client.identity, collections.deque()).append(msg.request_id)
         self.dispatch(service)
 
-    def _admit(self, client: ClientState, msg: Message, now: float) -> int | None:
+    def _admit(self, client: ClientState, msg: Message, header: SupervisionRequest, now: float) -> int | None:
         """A new request's payload bytes if the broker takes it; None after answering why not."""
         if len(client.requests) >= MAX_REQUESTS_PER_CLIENT:
             self.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
                             f"more than {MAX_REQUESTS_PER_CLIENT} requests outstanding for this client")
             return None
-        if not valid_endpoint(msg.header.get("reply_to")):
-            raise ProtocolError("REQUEST header needs reply_to, a tcp://host:port or ipc:// endpoint")
-        if not isinstance(msg.header.get("vocab", ""), str):
-            raise ProtocolError("REQUEST header 'vocab' must be a digest string")
-        if not isinstance(msg.header.get("avoid", ""), str):
-            raise ProtocolError("REQUEST header 'avoid' must be a worker id string")
-        if not self.pin_target(client, msg):
+        if not self.pin_target(client, msg, header.fingerprint):
             return None
         size = sum(len(memoryview(f)) for f in msg.payload)
         if size > self.max_message_bytes:
@@ -192,7 +198,7 @@ class Router:
             return None
         if not self._can_hold(client, msg.request_id, size):
             return None
-        vocab = msg.header.get("vocab")
+        vocab = header.vocab
         service = self.services.get(msg.service)
         if vocab is not None and (service is None or vocab not in service.mappings):
             self.send_error(client.identity, msg.request_id, ErrorCode.BAD_REQUEST,
@@ -203,27 +209,24 @@ class Router:
             return None
         return size
 
-    def _bound_worker(self, client: ClientState, msg: Message) -> WorkerState | None:
-        """The worker a bound request names (it goes there only, never queued for the pool); None after
-        telling the client it has no such binding."""
+    def _bound_worker(self, client: ClientState, msg: Message, name: str) -> WorkerState | None:
+        """The worker ``name`` a bound request names (it goes there only, never queued for the pool); None
+        after telling the client it has no such binding."""
         bound = next((w for w in self.workers.values() if w.bound_to == client.identity
-                      and w.name == msg.header["bound"] and w.service == msg.service), None)
+                      and w.name == name and w.service == msg.service), None)
         if bound is None:
             self.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
-                            f"no worker {msg.header['bound']!r} of {msg.service!r} is bound to this client",
+                            f"no worker {name!r} of {msg.service!r} is bound to this client",
                             unbound=True)
         return bound
 
     def register_mapping(self, client: ClientState, msg: Message, now: float) -> None:
         """SET_VOCAB: store a client's mapping (content-addressed) after dropping the registrations it
         releases; answer VOCAB_OK with its digest."""
-        if not self.pin_target(client, msg):
+        header = SetVocab.from_json(msg.header)
+        if not self.pin_target(client, msg, header.fingerprint):
             return
-        release = msg.header.get("release", [])
-        if not isinstance(release, list) or len(release) > MAX_REQUESTS_PER_CLIENT + 1 \
-                or not all(isinstance(d, str) for d in release):
-            raise ProtocolError("SET_VOCAB 'release' must be a list of mapping digests")
-        self.vocab.release(client, msg.service, release)
+        self.vocab.release(client, msg.service, header.release or [])
         known = self.services.get(msg.service)
         try:
             digest = self.vocab.digest(msg.payload, known.vocab_size if known else None)
@@ -238,7 +241,7 @@ class Router:
         self.vocab.keep(client, msg.service, digest)
         self._trim_mappings()
         self.to_client(client.identity, control(
-            CLIENT_TAG, ClientCommand.VOCAB_OK.value, msg.service, msg.request_id, {"digest": digest}))
+            CLIENT_TAG, ClientCommand.VOCAB_OK.value, msg.service, msg.request_id, VocabOk(digest)))
 
     def _trim_mappings(self) -> None:
         self.vocab.trim(self.services.values(), self.clients.values(), self.requests)
@@ -253,14 +256,11 @@ class Router:
                         f"{self.max_held_bytes} (--max-held-bytes)")
         return False
 
-    def pin_target(self, client: ClientState, msg: Message) -> bool:
-        """Note the target fingerprint a client's message names (the one it set up with); False, after
+    def pin_target(self, client: ClientState, msg: Message, fingerprint: str | None) -> bool:
+        """Note the target ``fingerprint`` a client's message names (the one it set up with); False, after
         answering ``target_changed``, if the service's workers now serve another."""
-        fingerprint = msg.header.get("fingerprint")
         if fingerprint is None:
             return True
-        if not isinstance(fingerprint, str) or len(fingerprint) > 128:
-            raise ProtocolError("header 'fingerprint' must be a target fingerprint string")
         service = self.services.get(msg.service)
         serving = self.workers[service.workers[0]].info.get("fingerprint") if service and service.workers else None
         if serving is not None and serving != fingerprint:
@@ -315,10 +315,8 @@ class Router:
         return worker
 
     def register_worker(self, identity: bytes, msg: Message, now: float) -> None:
-        info = msg.header.get("target_info")
-        capacity = msg.header.get("capacity", 1)
-        if not isinstance(info, dict) or not isinstance(capacity, int) or capacity < 1:
-            raise ProtocolError("READY needs target_info and a positive capacity")
+        ready = Ready.from_json(msg.header)
+        info, capacity = ready.target_info, ready.capacity
         if capacity > MAX_WORKER_CAPACITY:
             event(log, logging.WARNING, "broker.capacity_capped", worker=identity.hex()[:12], claimed=capacity,
                   used=MAX_WORKER_CAPACITY)
@@ -334,9 +332,8 @@ class Router:
         if conflict is not None:
             self.refuse_worker(identity, service, conflict)
             return
-        limit = msg.header.get("max_message_bytes")
         worker = WorkerState(identity, msg.service, info, capacity, now + self.expiry_window, time.time(),
-                             idle_since=now, max_message_bytes=limit if isinstance(limit, int) and limit > 0 else None)
+                             idle_since=now, max_message_bytes=ready.max_message_bytes)
         self.workers[identity] = worker
         service.workers.append(identity)
         self._remember_served(msg.service)
@@ -382,13 +379,14 @@ class Router:
         event(log, logging.ERROR, "broker.worker_refused", worker=identity.hex()[:12], service=service.name,
               reason=message)
         self.to_worker(identity, control(WORKER_TAG, WorkerCommand.REFUSED.value, service.name,
-                                         header={"error": message}))
+                                         header=Refused(error=message)))
 
     def worker_left(self, worker: WorkerState, msg: Message, now: float) -> None:
         """LEAVE: its engine died; its in-flight requests go elsewhere now. The request it was running got
         engine_dead already; those it held were never run: no suspects."""
         self.metrics.worker_deaths.inc()
-        self.delete_worker(worker, now, reason=f"left: {str(msg.header.get('reason'))[:200]}", died=False)
+        reason = Leave.from_json(msg.header).reason
+        self.delete_worker(worker, now, reason=f"left: {str(reason)[:200]}", died=False)
 
     def delete_worker(self, worker: WorkerState, now: float, reason: str, died: bool = True) -> None:
         """Remove a worker; its in-flight requests go back to the front of their queues, except one
@@ -413,7 +411,7 @@ class Router:
                   died: bool) -> None:
         """``request`` was on ``worker`` as it went: back to the front of its queue, failed, or dropped."""
         request.worker = None
-        if request.header.get("bound") is not None:
+        if request.header.bound is not None:
             # Its binding died with the worker: the client re-sends it as frames.
             self._forget_request(request)
             self.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
@@ -447,32 +445,32 @@ class Router:
 
     def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
         """DONE: the worker answered a request (or failed to deliver it); its slot is free again."""
+        done = Done.from_json(msg.header)
         worker.inflight.discard(msg.request_id)
         worker.idle_since = now
-        worker.leaving = worker.leaving or msg.header.get("status") == "engine_dead"
+        worker.leaving = worker.leaving or done.status == "engine_dead"
         request = self.requests.get(msg.request_id)
         if request is not None and request.worker == worker.identity:
             del self.requests[msg.request_id]
             client = self.clients.get(request.client)
             if client is not None:
                 client.requests.discard(msg.request_id)
-            status = msg.header.get("status", "ok")
-            status = status if status in DONE_STATUSES else "error"
+            status = done.status if done.status in DONE_STATUSES else "error"
             self.metrics.completed.labels(service=worker.service, status=status).inc()
             if status == "undeliverable" and client is not None:
                 # The worker dropped the reply at once (its slot is free): the client retries now,
                 # instead of waiting out its timeout.
                 self.send_error(request.client, msg.request_id, ErrorCode.UNAVAILABLE,
                                 f"worker {worker.name} could not deliver the reply to "
-                                f"{request.header.get('reply_to')}: {msg.header.get('error', 'not reading')}")
+                                f"{request.header.reply_to}: {'not reading' if done.error is None else done.error}")
             if status == "ok":
-                self._count_ok(worker, request, msg, now)
+                self._count_ok(worker, request, done, now)
         self.dispatch(self.services[worker.service])
 
-    def _count_ok(self, worker: WorkerState, request: Request, msg: Message, now: float) -> None:
+    def _count_ok(self, worker: WorkerState, request: Request, done: Done, now: float) -> None:
         worker.completed += 1
-        self.metrics.tokens.labels(service=worker.service).inc(int(msg.header.get("tokens", 0)))
-        self.metrics.reply_bytes.labels(service=worker.service).inc(int(msg.header.get("bytes", 0)))
+        self.metrics.tokens.labels(service=worker.service).inc(done.tokens or 0)
+        self.metrics.reply_bytes.labels(service=worker.service).inc(done.nbytes or 0)
         self.metrics.latency.labels(service=worker.service).observe(now - request.enqueued_at)
 
     # ------------------------------------------------------------------ dispatch
@@ -528,7 +526,7 @@ class Router:
         candidates = [w for w in candidates if w.identity not in request.missed]
         if request.killed:
             candidates = [w for w in candidates if not w.inflight]
-        avoid = request.header.get("avoid")
+        avoid = request.header.avoid
         if avoid is None or not any(self.workers[w].name != avoid and self.workers[w].bound_to is None
                                     for w in service.workers):
             return candidates
@@ -539,7 +537,7 @@ class Router:
 
     def send_request(self, service: ServiceState, worker: WorkerState, request: Request) -> None:
         """Send ``request`` to ``worker``, preceded by the vocab mapping it names if the worker lacks it."""
-        vocab = request.header.get("vocab")
+        vocab = request.header.vocab
         if vocab is not None:
             if vocab not in worker.mappings and vocab not in service.mappings:
                 self._forget_request(request)
@@ -549,7 +547,7 @@ class Router:
             set_vocab = self.vocab.install(service, worker, vocab, self.requests)
             if set_vocab is not None:
                 self.to_worker(worker.identity, set_vocab)
-        header = dict(request.header, client=request.client.hex())
+        header = dataclasses.replace(request.header, client=request.client.hex())
         frames = control(WORKER_TAG, WorkerCommand.REQUEST.value, service.name, request.request_id, header,
                          request.payload)
         if not self.to_worker(worker.identity, frames):
@@ -573,7 +571,7 @@ class Router:
         beat = control(WORKER_TAG, WorkerCommand.HEARTBEAT.value)
         for worker in list(self.workers.values()):
             self.to_worker(worker.identity, beat)
-        beat = control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, header={"broker": self.instance_id})
+        beat = control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, header=BrokerHeartbeat(self.instance_id))
         for identity in list(self.clients):
             if not self.to_client(identity, beat):
                 self.delete_client(identity)
@@ -586,7 +584,7 @@ class Router:
         for identity in [c.identity for c in self.clients.values() if c.expiry < now]:
             self.delete_client(identity)
         for request in [r for r in self.requests.values()
-                        if r.worker is not None and now > r.dispatched_at + request_timeout(r.header)]:
+                        if r.worker is not None and now > r.dispatched_at + float(r.header.timeout)]:
             self.deadline_missed(request)
         for service in self.services.values():
             self._expire_queued(service, now)
@@ -627,12 +625,12 @@ class Router:
               worker=worker.name if worker else request.worker.hex()[:12])
         request.missed.add(request.worker)
         request.worker = None
-        if request.header.get("bound") is not None:  # its binding is no use: the client re-sends it as frames
+        if request.header.bound is not None:  # its binding is no use: the client re-sends it as frames
             self._forget_request(request)
             self.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
                             f"bound worker {worker.name if worker else '?'} missed the request's deadline", unbound=True)
             return
-        request.deadline = max(request.deadline, time.monotonic() + request_timeout(request.header))
+        request.deadline = max(request.deadline, time.monotonic() + float(request.header.timeout))
         service = self.services[request.service]
         service.queues.setdefault(request.client, collections.deque()).appendleft(request.request_id)
         self.metrics.redispatched.inc()

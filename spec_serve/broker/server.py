@@ -38,6 +38,7 @@ from spec_serve.protocol.commands import (
     control,
     parse_control,
 )
+from spec_serve.protocol.messages import BrokerError, Refused, StatusQuery
 from spec_serve.transport.sockets import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -232,20 +233,21 @@ class Broker:
         reached (it fails fast with that) and log it, rate-limited. True if it was one."""
         tag = frames[0].bytes if frames else b""
         clients, workers = _port_name(self.frontend_endpoint), _port_name(self.backend_endpoint)
+        code = ErrorCode.WRONG_PORT.value
+        answer: BrokerError | Refused
         if sock is self.backend and tag == CLIENT_TAG:
             port, tag, command = "backend", CLIENT_TAG, ClientCommand.ERROR.value
-            error = (f"this is the spec-serve broker's worker port ({workers}); clients connect to its "
-                     f"client port ({clients}, --frontend)")
+            answer = BrokerError(code=code, error=(f"this is the spec-serve broker's worker port ({workers}); "
+                                                   f"clients connect to its client port ({clients}, --frontend)"))
         elif sock is self.frontend and tag == WORKER_TAG:
             port, tag, command = "frontend", WORKER_TAG, WorkerCommand.REFUSED.value
-            error = (f"this is the spec-serve broker's client port ({clients}); workers connect to its "
-                     f"worker port ({workers}, --backend)")
+            answer = Refused(code=code, error=(f"this is the spec-serve broker's client port ({clients}); "
+                                               f"workers connect to its worker port ({workers}, --backend)"))
         else:
             return False
         self.metrics.bad_messages.inc()
-        self.metrics.errors.labels(code=ErrorCode.WRONG_PORT.value).inc()
-        self._send(sock, identity, control(tag, command, "", b"", {"code": ErrorCode.WRONG_PORT.value,
-                                                                     "error": error}))
+        self.metrics.errors.labels(code=code).inc()
+        self._send(sock, identity, control(tag, command, "", b"", answer))
         held = self._wrong_port_log.ready(port, time.monotonic())
         if held is not None:
             event(log, logging.WARNING, "broker.wrong_port", port=port, peer=identity.hex()[:12],
@@ -269,7 +271,8 @@ class Broker:
 
     def _answer_status(self, client: ClientState, msg: Message, now: float) -> None:
         self.router.to_client(client.identity, control(
-            CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id, status_page(self.router, msg.header)))
+            CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id,
+            status_page(self.router, StatusQuery.from_json(msg.header))))
 
     def process_worker(self, identity: bytes, frames: list) -> None:
         msg = parse_control(frames, WORKER_TAG, WorkerCommand)

@@ -9,6 +9,8 @@ import collections
 import dataclasses
 from typing import Any
 
+from spec_serve.protocol.messages import SupervisionRequest
+
 
 @dataclasses.dataclass
 class WorkerState:
@@ -44,7 +46,7 @@ class Request:
     request_id: bytes
     client: bytes
     service: str
-    header: dict[str, Any]
+    header: SupervisionRequest
     payload: list
     deadline: float
     enqueued_at: float

@@ -8,7 +8,8 @@ from typing import Any, Iterator
 
 from spec_serve.broker.routing import Router
 from spec_serve.broker.state import ServiceState, WorkerState
-from spec_serve.protocol.commands import MAX_HEADER_BYTES, UNKNOWN_SERVICE_GRACE, ProtocolError, encode_header
+from spec_serve.protocol.commands import MAX_HEADER_BYTES, UNKNOWN_SERVICE_GRACE, encode_header
+from spec_serve.protocol.messages import StatusPage, StatusQuery
 
 # Entries one STATUS page carries, in encoded bytes: a page stays far below the peers' header limit.
 STATUS_PAGE_BYTES = MAX_HEADER_BYTES // 2
@@ -22,11 +23,11 @@ def full_status(router: Router) -> dict[str, Any]:
                 workers=[_worker_entry(router, w, now) for w in router.workers.values()])
 
 
-def status_page(router: Router, query: dict[str, Any]) -> dict[str, Any]:
+def status_page(router: Router, query: StatusQuery) -> StatusPage:
     """One STATUS reply: the summary, then services and workers in a stable order, as many as fit
-    STATUS_PAGE_BYTES, after the cursor ``query["after"]``; ``next`` is the cursor of the next page
-    (None on the last). ``query["service"]`` limits it to one service and its workers."""
-    only, after = _status_query(query)
+    STATUS_PAGE_BYTES, after the cursor ``query.after``; ``next`` is the cursor of the next page
+    (None on the last). ``query.service`` limits it to one service and its workers."""
+    only, after = query.service, tuple(query.after) if query.after is not None else None
     services, workers, used, last, more = {}, [], 0, None, False
     for key, entry in _entries(router, only, time.monotonic()):
         if after is not None and key <= after:
@@ -40,7 +41,7 @@ def status_page(router: Router, query: dict[str, Any]) -> dict[str, Any]:
         else:
             workers.append(entry)
         used, last = used + size, key
-    return dict(_summary(router), services=services, workers=workers, next=list(last) if more else None)
+    return StatusPage(**_summary(router), services=services, workers=workers, next=list(last) if more else None)
 
 
 def _entries(router: Router, only: str | None, now: float) -> Iterator[tuple[tuple, dict[str, Any]]]:
@@ -97,17 +98,3 @@ def _worker_entry(router: Router, w: WorkerState, now: float) -> dict[str, Any]:
         "target_info": w.info,
     }
 
-
-def _status_query(query: dict[str, Any]) -> tuple[str | None, tuple | None]:
-    """STATUS header ``{"service": name, "after": cursor}`` (both optional), checked."""
-    only, after = query.get("service"), query.get("after")
-    if only is not None and not isinstance(only, str):
-        raise ProtocolError("STATUS 'service' must be a service name")
-    if after is None:
-        return only, None
-    valid = isinstance(after, list) and (
-        (len(after) == 2 and after[0] == 0 and isinstance(after[1], str))
-        or (len(after) == 3 and after[0] == 1 and all(isinstance(k, str) for k in after[1:])))
-    if not valid:
-        raise ProtocolError("STATUS 'after' must be the 'next' cursor of an earlier page")
-    return only, tuple(after)

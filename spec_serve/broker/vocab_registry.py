@@ -10,6 +10,7 @@ from typing import Iterable
 
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
+from spec_serve.protocol.messages import WorkerSetVocab
 from spec_serve.supervision.contract import validate_vocab_mapping
 from spec_serve.supervision.vocab import mapping_digest
 from spec_serve.broker.state import ClientState, RequestTable, ServiceState, WorkerState
@@ -65,7 +66,7 @@ class VocabRegistry:
         request the broker holds. Workers keep their own copies until the broker evicts them."""
         services = list(services)
         live = {key for client in clients for key in client.vocab}
-        live.update((r.service, r.header["vocab"]) for r in requests.values() if "vocab" in r.header)
+        live.update((r.service, r.header.vocab) for r in requests.values() if r.header.vocab is not None)
         for service in services:
             for digest in [d for d in service.mappings if (service.name, d) not in live]:
                 del service.mappings[digest]
@@ -79,7 +80,7 @@ class VocabRegistry:
         if digest in worker.mappings:
             worker.mappings.move_to_end(digest)
             return None
-        header = {"digest": digest, "evict": self._evict(worker, requests)}
+        header = WorkerSetVocab(digest=digest, evict=self._evict(worker, requests))
         worker.mappings[digest] = None
         return control(WORKER_TAG, WorkerCommand.SET_VOCAB.value, service.name, b"", header,
                        service.mappings[digest])
@@ -88,7 +89,7 @@ class VocabRegistry:
     def _evict(worker: WorkerState, requests: RequestTable) -> list[str]:
         """Make room on ``worker`` for one more mapping: drop its least recently used ones that no
         request on it names. The worker drops exactly these, so ``worker.mappings`` stays exact."""
-        in_use = {requests[r].header.get("vocab") for r in worker.inflight if r in requests}
+        in_use = {requests[r].header.vocab for r in worker.inflight if r in requests}
         evicted = []
         for digest in list(worker.mappings):
             if len(worker.mappings) < MAX_WORKER_MAPPINGS:
