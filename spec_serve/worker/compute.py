@@ -16,8 +16,6 @@ import zmq
 
 from spec_serve.engines import packing
 from spec_serve.protocol import wire
-from spec_serve.protocol.commands import Op
-from spec_serve.supervision.contract import Kind
 from spec_serve.worker.executor import Executor
 from spec_serve.worker.jobs import Job, RequestError, Result
 from spec_serve.worker.nccl_pair import PairBinding
@@ -135,8 +133,7 @@ class ComputeLoop:
     def _pack_key(self, job: Job):
         """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
         job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
-        if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value or job.header.get("nccl") \
-                or job.control is not None:
+        if job.control is not None or job.refused is not None or not job.request.is_generate or job.request.nccl:
             return None
         try:
             tensors = self.executor.request_tensors(job)
@@ -148,4 +145,4 @@ class ComputeLoop:
             return None  # served alone, which reports the error
         if lengths is None:
             return None
-        return (job.header.get("kind", Kind.EAGLE3.value), job.header.get("vocab")), sum(lengths)
+        return (job.request.supervision_kind, job.request.vocab), sum(lengths)

@@ -4,6 +4,7 @@ NCCL pair, a same-host plane slot, or frames in a pooled host slab. Every failur
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from spec_serve.engines import engine_dead, packing
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
+from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
 from spec_serve.transport import samehost
@@ -24,10 +26,6 @@ from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.vocab_store import VocabStore
 
 log = logging.getLogger("spec_serve.worker")
-
-
-def _is_generate(job: Job) -> bool:
-    return job.header.get("op", Op.GENERATE.value) == Op.GENERATE.value
 
 
 class Executor:
@@ -59,6 +57,8 @@ class Executor:
         """Run one job on the engine; every failure becomes an error reply."""
         start = time.perf_counter()
         try:
+            if job.refused is not None:
+                raise RequestError(ErrorCode.BAD_REQUEST, job.refused)
             return self._serve(job, start)
         except RequestError as e:
             code, message = e.code, str(e)
@@ -73,21 +73,21 @@ class Executor:
         return error_result(job, self.name, code, message)
 
     def _serve(self, job: Job, start: float) -> Result:
-        nccl = bool(job.header.get("nccl")) and _is_generate(job)
+        nccl = job.request.nccl and job.request.is_generate
         if nccl:
             self.pair.check(job)
         tensors, tokens = self._execute(job)
         integrity = self._integrity([job], [tensors])[0]
         if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
-            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), "nccl": True,
-                      "pair": self.pair.prefix, "specs": encode_specs(tensors), **integrity}
-            return Result(job, Status.OK, header, [], tokens, send=self.faults.corrupt_tensors(tensors))
+            reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), nccl=True,
+                          pair=self.pair.prefix, specs=encode_specs(tensors), **integrity)
+            return Result(job, Status.OK, reply, [], tokens, send=self.faults.corrupt_tensors(tensors))
         export = self._lend(job, tensors)
         if export is not None:  # same-host client: the bytes wait in a slot it maps
             self.faults.corrupt_lent(export)
-            header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6),
-                      "plane": export.descriptor, **integrity}
-            return self._within_client_limit(Result(job, Status.OK, header, export.frames, tokens,
+            reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), plane=export.descriptor,
+                          **integrity)
+            return self._within_client_limit(Result(job, Status.OK, reply, export.frames, tokens,
                                                     ready=export.ready, export=export))
         host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
         try:
@@ -97,15 +97,15 @@ class Executor:
                 lease.release()
             raise
         self.faults.corrupt_frames(job, frames, ready)
-        header = {"worker": self.name, "compute_s": round(time.perf_counter() - start, 6), **integrity}
-        return self._within_client_limit(Result(job, Status.OK, header, frames, tokens, lease, ready))
+        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), **integrity)
+        return self._within_client_limit(Result(job, Status.OK, reply, frames, tokens, lease, ready))
 
     def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
-        op = job.header.get("op", Op.GENERATE.value)
+        op = job.request.operation
         if op == Op.GENERATE.value:
             return self._generate(job)
         if op == Op.EMBEDDINGS.value:
-            which = job.header.get("which")
+            which = job.request.which
             if which == "input":
                 weight = self.engine.get_input_embeddings().weight
             elif which == "output":
@@ -114,15 +114,15 @@ class Executor:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"embeddings 'which' must be input or output, got {which!r}")
             return {"weight": weight.detach().to("cpu").contiguous()}, 0
         if op == Op.LM_HEAD_SLICE.value:
-            ids, _ = self.vocab.get(job.header.get("vocab"))
+            ids, _ = self.vocab.get(job.request.vocab)
             weight = self.engine.get_output_embeddings().weight.detach()
             return {"weight": weight.index_select(0, ids.to(weight.device)).to("cpu")}, 0
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
 
     def _generate(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
-        kind = Kind.parse(job.header.get("kind", Kind.EAGLE3.value))
+        kind = Kind.parse(job.request.supervision_kind)
         tensors = self.request_tensors(job)
-        self.vocab.select(self.engine, kind, job.header.get("vocab"))
+        self.vocab.select(self.engine, kind, job.request.vocab)
         request = tuple(tensors[n] for n in REQUEST_TENSORS)
         if self.packing and packing.row_lengths(tensors["attention_mask"], tensors["loss_mask"]) is not None:
             out = self.engine.generate_packed([request], kind=kind.value)[0]
@@ -151,13 +151,13 @@ class Executor:
             return [self.serve(jobs[0])]
         start = time.perf_counter()
         try:
-            kind = Kind.parse(jobs[0].header.get("kind", Kind.EAGLE3.value))
+            kind = Kind.parse(jobs[0].request.supervision_kind)
             parts = [self.request_tensors(job) for job in jobs]
-            self.vocab.select(self.engine, kind, jobs[0].header.get("vocab"))
+            self.vocab.select(self.engine, kind, jobs[0].request.vocab)
             outs = self.engine.generate_packed([tuple(p[n] for n in REQUEST_TENSORS) for p in parts], kind=kind.value)
             elapsed = round(time.perf_counter() - start, 6)
-            results = self._split_replies(jobs, parts, outs, {"worker": self.name, "compute_s": elapsed,
-                                                              "batched": len(jobs)})
+            results = self._split_replies(jobs, parts, outs, Reply(worker=self.name, compute_s=elapsed,
+                                                                   batched=len(jobs)))
             self.batches += 1
             return [self._within_client_limit(result) for result in results]
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
@@ -166,7 +166,7 @@ class Executor:
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
 
-    def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], header: dict) -> list[Result]:
+    def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], base: Reply) -> list[Result]:
         """One reply per job of a packed forward: each same-host job's outputs lent in a slot of its own, the
         others' encoded from one host slab for all of them (released once per reply)."""
         integrity = self._integrity(jobs, outs)
@@ -182,11 +182,12 @@ class Executor:
             for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
                 tokens = int(part["attention_mask"].sum())
                 if export is not None:
-                    results.append(Result(job, Status.OK, dict(header, plane=export.descriptor, **checks),
-                                          export.frames, tokens, ready=export.ready, export=export))
+                    reply = dataclasses.replace(base, plane=export.descriptor, **checks)
+                    results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready, export=export))
                 else:
                     frames = wire.encode({k: host[(i, k)] for k in outs[i]})
-                    results.append(Result(job, Status.OK, dict(header, **checks), frames, tokens, lease, ready))
+                    reply = dataclasses.replace(base, **checks)
+                    results.append(Result(job, Status.OK, reply, frames, tokens, lease, ready))
             if lease is not None:
                 lease.retain(len(framed) - 1)  # one release per reply sent
             return results
@@ -202,16 +203,16 @@ class Executor:
 
     def _lend(self, job: Job, tensors: dict[str, torch.Tensor]) -> samehost.Export | None:
         """A GENERATE reply lent to a same-host client through the plane; None: send it as frames."""
-        if self.plane is None or not _is_generate(job):
+        if self.plane is None or not job.request.is_generate:
             return None
-        return self.plane.export(job.header, tensors, self._copy_stream)
+        return self.plane.export({"plane": job.request.plane}, tensors, self._copy_stream)
 
     def _integrity(self, jobs: list[Job], outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
-        """Per job, the reply header fields its client checks: the fingerprint of the target that computed
+        """Per job, the reply fields its client checks (``Reply`` keywords): the fingerprint of the target that computed
         it and, when the request asked (``verify``), a digest of each output tensor, taken here on our
         device before any copy (spec_serve/protocol/digest.py); one host transfer for all of them."""
         fingerprint = self.engine.target_info().fingerprint
-        wanted = [i for i, job in enumerate(jobs) if job.header.get("verify")]
+        wanted = [i for i, job in enumerate(jobs) if job.request.verify]
         fields: list[dict[str, Any]] = [{"fingerprint": fingerprint} for _ in jobs]
         for i, sums in zip(wanted, digest.digests([outputs[i] for i in wanted])):
             fields[i]["digests"] = sums
@@ -220,9 +221,9 @@ class Executor:
     def _within_client_limit(self, result: Result) -> Result:
         """``result``, or a bad_request error if its payload exceeds the ``max_reply_bytes`` the client
         named: refused here, once, rather than sent for the client to drop (and ask for again)."""
-        limit = result.job.header.get("max_reply_bytes")
+        limit = result.job.request.max_reply_bytes
         size = result.nbytes
-        if not isinstance(limit, int) or size <= limit:
+        if limit is None or size <= limit:
             return result
         result.drop()
         message = (f"reply of {size} bytes exceeds the client's max_message_bytes of {limit}: raise the "

@@ -12,7 +12,6 @@ import os
 
 import torch
 
-from spec_serve.protocol.commands import Op
 from spec_serve.transport import samehost
 from spec_serve.worker.jobs import Job
 
@@ -43,7 +42,7 @@ class Faults:
 
     def corrupt_frames(self, job: Job, frames: list, ready) -> None:
         """Flip the low bit of a generate reply's first data byte."""
-        if job.header.get("op", Op.GENERATE.value) != Op.GENERATE.value or not self._take_corruption():
+        if not job.request.is_generate or not self._take_corruption():
             return
         if ready is not None:
             ready.synchronize()  # the device->host copy must not overwrite the flip

@@ -8,7 +8,16 @@ from typing import Any
 
 import torch
 
-from spec_serve.protocol.commands import ErrorCode, Status
+from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
+from spec_serve.protocol.messages import (
+    BindGrant,
+    ErrorReply,
+    Release,
+    Reply,
+    SupervisionRequest,
+    WireMessage,
+    WorkerBind,
+)
 from spec_serve.transport import samehost
 from spec_serve.transport.hostpool import Lease
 
@@ -21,27 +30,74 @@ class RequestError(Exception):
         self.code = code
 
 
+# The message a job carries, by its ``control``: a supervision request, or a bind/release of the NCCL pair.
+_JOB_MESSAGES: dict[str | None, type[WireMessage]] = {None: SupervisionRequest, "bind": WorkerBind,
+                                                      "release": Release}
+
+
 @dataclasses.dataclass
 class Job:
     request_id: bytes
-    header: dict[str, Any]
+    header: dict[str, Any]  # as the broker sent it; read through ``message`` (checked once, at construction)
     payload: list
     received_at: float
     tensors: dict | None = None  # decoded request, cached when the batcher looked at it
     control: str | None = None  # "bind" / "release": NCCL pairing, run in order with jobs on the compute thread
+    message: WireMessage = dataclasses.field(init=False)
+    refused: str | None = dataclasses.field(init=False, default=None)  # why its header is invalid: bad_request
+
+    def __post_init__(self) -> None:
+        """A request whose header does not check out is still answered (bad_request) at its ``reply_to``,
+        as a request the engine refuses is; a bind/release, or a request with nowhere to reply, raises."""
+        try:
+            self.message = _JOB_MESSAGES[self.control].from_json(self.header)
+        except ProtocolError as e:
+            reply_to = self.header.get("reply_to")
+            if self.control is not None or not isinstance(reply_to, str):
+                raise
+            key = self.header.get("data_key")
+            self.message = SupervisionRequest(reply_to=reply_to, data_key=key if isinstance(key, str) else None)
+            self.refused = str(e)
+
+    @property
+    def reply_route(self) -> tuple[str, str | None]:
+        """Where its answer goes: the client's data endpoint and that socket's CURVE key (a request's or a bind's)."""
+        message = self.message
+        assert isinstance(message, (SupervisionRequest, WorkerBind)), self.control
+        return message.reply_to, message.data_key
+
+    @property
+    def request(self) -> SupervisionRequest:
+        assert isinstance(self.message, SupervisionRequest), self.control
+        return self.message
+
+    @property
+    def bind(self) -> WorkerBind:
+        assert isinstance(self.message, WorkerBind), self.control
+        return self.message
+
+    @property
+    def release(self) -> Release:
+        assert isinstance(self.message, Release), self.control
+        return self.message
 
 
 @dataclasses.dataclass
 class Result:
     job: Job
     status: Status
-    header: dict[str, Any]
+    reply: Reply | BindGrant | ErrorReply  # the data message's header
     frames: list
     tokens: int = 0
     lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
     ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
     send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
     export: samehost.Export | None = None  # a slot lent through the same-host plane; cancelled if undeliverable
+
+    @property
+    def header(self) -> dict[str, Any]:
+        """The data message's header as sent."""
+        return self.reply.to_json()
 
     @property
     def nbytes(self) -> int:
@@ -60,9 +116,10 @@ def done_status(result: Result) -> str:
     """The DONE status of a reply handed to ZeroMQ; ``engine_dead`` tells the broker to send no more."""
     if result.status is Status.OK:
         return "ok"
-    return "engine_dead" if result.header.get("code") == ErrorCode.ENGINE_DEAD.value else "error"
+    dead = isinstance(result.reply, ErrorReply) and result.reply.code == ErrorCode.ENGINE_DEAD.value
+    return "engine_dead" if dead else "error"
 
 
 def error_result(job: Job, worker: str, code: ErrorCode, message: str) -> Result:
     """An error reply to ``job``: no payload, the code and message the client reads."""
-    return Result(job, Status.ERROR, {"worker": worker, "code": code.value, "error": message}, [])
+    return Result(job, Status.ERROR, ErrorReply(worker=worker, code=code.value, error=message), [])

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from spec_serve.protocol.commands import ErrorCode, Status
+from spec_serve.protocol.messages import BindGrant, Rendezvous, WorkerBind
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.pairgroup import PairGroup
 from spec_serve.transport.sockets import Security, route_address
@@ -43,32 +44,33 @@ class PairBinding:
     def control(self, job: Job, post: Callable[[Result], None]) -> None:
         """Compute thread: bind (host the store, tell the client through ``post``, form the group) or release."""
         if job.control == "release":
-            if job.header.get("prefix") == self.prefix:
+            if job.release.prefix == self.prefix:
                 self.close("released")
             return
-        prefix, timeout = job.header["prefix"], float(job.header.get("timeout", 30.0))
+        bind = job.bind
+        prefix, timeout = bind.prefix, float(bind.timeout)
         self.close("rebound")
         if prefix in self._released:  # released before we got to it
             self._released.discard(prefix)
             return
-        refusal = self._refusal(job)
+        refusal = self._refusal(bind)
         if refusal is not None:
             post(error_result(job, self.worker, ErrorCode.UNAVAILABLE, refusal))
             return
-        self._bind(job, prefix, timeout, post)
+        self._bind(job, bind, timeout, post)
 
-    def _refusal(self, job: Job) -> str | None:
-        """Why this worker cannot bind the client of ``job``; None if it can."""
+    def _refusal(self, bind: WorkerBind) -> str | None:
+        """Why this worker cannot bind the client of ``bind``; None if it can."""
         if self.security is not None:
             return (f"worker {self.worker} runs CURVE: an NCCL binding's rendezvous (TCPStore, gloo/NCCL "
                     f"connections) is not authenticated, so it is refused; replies go as CURVE frames")
-        if job.header.get("device_type", self.device.type) != self.device.type:
-            return (f"worker device is {self.device.type}, client device is {job.header.get('device_type')}: "
+        if bind.device_type != self.device.type:
+            return (f"worker device is {self.device.type}, client device is {bind.device_type}: "
                     f"the pair group needs both on CUDA (NCCL) or both on CPU (gloo)")
         return None
 
-    def _bind(self, job: Job, prefix: str, timeout: float, post: Callable[[Result], None]) -> None:
-        header = job.header
+    def _bind(self, job: Job, bind: WorkerBind, timeout: float, post: Callable[[Result], None]) -> None:
+        prefix = bind.prefix
         try:
             if self.advertise_host is None:
                 self.advertise_host = route_address(self.broker_url)
@@ -76,24 +78,24 @@ class PairBinding:
         except Exception as e:
             post(error_result(job, self.worker, ErrorCode.UNAVAILABLE, f"could not host the rendezvous store: {e}"))
             return
-        info = {"store_host": self.advertise_host, "store_port": port, "prefix": prefix, "worker": self.worker,
-                "timeout": timeout}
-        post(Result(job, Status.OK, {"worker": self.worker, "bind": info}, []))
+        rendezvous = Rendezvous(store_host=self.advertise_host, store_port=port, prefix=prefix, worker=self.worker,
+                                timeout=timeout)
+        post(Result(job, Status.OK, BindGrant(worker=self.worker, bind=rendezvous), []))
         try:
             pair = PairGroup.create(self.advertise_host, port, 0, device=self.device, prefix=prefix, timeout=timeout,
                                     store=store, listen_host=self.advertise_host)
         except Exception as e:  # the client falls back to frames on its side
-            event(log, logging.WARNING, "worker.nccl_bind_failed", client=str(header.get("client"))[:12], error=e)
+            event(log, logging.WARNING, "worker.nccl_bind_failed", client=bind.client[:12], error=e)
             return
-        self._pair, self._client, self.prefix = pair, header.get("client"), prefix
-        event(log, logging.INFO, "worker.nccl_bound", client=str(header.get("client"))[:12],
+        self._pair, self._client, self.prefix = pair, bind.client, prefix
+        event(log, logging.INFO, "worker.nccl_bound", client=bind.client[:12],
               backend="nccl" if self.device.type == "cuda" else "gloo", device=self.device)
 
     def check(self, job: Job) -> None:
         """``RequestError`` (UNAVAILABLE) unless ``job``'s client is bound to a live pair group."""
         if self._pair is None or self._pair.closed or self.prefix in self._released:
             raise RequestError(ErrorCode.UNAVAILABLE, f"worker {self.worker} has no live pair group")
-        if job.header.get("client") != self._client:
+        if job.request.client != self._client:
             raise RequestError(ErrorCode.UNAVAILABLE, f"worker {self.worker} is not bound to this client")
 
     def send(self, results: list[Result]) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import zmq
 
-from spec_serve.protocol.commands import ProtocolError, data_message
+from spec_serve.protocol.commands import data_message
+from spec_serve.protocol.messages import Done
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.hostpool import Lease
 from spec_serve.transport.sockets import Security, make_socket, send_lent
@@ -31,7 +32,7 @@ DATA_SOCKET_HWM = 4
 # makes the reply undeliverable at once (it is refused or not read).
 CONNECT_GRACE_S = 2.0
 
-SendDone = Callable[[bytes, dict], None]  # tell the broker DONE: (request id, DONE header)
+SendDone = Callable[[bytes, Done], None]  # tell the broker DONE: (request id, DONE header)
 
 
 @dataclasses.dataclass
@@ -67,13 +68,10 @@ class DataSockets:
         self.reply_timeout = reply_timeout  # a data socket whose oldest reply has not left by then is closed
         self._sockets: collections.OrderedDict[str, ReplySocket] = collections.OrderedDict()
 
-    def get(self, endpoint: str, header: dict, now: float) -> ReplySocket:
-        """The socket to ``endpoint`` (connected now if new, under the request's ``data_key``)."""
+    def get(self, endpoint: str, server_key: str | None, now: float) -> ReplySocket:
+        """The socket to ``endpoint`` (connected now if new, under the request's ``data_key``, ``server_key``)."""
         entry = self._sockets.get(endpoint)
         if entry is None:
-            server_key = header.get("data_key")
-            if server_key is not None and not isinstance(server_key, str):
-                raise ProtocolError("data_key must be a Z85 string")
             # immediate: replies queue only on a connection that completed its handshake, so an endpoint
             # that refuses (or never completes one) takes nothing and its replies fail at once.
             sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint, security=self.security, hwm=DATA_SOCKET_HWM,
@@ -124,13 +122,13 @@ class Outbox:
 
     def add(self, result: Result, now: float) -> None:
         """Queue ``result`` for its client's data socket; a ``reply_to`` no socket takes is undeliverable."""
-        endpoint = result.job.header["reply_to"]
+        endpoint, server_key = result.job.reply_route
         try:
-            sock = self.sockets.get(endpoint, result.job.header, now)
+            sock = self.sockets.get(endpoint, server_key, now)
         except Exception as e:  # a reply_to or data_key no socket takes: no one to answer
             event(log, logging.WARNING, "worker.bad_reply_to", endpoint=str(endpoint)[:80], error=e)
             result.drop()
-            self.send_done(result.job.request_id, {"status": "undeliverable", "error": f"bad endpoint: {e}"})
+            self.send_done(result.job.request_id, Done(status="undeliverable", error=f"bad endpoint: {e}"))
             return
         self._waiting.append((sock, result))
 
@@ -147,12 +145,10 @@ class Outbox:
             if sent is None:
                 self._waiting.append((reply_socket, result))  # its socket is still connecting
                 continue
-            header = {"status": done_status(result) if sent else "undeliverable",
-                      "tokens": result.tokens, "bytes": result.nbytes,
-                      "via": result.export.descriptor["kind"] if result.export is not None else "frames"}
-            if not sent:
-                header["error"] = "its data socket takes nothing (the endpoint refuses, or nothing reads it)"
-            self.send_done(result.job.request_id, header)
+            self.send_done(result.job.request_id, Done(
+                status=done_status(result) if sent else "undeliverable", tokens=result.tokens, nbytes=result.nbytes,
+                via=result.export.descriptor["kind"] if result.export is not None else "frames",
+                error=None if sent else "its data socket takes nothing (the endpoint refuses, or nothing reads it)"))
             self.served += 1
 
     def _release_sent(self) -> None:
@@ -169,7 +165,7 @@ class Outbox:
     def _hand_off(self, reply_socket: ReplySocket, result: Result, now: float) -> bool | None:
         """Give a reply to ZeroMQ: True if taken, False if undeliverable (dropped), None to retry shortly."""
         if not reply_socket.closed:
-            frames = data_message(result.status, result.job.request_id, result.header, result.frames)
+            frames = data_message(result.status, result.job.request_id, result.reply, result.frames)
             try:
                 # One tracker over every frame (not the last frame's alone, which pyzmq may have copied and
                 # finished at once): a slab goes back, and a reply counts as sent, only once all have left.

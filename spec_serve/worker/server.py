@@ -32,6 +32,7 @@ from spec_serve.protocol.commands import (
     ProtocolError,
     WorkerCommand,
 )
+from spec_serve.protocol.messages import Release
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
 from spec_serve.transport import samehost
@@ -262,26 +263,26 @@ class Worker:
     # ---------------------------------------------------- the broker's commands
 
     def _on_request(self, msg: Message) -> None:
-        if not isinstance(msg.header.get("reply_to"), str) or not msg.request_id:
+        if not msg.request_id:
             raise ProtocolError("REQUEST without reply_to or request id")
-        self.compute.submit(Job(msg.request_id, msg.header, msg.payload, time.monotonic()))
+        job = Job(msg.request_id, msg.header, msg.payload, time.monotonic())  # raises without a reply_to
+        self.compute.submit(job)
         with contextlib.suppress(Exception):  # connect now, while the forward runs (errors: when replying)
-            self.data_sockets.get(msg.header["reply_to"], msg.header, time.monotonic())
+            self.data_sockets.get(*job.reply_route, time.monotonic())
 
     def _on_bind(self, msg: Message) -> None:
-        if not isinstance(msg.header.get("reply_to"), str) or not isinstance(msg.header.get("prefix"), str) \
-                or not msg.request_id:
+        if not msg.request_id:
             raise ProtocolError("BIND without reply_to, prefix or request id")
-        self.compute.submit(Job(msg.request_id, msg.header, [], time.monotonic(), control="bind"))
+        self.compute.submit(Job(msg.request_id, msg.header, [], time.monotonic(), control="bind"))  # checks it
 
     def _on_release(self, msg: Message) -> None:
-        self._release(msg.header.get("prefix"))
+        self._release(Release.from_json(msg.header).prefix)
 
-    def _release(self, prefix) -> None:
+    def _release(self, prefix: str | None) -> None:
         """The binding ``prefix`` ended; queued sends to it are skipped, the pair closed in order."""
-        if isinstance(prefix, str):
+        if prefix is not None:
             self.pair.mark_released(prefix)
-            self.compute.submit(Job(b"", {"prefix": prefix}, [], time.monotonic(), control="release"))
+            self.compute.submit(Job(b"", Release(prefix).to_json(), [], time.monotonic(), control="release"))
 
     def _before_ready(self) -> bool:
         """Before each READY: False once the engine died (it never registers again); otherwise forget

@@ -23,6 +23,7 @@ from spec_serve.protocol.commands import (
     control,
     parse_control,
 )
+from spec_serve.protocol.messages import Done, Leave, Ready, Refused
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import Security, make_socket
@@ -111,7 +112,7 @@ class BrokerSession:
         if command is WorkerCommand.DISCONNECT:
             return True
         if command is WorkerCommand.REFUSED:
-            raise WorkerRefused(str(msg.header.get("error") or "no reason given"))
+            raise WorkerRefused(Refused.from_json(msg.header).error)
         handler = self.handlers.get(command)
         if handler is not None:
             handler(msg)
@@ -133,21 +134,21 @@ class BrokerSession:
             self._expiry = now + self.heartbeat_interval * self.liveness
         return beat
 
-    def send_done(self, request_id: bytes, header: dict) -> None:
+    def send_done(self, request_id: bytes, header: Done) -> None:
         """Tell the broker a request's reply left (or could not): its slot is free."""
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, request_id, header))
 
     def leave(self, reason: str | None) -> None:
         """Leave the pool for good: in-flight requests go to other workers."""
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.LEAVE.value, self.service,
-                                           header={"reason": reason}))
+                                           header=Leave(reason)))
         event(log, logging.ERROR, "worker.left_pool", worker=self.name, reason=f"engine dead: {reason}")
 
     def _send_ready(self) -> None:
         if not self.before_ready():
             return
-        header = {"target_info": self.info.to_dict(), "capacity": self.capacity, "pid": os.getpid(),
-                  "host": socket.gethostname(), "max_message_bytes": self.max_message_bytes}
+        header = Ready(target_info=self.info.to_dict(), capacity=self.capacity, pid=os.getpid(),
+                       host=socket.gethostname(), max_message_bytes=self.max_message_bytes)
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
         self._registered = False
         event(log, logging.DEBUG, "worker.registering", worker=self.name, service=self.service,

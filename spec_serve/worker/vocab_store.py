@@ -13,7 +13,8 @@ import threading
 import torch
 
 from spec_serve.protocol import wire
-from spec_serve.protocol.commands import ErrorCode, Message
+from spec_serve.protocol.commands import ErrorCode, Message, ProtocolError
+from spec_serve.protocol.messages import WorkerSetVocab
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
 from spec_serve.worker.jobs import RequestError
@@ -39,15 +40,14 @@ class VocabStore:
 
     def store(self, msg: Message) -> None:
         """I/O thread: keep the mapping a SET_VOCAB carries and drop those it evicts (a bad one is logged)."""
-        digest = msg.header.get("digest")
         try:
+            header = WorkerSetVocab.from_json(msg.header)
             tensors = wire.decode(msg.payload, max_bytes=self.max_message_bytes)
             mapping = (tensors["selected_token_ids"].clone(), tensors["selected_token_mask"].clone())
-        except (wire.WireError, KeyError) as e:
-            event(log, logging.WARNING, "worker.bad_mapping", digest=digest, error=e)
+        except (ProtocolError, wire.WireError, KeyError) as e:
+            event(log, logging.WARNING, "worker.bad_mapping", digest=msg.header.get("digest"), error=e)
             return
-        evict = msg.header.get("evict", [])
-        self.put(str(digest), mapping, evict if isinstance(evict, list) else [])
+        self.put(header.digest, mapping, header.evict)
 
     def put(self, digest: str, mapping: Mapping, evict: list | None = None) -> None:
         """Hold ``mapping`` under ``digest`` (newest), after dropping the digests in ``evict``."""
