@@ -183,7 +183,8 @@ class Executor:
                 tokens = int(part["attention_mask"].sum())
                 if export is not None:
                     reply = dataclasses.replace(base, plane=export.descriptor, **checks)
-                    results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready, export=export))
+                    results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready,
+                                          export=export))
                 else:
                     frames = wire.encode({k: host[(i, k)] for k in outs[i]})
                     reply = dataclasses.replace(base, **checks)
