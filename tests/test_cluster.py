@@ -164,6 +164,21 @@ def test_two_clients_with_different_vocab_mappings(cluster, tiny_target_dir, tin
             assert_equal_batches(future.result(timeout=120), ref.generate_batch(*inputs, kind="eagle3"))
 
 
+def _metrics_once_counted(cluster: Cluster, metrics: tuple[str, ...], timeout: float = 60) -> str:
+    """/metrics once the broker counted a DONE. The reply reaches the client before the worker's DONE
+    reaches the broker, and the shim may scrape between the broker's updates of one DONE (tokens, bytes,
+    latency): wait for every metric named, up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        code, text = cluster.get("/metrics")
+        assert code == 200
+        counted = [line for line in text.splitlines() if line.startswith("spec_serve_tokens_total")]
+        done = counted and float(counted[0].split()[-1]) > 0 and all(m in text for m in metrics)
+        if done or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
 def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
     cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port())
     try:
@@ -181,18 +196,10 @@ def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
         with RemoteTargetModel(cluster.frontend, timeout=60) as target:
             inputs = sample_batch(tiny_target_dir, batch=2, seq=8, seed=1)
             target.generate_batch(*inputs, kind="dspark")
-        # The reply reaches the client before the worker's DONE reaches the broker: wait for the count.
-        deadline = time.monotonic() + 60  # generous: failed at 15 s on a box at load 12
-        while True:
-            code, text = cluster.get("/metrics")
-            assert code == 200
-            counted = [line for line in text.splitlines() if line.startswith("spec_serve_tokens_total")]
-            if (counted and float(counted[0].split()[-1]) > 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        for metric in ("spec_serve_requests_total", "spec_serve_tokens_total", "spec_serve_reply_bytes_total",
-                       "spec_serve_request_latency_seconds_bucket", "spec_serve_queue_depth",
-                       "spec_serve_worker_inflight"):
+        metrics = ("spec_serve_requests_total", "spec_serve_tokens_total", "spec_serve_reply_bytes_total",
+                   "spec_serve_request_latency_seconds_bucket", "spec_serve_queue_depth", "spec_serve_worker_inflight")
+        text = _metrics_once_counted(cluster, metrics)
+        for metric in metrics:
             assert metric in text, metric
         tokens = [line for line in text.splitlines() if line.startswith("spec_serve_tokens_total")]
         assert tokens and float(tokens[0].split()[-1]) == float(inputs[1].sum())
