@@ -58,6 +58,7 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.Done, {"status": "undeliverable", "error": "bad endpoint: x"}),
     (m.Leave, {"reason": "CUDA error"}),
     (m.Reply, {"worker": "w", "compute_s": 0.25, "fingerprint": "f", "digests": {"hidden": 3}}),
+    (m.Reply, {"worker": "fake", "fingerprint": "f"}),  # what the tests' fake workers send
     (m.Reply, {"worker": "w", "compute_s": 0.25, "batched": 3, "plane": PLANE_SLOT, "fingerprint": "f"}),
     (m.Reply, {"worker": "w", "compute_s": 0.1, "nccl": True, "pair": "p", "specs": [["x", [1, 2], "float32"]],
                "fingerprint": "f"}),

@@ -23,6 +23,7 @@ from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import CONNECT_TIMEOUT, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, ClientCommand, Op
+from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
 from spec_serve.supervision.contract import (
     Kind,
     ReplySpecs,
@@ -189,7 +190,7 @@ class RemoteTargetModel:
         return result
 
     def _shard_request(self, input_ids, attention_mask, loss_mask, lo: int, hi: int, wire_kind: Kind,
-                       bound: str | None) -> tuple[dict, list]:
+                       bound: str | None) -> tuple[SupervisionRequest, list]:
         """The prepared header and payload of the request for rows ``lo:hi`` of a batch."""
         # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
         # after a broker restart, while the caller may already refill its input tensors.
@@ -205,7 +206,7 @@ class RemoteTargetModel:
             header.update(bound=bound, nccl=True)
         elif self._io.plane is not None and (offer := self._io.plane.offer()) is not None:
             header["plane"] = offer  # a worker of our host may lend the reply's bytes (samehost.py)
-        return self._prepare(header), payload
+        return SupervisionRequest.from_json(self._prepare(header)), payload
 
     def lm_head_slice(self) -> torch.Tensor:
         """The draft-vocab rows ``[Vd, H]`` of the target's lm_head for the current mapping, on ``device``:
@@ -223,7 +224,8 @@ class RemoteTargetModel:
     def _fetch(self, header: dict, expect: ReplySpecs) -> dict[str, torch.Tensor]:
         """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
         self.target_info()  # pins the target every reply must come from
-        requests = [(self._prepare(header), [])]
+        request = SupervisionRequest.from_json(self._prepare(header))
+        requests: list[tuple[SupervisionRequest, Sequence]] = [(request, [])]
         return assemble([self._submit(*requests[0], expect)], [0], self.device, None,
                         self._digest_check(requests, [expect])).result()
 
@@ -260,11 +262,15 @@ class RemoteTargetModel:
             header["verify"] = True
         return header
 
-    def _submit(self, header: dict, payload: Sequence, expect: ReplySpecs | None = None) -> concurrent.futures.Future:
-        """Send a prepared request; ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
-        return self._io.submit(ClientCommand.REQUEST, self.service, header, payload, self.timeout, expect=expect)
+    def _submit(self, header: SupervisionRequest | Mapping[str, Any], payload: Sequence,
+                expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+        """Send a prepared request (its fields as ``_prepare`` gives them are checked here, once);
+        ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
+        request = header if isinstance(header, SupervisionRequest) else SupervisionRequest.from_json(header)
+        return self._io.submit(ClientCommand.REQUEST, self.service, request, payload, self.timeout, expect=expect)
 
-    def _digest_check(self, requests: list[tuple[dict, Sequence]], expects: list[ReplySpecs]) -> DigestCheck:
+    def _digest_check(self, requests: list[tuple[SupervisionRequest, Sequence]],
+                      expects: list[ReplySpecs]) -> DigestCheck:
         """The check of one batch's landed shards against their workers' digests (integrity.py)."""
         return DigestCheck(requests, expects, self._submit, self._io.stats, self.service, self._binding)
 
@@ -275,7 +281,7 @@ class RemoteTargetModel:
         validate_vocab_mapping(ids, mask, self.target_info().vocab_size)
         payload = [bytes(memoryview(f)) for f in wire.encode({"selected_token_ids": ids, "selected_token_mask": mask})]
         self._check_request_size(payload, "the vocab mapping")
-        digest = self._io.register_vocab(self.service, payload, {"fingerprint": self._fingerprint},
+        digest = self._io.register_vocab(self.service, payload, SetVocab(fingerprint=self._fingerprint),
                                          self.timeout).result()
         self._vocab_digest = digest
         self._draft_vocab = ids.numel()
@@ -288,22 +294,24 @@ class RemoteTargetModel:
     def status(self, service: str | None = None) -> dict[str, Any]:
         """The broker's view: services, workers, queues (of one ``service``, or all). The broker answers in
         pages of bounded size; this gathers them all."""
-        query: dict[str, Any] = {} if service is None else {"service": service}
+        query = StatusQuery(service=service)
         pages = 0
         while True:
             page = self._io.submit(ClientCommand.STATUS, self.service, query, (), self.timeout).result().header
+            if not isinstance(page, StatusPage):
+                raise RemoteError(f"broker answered STATUS with {type(page).__name__}")
             if pages == 0:
-                status = dict(page, services={}, workers=[])
-            status["services"].update(page.get("services", {}))
-            status["workers"].extend(page.get("workers", []))
+                status = dict(page.to_json(), services={}, workers=[])
+            status["services"].update(page.services)
+            status["workers"].extend(page.workers)
             pages += 1
-            cursor = page.get("next")
+            cursor = page.next
             if cursor is None:
                 status.pop("next", None)
                 return status
-            if cursor == query.get("after") or pages > MAX_STATUS_PAGES:
+            if cursor == query.after or pages > MAX_STATUS_PAGES:
                 raise RemoteError(f"broker STATUS pages do not end (page {pages}, cursor {cursor!r})")
-            query["after"] = cursor
+            query = StatusQuery(service=service, after=cursor)
 
     def _worker_infos(self, wait: bool = True) -> dict[str, dict]:
         """Target info of this service's workers, waiting for one to register: up to ``timeout`` for a

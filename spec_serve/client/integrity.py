@@ -4,6 +4,7 @@ digests its worker computed (spec_serve/protocol/digest.py), with one retry on a
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -13,15 +14,16 @@ from spec_serve.client.errors import IntegrityError
 from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol import digest
+from spec_serve.protocol.messages import Reply, SupervisionRequest
 from spec_serve.supervision.contract import ReplySpecs
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
-from spec_serve.transport.binding import BOUND_KEYS, ClientBinding
+from spec_serve.transport.binding import ClientBinding
 
 log = logging.getLogger("spec_serve.client")
 
 # Sends a prepared request again: (header, payload, what its reply must hold) -> its future.
-Resubmit = Callable[[dict, Sequence, ReplySpecs], concurrent.futures.Future]
+Resubmit = Callable[[SupervisionRequest, Sequence, ReplySpecs], concurrent.futures.Future]
 
 
 class DigestCheck:
@@ -32,7 +34,8 @@ class DigestCheck:
     back to the pool as frames), and a second mismatch raises ``IntegrityError``. Runs on the I/O thread.
     """
 
-    def __init__(self, requests: list[tuple[dict, Sequence]], expects: list[ReplySpecs], resubmit: Resubmit,
+    def __init__(self, requests: list[tuple[SupervisionRequest, Sequence]], expects: list[ReplySpecs],
+                 resubmit: Resubmit,
                  stats: ClientStats, service: str, binding: ClientBinding | None):
         self.requests = requests
         self.expects = expects
@@ -43,14 +46,16 @@ class DigestCheck:
         self.retried: dict[int, str] = {}  # request index -> the worker whose reply mismatched first
 
     def __call__(self, k: int, reply: Received, landed: Mapping[str, torch.Tensor]) -> concurrent.futures.Future | None:
-        header, payload = self.requests[k]
-        if not header.get("verify"):
+        header, _ = self.requests[k]
+        if not header.verify:
             return None
+        answer = reply.header
+        assert isinstance(answer, Reply), type(answer)  # a worker's reply resolves a supervision request
         self.stats.digest_checks += 1
-        bad = digest.mismatches(reply.header.get("digests"), landed)
+        bad = digest.mismatches(answer.digests, landed)
         if not bad:
             return None
-        worker = str(reply.header.get("worker"))
+        worker = answer.worker
         self._count_mismatch(k, reply, worker, bad)
         if k in self.retried:
             raise IntegrityError(f"reply to request {reply.request_id.hex()[:12]} differs from its worker's "
@@ -68,9 +73,8 @@ class DigestCheck:
 
     def _retry_elsewhere(self, k: int, worker: str) -> concurrent.futures.Future:
         header, payload = self.requests[k]
-        if header.get("nccl") and self.binding is not None:
+        if header.nccl and self.binding is not None:
             self.binding.mark_broken(f"digest mismatch in a reply from worker {worker}")
-        retry = {key: v for key, v in header.items() if key not in BOUND_KEYS}
-        retry["avoid"] = worker
+        retry = dataclasses.replace(header.unbound(), avoid=worker)
         self.requests[k] = (retry, payload)
         return self.resubmit(retry, payload, self.expects[k])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -42,6 +43,15 @@ from spec_serve.protocol.commands import (
     new_request_id,
     parse_control,
 )
+from spec_serve.protocol.messages import (
+    Bound,
+    BrokerError,
+    BrokerHeartbeat,
+    SetVocab,
+    StatusPage,
+    VocabOk,
+    WireMessage,
+)
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes
 from spec_serve.telemetry.logs import event
 from spec_serve.transport import samehost
@@ -59,6 +69,12 @@ from spec_serve.transport.sockets import (
 )
 
 log = logging.getLogger("spec_serve.client")
+
+# The typed header of each command the broker sends clients.
+_BROKER_MESSAGES: dict[ClientCommand, type[WireMessage]] = {
+    ClientCommand.ERROR: BrokerError, ClientCommand.HEARTBEAT: BrokerHeartbeat, ClientCommand.STATUS: StatusPage,
+    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound,
+}
 
 
 def _ipc_endpoint() -> str:
@@ -177,7 +193,7 @@ class ClientIO(threading.Thread):
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
-    def submit(self, command: ClientCommand, service: str, header: dict, payload: Sequence,
+    def submit(self, command: ClientCommand, service: str, header: WireMessage, payload: Sequence,
                timeout: float, request_id: bytes | None = None, max_retries: int | None = None,
                expect: ReplySpecs | None = None) -> concurrent.futures.Future:
         """Send a request; a future of its ``Received``. ``expect``: the tensors its reply must hold (checked
@@ -188,7 +204,8 @@ class ClientIO(threading.Thread):
         self.call(lambda: self._send_new(pending))
         return pending.future
 
-    def register_vocab(self, service: str, payload: list, header: dict, timeout: float) -> concurrent.futures.Future:
+    def register_vocab(self, service: str, payload: list, header: SetVocab,
+                       timeout: float) -> concurrent.futures.Future:
         """Register a mapping as the current one (SET_VOCAB with ``header``); a future of its digest.
 
         The same message releases our earlier registrations that no pending request names, so the
@@ -197,9 +214,10 @@ class ClientIO(threading.Thread):
         digest: concurrent.futures.Future = concurrent.futures.Future()
 
         def send() -> None:
-            release = self.vocab.release_unnamed(p.header.get("vocab") for p in self.requests.table.values())
+            release = self.vocab.release_unnamed(p.vocab for p in self.requests.table.values())
             pending = Pending(new_request_id(), ClientCommand.SET_VOCAB.value, service,
-                              dict(header, release=release), payload, concurrent.futures.Future(), timeout)
+                              dataclasses.replace(header, release=release), payload, concurrent.futures.Future(),
+                              timeout)
             pending.future.add_done_callback(lambda f: self._registered(f, service, payload, digest))
             self._send_new(pending)
 
@@ -212,7 +230,11 @@ class ClientIO(threading.Thread):
         if reply.exception() is not None:
             digest.set_exception(reply.exception())
             return
-        name = reply.result().header["digest"]
+        answer = reply.result().header
+        if not isinstance(answer, VocabOk):
+            digest.set_exception(RemoteError(f"SET_VOCAB answered with {type(answer).__name__}"))
+            return
+        name = answer.digest
         self.vocab.record(name, service, payload)
         digest.set_result(name)
 
@@ -379,25 +401,26 @@ class ClientIO(threading.Thread):
     def _on_control(self, frames: list) -> None:
         msg = parse_control(frames, CLIENT_TAG, ClientCommand)
         command = ClientCommand(msg.command)
-        if command is ClientCommand.ERROR and msg.header.get("code") == ErrorCode.WRONG_PORT.value:
+        header = _BROKER_MESSAGES[command].from_json(msg.header) if command in _BROKER_MESSAGES else None
+        if isinstance(header, BrokerError) and header.code == ErrorCode.WRONG_PORT.value:
             self._misdirected = True  # no use heartbeating a port that only says so again
-            self._fail_all(BrokerUnreachable(f"{self.broker_url}: {msg.header.get('error')}"))
+            self._fail_all(BrokerUnreachable(f"{self.broker_url}: {header.error}"))
             return
         self._broker_answered()
-        if command is ClientCommand.HEARTBEAT:
-            self._on_heartbeat(msg.header.get("broker"))
+        if isinstance(header, BrokerHeartbeat):
+            self._on_heartbeat(header.broker)
             return
         binding = self.replies.binding
-        if command is ClientCommand.BOUND and msg.header.get("lost") and binding is not None:
+        if isinstance(header, Bound) and header.lost and binding is not None:
             # The bound worker died or re-registered (a pending BIND resolves below as a refusal).
-            binding.lost(msg.header.get("prefix"), str(msg.header.get("error")))
+            binding.lost(header.prefix, header.error)
         pending = self.requests.table.get(msg.request_id)
-        if pending is None:
+        if pending is None or header is None:
             return
-        if command is ClientCommand.ERROR:
-            self._on_refusal(pending, msg.header)
+        if isinstance(header, BrokerError):
+            self._on_refusal(pending, header)
         else:
-            self.requests.resolve(pending, Received(msg.request_id, msg.header, broker_command=command))
+            self.requests.resolve(pending, Received(msg.request_id, header, broker_command=command))
 
     def _on_heartbeat(self, instance: str | None) -> None:
         if self._broker_instance is not None and instance != self._broker_instance:
@@ -406,12 +429,12 @@ class ClientIO(threading.Thread):
             self._resend_all()
         self._broker_instance = instance
 
-    def _on_refusal(self, pending: Pending, header: dict) -> None:
+    def _on_refusal(self, pending: Pending, refusal: BrokerError) -> None:
         """The broker's ERROR for a pending request: retry, or fail it with what the code means."""
-        code, error = header.get("code"), str(header.get("error"))
+        code, error = refusal.code, refusal.error
         now = time.monotonic()
-        if header.get("unknown_vocab") and self.vocab.holds(pending.header.get("vocab")):
-            self._send(self.vocab.registration(pending.header["vocab"]))  # e.g. a restarted broker lacks it
+        if refusal.unknown_vocab and self.vocab.holds(pending.vocab):
+            self._send(self.vocab.registration(pending.vocab))  # e.g. a restarted broker lacks it
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S)
         elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S,

@@ -12,13 +12,13 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control
+from spec_serve.protocol.messages import SupervisionRequest, WireMessage
 from spec_serve.supervision.contract import ReplySpecs
 from spec_serve.telemetry.logs import event
 
@@ -38,7 +38,7 @@ class Pending:
     request_id: bytes
     command: bytes
     service: str
-    header: dict[str, Any]
+    header: WireMessage  # typed: a SupervisionRequest, or the header of a BIND, STATUS or SET_VOCAB
     payload: list
     future: concurrent.futures.Future
     timeout: float
@@ -80,8 +80,20 @@ class Pending:
     def retries_left(self, client_limit: int) -> bool:
         return self.attempts <= (client_limit if self.max_retries is None else self.max_retries)
 
-    def drop_header_keys(self, keys: Iterable[str]) -> None:
-        self.header = {k: v for k, v in self.header.items() if k not in keys}
+    @property
+    def request(self) -> SupervisionRequest | None:
+        """The supervision request it sends; None for a BIND, STATUS or SET_VOCAB."""
+        return self.header if isinstance(self.header, SupervisionRequest) else None
+
+    @property
+    def vocab(self) -> str | None:
+        """The mapping digest its request names."""
+        return self.request.vocab if self.request is not None else None
+
+    @property
+    def bound(self) -> bool:
+        """Routed to the client's bound worker (not the shared pool)."""
+        return self.request is not None and self.request.bound is not None
 
 
 class PendingTable:
@@ -161,7 +173,7 @@ class Requests:
               exhausted: type[Exception] = TimeoutError) -> None:
         """Send ``pending`` again (after ``delay``), or fail it with ``exhausted`` (RemoteError after error
         replies) once its attempts are used up."""
-        if pending.header.get("bound") is not None:
+        if pending.bound:
             self._leave_binding(pending.request_id, reason)
             return
         if not pending.retries_left(self._max_retries):

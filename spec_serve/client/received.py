@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import ClientCommand
+from spec_serve.protocol.messages import WireMessage
 
 # A reply tensor as received: spans over frames (or over a slot a same-host worker lent), or a device
 # tensor that came over the bound worker's pair group.
@@ -20,14 +20,14 @@ ReceivedTensor = wire.TensorSpan | torch.Tensor
 class Received:
     """An answer to one request.
 
-    ``broker_command`` is the broker's command (``STATUS``, ``VOCAB_OK``, a ``BOUND`` refusal) when the
-    broker answered, None when a worker did (its data message: ``worker``, ``fingerprint``,
-    ``digests``, ... in ``header``; an accepted ``BIND`` has ``bind`` and no tensors). ``tensors`` may be
+    ``header`` is the answer's typed header: the broker's (``StatusPage``, ``VocabOk``, a ``Bound``
+    refusal; ``broker_command`` says which command) or a worker's data message (``Reply``; an accepted
+    ``BIND``: ``BindGrant``, no tensors; ``broker_command`` None). ``tensors`` may be
     a ``samehost.PlaneReply``: its slot goes back to the worker through ``samehost.settle`` or
     ``samehost.release_reply``, whatever else happens to the reply.
     """
 
     request_id: bytes
-    header: dict[str, Any]
+    header: WireMessage
     tensors: Mapping[str, ReceivedTensor] = dataclasses.field(default_factory=dict)
     broker_command: ClientCommand | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control, new_request_id
+from spec_serve.protocol.messages import SetVocab
 
 
 class VocabRegistrations:
@@ -36,7 +37,7 @@ class VocabRegistrations:
         if digest not in self._by_digest:
             return None
         service, payload = self._by_digest[digest]
-        return control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), {}, payload)
+        return control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, service, new_request_id(), SetVocab(), payload)
 
     def all_registrations(self) -> list[list]:
         """Frames registering every mapping we hold, the current one last (so it stays current)."""

@@ -15,11 +15,12 @@ from spec_serve.client.received import Received, ReceivedTensor
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
+from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
 from spec_serve.supervision.contract import validate_reply
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
 from spec_serve.transport import samehost
-from spec_serve.transport.binding import BOUND_KEYS, ClientBinding
+from spec_serve.transport.binding import ClientBinding
 
 log = logging.getLogger("spec_serve.client")
 
@@ -44,24 +45,31 @@ class WorkerReplies:
     def on_data(self, frames: list) -> None:
         status, request_id, header, payload = parse_data(frames)
         pending = self.requests.table.get(request_id)
-        if status is Status.OK and header.get("nccl"):
-            self._on_nccl_metadata(request_id, header, pending)
-            return
-        lent = header.get("plane") if status is Status.OK else None
-        if pending is None or (status is Status.OK and not self.same_target(pending, header)):
+        if status is Status.ERROR:
+            failure = ErrorReply.from_json(header)
             if pending is None:
                 self.requests.count_stray(request_id)
-            self._give_back(lent)  # answered already, or not ours to use: the slot goes back unread
-            return
-        if status is Status.ERROR:
-            self._on_error(pending, header)
-        elif pending.command == ClientCommand.BIND.value:  # {"bind": {store_host, store_port, prefix, worker, timeout}}
-            self.requests.resolve(pending, Received(request_id, header))
+            else:
+                self._on_error(pending, failure)
+        elif pending is not None and pending.command == ClientCommand.BIND.value:
+            self.requests.resolve(pending, Received(request_id, BindGrant.from_json(header)))
         else:
-            self._on_tensors(pending, header, payload, lent)
+            self._on_reply(request_id, pending, Reply.from_json(header), header, payload)
 
-    def _on_error(self, pending: Pending, header: dict) -> None:
-        code, error = header.get("code"), f"worker {header.get('worker')}: {header.get('error')}"
+    def _on_reply(self, request_id: bytes, pending: Pending | None, reply: Reply, header: dict,
+                  payload: list) -> None:
+        if reply.nccl:
+            self._on_nccl_metadata(request_id, reply, pending)
+            return
+        if pending is None or not self.same_target(pending, reply):
+            if pending is None:
+                self.requests.count_stray(request_id)
+            self._give_back(reply.plane)  # answered already, or not ours to use: the slot goes back unread
+            return
+        self._on_tensors(pending, reply, header, payload)
+
+    def _on_error(self, pending: Pending, failure: ErrorReply) -> None:
+        code, error = failure.code, f"worker {failure.worker}: {failure.error}"
         if code == ErrorCode.BAD_REQUEST.value:
             self.requests.fail(pending, ValueError(error))
         elif code == ErrorCode.ENGINE_DEAD.value:  # not retried: this request may be what killed it
@@ -70,27 +78,29 @@ class WorkerReplies:
         else:
             self.requests.retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
 
-    def _on_tensors(self, pending: Pending, header: dict, payload: list, lent) -> None:
+    def _on_tensors(self, pending: Pending, reply: Reply, header: dict, payload: list) -> None:
+        """``header``: the data message's as received (the plane reads its slot from it)."""
+        lent = reply.plane
         size = sum(len(memoryview(f)) for f in payload) + samehost.lent_bytes(lent)
         if size > self.max_message_bytes:  # an honest worker refuses this itself (max_reply_bytes)
             self._give_back(lent)
             self.requests.fail(pending, ValueError(
-                f"reply of {size} bytes from worker {header.get('worker')} exceeds this client's "
+                f"reply of {size} bytes from worker {reply.worker} exceeds this client's "
                 f"max_message_bytes of {self.max_message_bytes}"))
             return
         if lent is not None:
-            tensors = self._open_lent(pending, header, payload)
+            tensors = self._open_lent(pending, reply, header, payload)
             if tensors is None:
                 return
         else:  # checked here; the bytes stay in the frames until copied to where the caller wants them (assembly)
             tensors = wire.parse(payload, max_bytes=self.max_message_bytes)[0]
-        if not self._meets_contract(pending, header, tensors):
+        if not self._meets_contract(pending, reply.worker, tensors):
             return
-        if int(header.get("batched", 1)) > 1:
+        if reply.batched is not None and reply.batched > 1:
             self.stats.batched += 1
-        self.requests.resolve(pending, Received(pending.request_id, header, tensors))
+        self.requests.resolve(pending, Received(pending.request_id, reply, tensors))
 
-    def _meets_contract(self, pending: Pending, header: dict, tensors: Mapping[str, ReceivedTensor]) -> bool:
+    def _meets_contract(self, pending: Pending, worker: str, tensors: Mapping[str, ReceivedTensor]) -> bool:
         """Whether the reply holds what the request expects, checked before anything is allocated for it;
         if not, it is dropped and the request retried."""
         if pending.expect is None:
@@ -100,23 +110,24 @@ class WorkerReplies:
         except ValueError as e:
             samehost.release_reply(tensors)
             self.stats.contract_violations += 1
-            event(log, logging.WARNING, "client.bad_reply", worker=header.get("worker"), error=e)
-            self.requests.retry(pending, time.monotonic(), f"worker {header.get('worker')}: {e}",
+            event(log, logging.WARNING, "client.bad_reply", worker=worker, error=e)
+            self.requests.retry(pending, time.monotonic(), f"worker {worker}: {e}",
                                 delay=RETRY_BACKOFF_S)
             return False
         return True
 
     # ------------------------------------------------------------- target
 
-    def same_target(self, pending: Pending, header: dict) -> bool:
+    def same_target(self, pending: Pending, reply: Reply) -> bool:
         """True if the reply comes from the target the request was pinned to (its ``fingerprint``);
         else the request fails and the reply is dropped."""
-        expected, got = pending.header.get("fingerprint"), header.get("fingerprint")
+        expected = pending.request.fingerprint if pending.request is not None else None
+        got = reply.fingerprint
         if expected is None or got == expected:
             return True
-        self.target_changed(pending, f"worker {header.get('worker')} of service {pending.service!r} serves target "
+        self.target_changed(pending, f"worker {reply.worker} of service {pending.service!r} serves target "
                             f"fingerprint {got}, but this client set up with {expected}: its reply was discarded; "
-                            f"start a new client to use the new target", worker=header.get("worker"))
+                            f"start a new client to use the new target", worker=reply.worker)
         return False
 
     def target_changed(self, pending: Pending, message: str, worker) -> None:
@@ -127,7 +138,8 @@ class WorkerReplies:
 
     # ------------------------------------------------------ same-host plane
 
-    def _open_lent(self, pending: Pending, header: dict, payload: list) -> samehost.PlaneReply | None:
+    def _open_lent(self, pending: Pending, reply: Reply, header: dict,
+                   payload: list) -> samehost.PlaneReply | None:
         """A reply whose bytes a same-host worker lent, as the slot's spans (assembly copies them out, then
         settles); None if the plane cannot deliver it here, and it was asked for again as frames."""
         try:
@@ -136,7 +148,7 @@ class WorkerReplies:
             tensors = self.plane.open(header, payload, pending.request_id,
                                       lambda reason: self._resend_as_frames(pending, reason))
         except samehost.PlaneError as e:
-            self._give_back(header.get("plane"))
+            self._give_back(reply.plane)
             if self.plane is not None:
                 self.plane.failed(e)
             self._plane_fallback(pending, str(e))
@@ -152,14 +164,14 @@ class WorkerReplies:
     def _plane_fallback(self, pending: Pending, reason: str) -> None:
         """Send a request again, as frames (not the request's fault: no attempt used)."""
         self._count_fallback(pending, reason)
-        pending.drop_header_keys(("plane",))
+        pending.header = _without_plane(pending.header)
         self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
 
     def _resend_as_frames(self, pending: Pending, reason: str) -> concurrent.futures.Future:
         """Any thread: a lent reply's bytes were overwritten while we copied them: the request again, as
         frames, under a new id (the old one was answered)."""
         again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
-                                    header={k: v for k, v in pending.header.items() if k != "plane"},
+                                    header=_without_plane(pending.header),
                                     attempts=0, sent_at=0.0, resend_at=None)
         self._call(lambda: (self._count_fallback(again, reason), self._send_new(again)))
         return again.future
@@ -170,35 +182,41 @@ class WorkerReplies:
 
     # ------------------------------------------- NCCL data plane (binding.py)
 
-    def _on_nccl_metadata(self, request_id: bytes, header: dict, pending: Pending | None) -> None:
+    def _on_nccl_metadata(self, request_id: bytes, reply: Reply, pending: Pending | None) -> None:
         """Tensors follow on the pair group: receive them even for a request already answered, or the
         worker's send (and the group) stalls. No live binding: re-send as frames."""
         expect = pending.expect if pending is not None else None
         largest = self.requests.table.largest
-        if self.binding is None or not self.binding.on_metadata(request_id, header, expect, largest):
-            self.nccl_fallback(request_id, f"nccl reply from worker {header.get('worker')} without a live binding",
-                               prefix=str(header.get("pair")))
+        if self.binding is None or not self.binding.on_metadata(request_id, reply, expect, largest):
+            self.nccl_fallback(request_id, f"nccl reply from worker {reply.worker} without a live binding",
+                               prefix=str(reply.pair))
 
-    def nccl_resolve(self, request_id: bytes, tensors: dict, header: dict) -> None:
-        """The pair thread received a bound request's tensors (``header``: its metadata message)."""
+    def nccl_resolve(self, request_id: bytes, tensors: dict, reply: Reply) -> None:
+        """The pair thread received a bound request's tensors (``reply``: its metadata message)."""
         pending = self.requests.table.get(request_id)
         if pending is None or pending.future.done():
             self.requests.table.remove(request_id)
             self.requests.count_stray(request_id)
             return
-        if not self.same_target(pending, header):
+        if not self.same_target(pending, reply):
             return
         self.stats.nccl_batches += 1
-        self.requests.resolve(pending, Received(request_id, header, tensors))
+        self.requests.resolve(pending, Received(request_id, reply, tensors))
 
     def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
         """Re-send a bound request as a plain one (frames, shared pool; no attempt used) and drop the binding."""
         if self.binding is not None:
             self.binding.mark_broken(reason, prefix)
         pending = self.requests.table.get(request_id)
-        if pending is None or not any(k in pending.header for k in BOUND_KEYS):
+        request = pending.request if pending is not None else None
+        if pending is None or request is None or (request.bound is None and not request.nccl):
             return
-        pending.drop_header_keys(BOUND_KEYS)
+        pending.header = request.unbound()
         self.stats.nccl_fallbacks += 1
         event(log, logging.INFO, "client.nccl_request_fallback", request=pending.short_id, reason=reason)
         self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
+
+
+def _without_plane(header: WireMessage) -> WireMessage:
+    """A request's header to send it again as frames: without its same-host offer."""
+    return dataclasses.replace(header, plane=None) if isinstance(header, SupervisionRequest) else header

@@ -557,7 +557,7 @@ class Reply(WireMessage):
     COMMAND: ClassVar[str] = "DATA"
 
     worker: str = ""
-    compute_s: float = 0.0
+    compute_s: float | None = None
     batched: int | None = None
     nccl: bool = False
     pair: str | None = None
@@ -572,7 +572,7 @@ class Reply(WireMessage):
         digests = r.obj("digests")
         if digests is not None and not all(_is_int(v) for v in digests.values()):
             raise ProtocolError("DATA header 'digests' must map tensor names to integers")
-        return cls(worker=r.required_text("worker"), compute_s=_default(r.number("compute_s", required=True), 0.0),
+        return cls(worker=r.required_text("worker"), compute_s=r.number("compute_s"),
                    batched=r.integer("batched", minimum=1), nccl=r.flag("nccl"), pair=r.text("pair"),
                    specs=r.array("specs"), plane=r.obj("plane"), fingerprint=r.text("fingerprint"), digests=digests)
 

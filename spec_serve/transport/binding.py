@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, Message, control
+from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control
 from spec_serve.protocol.messages import BindGrant, BindRequest, Bound, Release, Reply
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
 from spec_serve.telemetry.logs import event
@@ -43,10 +43,6 @@ if TYPE_CHECKING:
     from spec_serve.transport.pairgroup import PairGroup
 
 log = logging.getLogger("spec_serve.client")
-
-# Header keys a bound request carries; stripped when it falls back to frames.
-BOUND_KEYS = ("bound", "nccl")
-
 
 def encode_specs(tensors: dict[str, torch.Tensor]) -> list[list[Any]]:
     """JSON-able (name, shape, dtype) list of ``tensors`` for the metadata message."""
@@ -138,14 +134,16 @@ class ClientBinding:
         request = BindRequest(reply_to=self.io.data_endpoint, timeout=self.timeout, device_type=self.device.type,
                               data_key=self.io.data_key or None)
         try:
-            reply = self.io.submit(ClientCommand.BIND, self.service, request.to_json(), (), self.timeout,
-                                   max_retries=0).result()
-            if isinstance(reply, Message):  # BOUND from the broker: a refusal (or the worker was lost meanwhile)
-                self._give_up(f"broker refused: {Bound.from_json(reply.header).error}")
-                return None
-            grant = BindGrant.from_json(reply)
+            grant = self.io.submit(ClientCommand.BIND, self.service, request, (), self.timeout,
+                                   max_retries=0).result().header
         except Exception as e:
             self._give_up(f"bind request failed: {e}")
+            return None
+        if isinstance(grant, Bound):  # BOUND from the broker: a refusal (or the worker was lost meanwhile)
+            self._give_up(f"broker refused: {grant.error}")
+            return None
+        if not isinstance(grant, BindGrant):
+            self._give_up(f"bind request failed: answered with {type(grant).__name__}")
             return None
         prefix, worker = grant.bind.prefix, grant.bind.worker
         try:
@@ -169,19 +167,12 @@ class ClientBinding:
 
     # ------------------------------------------------------------- I/O side
 
-    def on_metadata(self, request_id: bytes, header: dict[str, Any], expect: ReplySpecs | None, max_bytes: int) -> bool:
+    def on_metadata(self, request_id: bytes, reply: Reply, expect: ReplySpecs | None, max_bytes: int) -> bool:
         """A worker's nccl reply header: receive its tensors on the pair thread, once they are what
         ``expect`` says (a reply nobody waits for: at most ``max_bytes``). False when no live binding
         matches or the specs are wrong (the binding is dropped; the caller falls back to frames)."""
         state = self._state
-        if state is None or state.broken is not None:
-            return False
-        try:
-            reply = Reply.from_json(header)
-        except ValueError as e:
-            self.mark_broken(str(e), state.prefix)
-            return False
-        if reply.pair != state.prefix:
+        if state is None or state.broken is not None or reply.pair != state.prefix:
             return False
         try:
             specs = decode_specs(reply.specs)
@@ -193,11 +184,11 @@ class ClientBinding:
         except ValueError as e:
             self.mark_broken(str(e), state.prefix)
             return False
-        self._pair_thread.submit(self._receive, state, request_id, specs, header)
+        self._pair_thread.submit(self._receive, state, request_id, specs, reply)
         return True
 
     def _receive(self, state: _Bound, request_id: bytes, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 header: dict[str, Any]) -> None:
+                 reply: Reply) -> None:
         if state.broken is not None:
             tensors, error = None, state.broken
         else:
@@ -208,7 +199,7 @@ class ClientBinding:
                 self.mark_broken(error, state.prefix)
         try:
             if tensors is not None:
-                self.io.call(lambda: self.io.nccl_resolve(request_id, tensors, header))
+                self.io.call(lambda: self.io.nccl_resolve(request_id, tensors, reply))
             else:
                 self.io.call(lambda: self.io.nccl_fallback(request_id, error))
         except RuntimeError:
