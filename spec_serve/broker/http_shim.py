@@ -19,11 +19,12 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from spec_serve.telemetry.logs import event
 
@@ -74,8 +75,8 @@ class _Connection:
 class HttpShim:
     """``GET /health``, ``/model_info[?service=]``, ``/workers``, ``/metrics``."""
 
-    def __init__(self, snapshot: Callable[[], dict], registry, host: str = "127.0.0.1", port: int = 8080,
-                 refresh: Callable[[], None] | None = None):
+    def __init__(self, snapshot: Callable[[], dict], registry: CollectorRegistry, host: str = "127.0.0.1",
+                 port: int = 8080, refresh: Callable[[], None] | None = None):
         self._snapshot = snapshot
         self._registry = registry
         self._refresh = refresh
@@ -90,7 +91,7 @@ class HttpShim:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="spec-serve-http", daemon=True)
 
-    def start(self) -> "HttpShim":
+    def start(self) -> HttpShim:
         self._thread.start()
         return self
 
@@ -112,7 +113,8 @@ class HttpShim:
                 if key.fileobj is self._listener:
                     self._accept()
                     continue
-                conn = self._connections.get(key.fileobj)
+                # the selector holds only sockets (listener, wake-up, connections): a file number never comes
+                conn = self._connections.get(key.fileobj) if isinstance(key.fileobj, socket.socket) else None
                 if conn is None:  # the wake-up, or a connection dropped earlier in this round
                     continue
                 try:

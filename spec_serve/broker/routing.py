@@ -16,7 +16,7 @@ import enum
 import logging
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from spec_serve.broker.binding import Bindings
 from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
@@ -110,8 +110,8 @@ class Router:
         self.services: dict[str, ServiceState] = {}
         self.clients: dict[bytes, ClientState] = {}
         self.requests = RequestTable()
-        self.served: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # names that had workers
-        self.killers: "collections.OrderedDict[bytes, str]" = collections.OrderedDict()  # request id -> error
+        self.served: collections.OrderedDict[str, None] = collections.OrderedDict()  # names that had workers
+        self.killers: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # request id -> error
         self.vocab = VocabRegistry(self.max_message_bytes)
         self.bindings = Bindings(self)
         # Set when what status.py reports changed; the broker loop rebuilds its snapshot once per turn.
@@ -205,7 +205,8 @@ class Router:
                             f"unknown vocab mapping {vocab!r}: call set_vocab_mapping first", unknown_vocab=True)
             return None
         if self._unknown(msg.service, now):
-            self.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE, self._unknown_message(msg.service))
+            self.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE,
+                            self._unknown_message(msg.service))
             return None
         return size
 
@@ -620,15 +621,19 @@ class Router:
         """Its worker held it past its timeout: dead for this request. It goes to another worker with a
         fresh deadline (the slot stays taken until the worker answers; a late DONE is ignored, a late
         reply the client drops as a duplicate)."""
-        worker = self.workers.get(request.worker)
+        held_by = request.worker
+        if held_by is None:  # only a dispatched request can miss its deadline; purge() picks only those
+            return
+        worker = self.workers.get(held_by)
         event(log, logging.WARNING, "broker.deadline_missed", request=request.request_id.hex()[:12],
-              worker=worker.name if worker else request.worker.hex()[:12])
-        request.missed.add(request.worker)
+              worker=worker.name if worker else held_by.hex()[:12])
+        request.missed.add(held_by)
         request.worker = None
         if request.header.bound is not None:  # its binding is no use: the client re-sends it as frames
             self._forget_request(request)
+            name = worker.name if worker else "?"
             self.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
-                            f"bound worker {worker.name if worker else '?'} missed the request's deadline", unbound=True)
+                            f"bound worker {name} missed the request's deadline", unbound=True)
             return
         request.deadline = max(request.deadline, time.monotonic() + float(request.header.timeout))
         service = self.services[request.service]

@@ -14,15 +14,14 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
 from spec_serve.broker.routing import DEFAULT_MAX_HELD_BYTES, Peer, Router
 from spec_serve.broker.state import ClientState, WorkerState
 from spec_serve.broker.status import full_status, status_page
-from spec_serve.transport.ingress import Ingress
-from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     CONTROL_SLACK_BYTES,
@@ -39,6 +38,8 @@ from spec_serve.protocol.commands import (
     parse_control,
 )
 from spec_serve.protocol.messages import BrokerError, Refused, StatusQuery
+from spec_serve.telemetry.logs import Throttle, event
+from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -72,7 +73,7 @@ class BindError(OSError):
 
 
 @contextlib.contextmanager
-def _binding(role: str, endpoint: str):
+def _binding(role: str, endpoint: str) -> Iterator[None]:
     """Turn a failed bind of ``endpoint`` into a BindError that names the role and the likely cause."""
     try:
         yield
@@ -183,7 +184,7 @@ class Broker:
         self.update_snapshot()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(tick * 1000))
+                events = dict(poller.poll(int(tick * 1000)))
                 if self.backend in events:
                     self._drain(self.backend, self.process_worker)
                 if self.frontend in events:

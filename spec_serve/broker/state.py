@@ -22,7 +22,7 @@ class WorkerState:
     registered_at: float
     inflight: set = dataclasses.field(default_factory=set)
     # digests this worker holds, least recently used first (it drops only what SET_VOCAB evicts)
-    mappings: "collections.OrderedDict[str, None]" = dataclasses.field(default_factory=collections.OrderedDict)
+    mappings: collections.OrderedDict[str, None] = dataclasses.field(default_factory=collections.OrderedDict)
     max_message_bytes: int | None = None
     bound_to: bytes | None = None
     bind_address: str | None = None
@@ -58,7 +58,7 @@ class Request:
     missed: set = dataclasses.field(default_factory=set)  # workers that held it past its timeout
 
 
-class RequestTable(dict):
+class RequestTable(dict[bytes, Request]):
     """request id -> Request that keeps ``held``, the sum of its requests' payload bytes."""
 
     held = 0
@@ -72,7 +72,7 @@ class RequestTable(dict):
         self.held -= self[request_id].size
         super().__delitem__(request_id)
 
-    def pop(self, request_id: bytes, *default):
+    def pop(self, request_id: bytes, *default: Any) -> Any:  # Any: dict.pop's two overloads in one
         if request_id in self:
             self.held -= self[request_id].size
         return super().pop(request_id, *default)
@@ -87,7 +87,7 @@ class ClientState:
     # another target may not join that service while the client is known.
     fingerprints: dict = dataclasses.field(default_factory=dict)
     # (service, digest) of the mappings it registered and has not released, oldest first
-    vocab: "collections.OrderedDict[tuple[str, str], None]" = dataclasses.field(
+    vocab: collections.OrderedDict[tuple[str, str], None] = dataclasses.field(
         default_factory=collections.OrderedDict)
 
 
@@ -97,7 +97,7 @@ class ServiceState:
     created_at: float  # monotonic; a name no worker ever served is unknown UNKNOWN_SERVICE_GRACE after this
     workers: list = dataclasses.field(default_factory=list)
     # client identity -> queued request ids; rotated for fairness.
-    queues: "collections.OrderedDict[bytes, collections.deque]" = dataclasses.field(
+    queues: collections.OrderedDict[bytes, collections.deque] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
     # digest -> payload frames as bytes; only live mappings (see VocabRegistry.trim)

@@ -4,7 +4,8 @@ STATUS replies clients ask for. Reads the router's state, changes nothing."""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from spec_serve.broker.routing import Router
 from spec_serve.broker.state import ServiceState, WorkerState
@@ -41,7 +42,9 @@ def status_page(router: Router, query: StatusQuery) -> StatusPage:
         else:
             workers.append(entry)
         used, last = used + size, key
-    return StatusPage(**_summary(router), services=services, workers=workers, next=list(last) if more else None)
+    # ``more`` is set only once a page holds an entry, so ``last`` is then a key
+    cursor = list(last) if more and last is not None else None
+    return StatusPage(**_summary(router), services=services, workers=workers, next=cursor)
 
 
 def _entries(router: Router, only: str | None, now: float) -> Iterator[tuple[tuple, dict[str, Any]]]:

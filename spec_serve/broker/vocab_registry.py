@@ -6,14 +6,14 @@ Pure bookkeeping: it builds the SET_VOCAB a worker needs but sends nothing (rout
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
+from spec_serve.broker.state import ClientState, RequestTable, ServiceState, WorkerState
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
 from spec_serve.protocol.messages import WorkerSetVocab
 from spec_serve.supervision.contract import validate_vocab_mapping
 from spec_serve.supervision.vocab import mapping_digest
-from spec_serve.broker.state import ClientState, RequestTable, ServiceState, WorkerState
 
 # Draft-vocab mappings one client keeps registered (per service and in all); an honest client needs its
 # current one plus those its pending requests name. Beyond this its oldest registration is dropped.
