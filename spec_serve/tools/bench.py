@@ -93,6 +93,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
+    from spec_serve.engines.base import TargetEngine
     from spec_serve.tools.launch import Cluster
 
 # Llama-3.1-8B's shape (the GPU benchmark builds it with random bf16 weights on the device).
@@ -486,7 +487,9 @@ def _null_worker(args: list[str]) -> None:
     from spec_serve.worker.server import Worker
 
     broker, service, info, hidden, draft_vocab = args[0], args[1], json.loads(args[2]), int(args[3]), int(args[4])
-    w = Worker(NullEngine(info, hidden, draft_vocab), broker, service=service, capacity=2)
+    # cast: a transport-only stand-in; it answers generate requests only (no embeddings, nothing to close)
+    engine = cast("TargetEngine", NullEngine(info, hidden, draft_vocab))
+    w = Worker(engine, broker, service=service, capacity=2)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *a: w.stop())

@@ -118,7 +118,7 @@ class ComputeLoop:
         if head is None or head[1] >= self.max_batch_tokens:
             return [first]
         key, tokens = head
-        group, rest = [first], collections.deque()
+        group, rest = [first], collections.deque[Job]()
         while backlog and backlog[0].control is None:
             job = backlog.popleft()
             other = self._pack_key(job)
@@ -130,7 +130,7 @@ class ComputeLoop:
         backlog.extendleft(reversed(rest))
         return group
 
-    def _pack_key(self, job: Job):
+    def _pack_key(self, job: Job) -> tuple[tuple[str, str | None], int] | None:
         """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
         job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
         if job.control is not None or job.refused is not None or not job.request.is_generate or job.request.nccl:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from spec_serve.engines import engine_dead, packing
+from spec_serve.engines.base import PackingEngine, TargetEngine
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
 from spec_serve.protocol.messages import Reply
@@ -29,8 +30,8 @@ log = logging.getLogger("spec_serve.worker")
 
 
 class Executor:
-    def __init__(self, engine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding, faults: Faults,
-                 host_pool: HostBufferPool | None, device: torch.device, max_message_bytes: int):
+    def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding,
+                 faults: Faults, host_pool: HostBufferPool | None, device: torch.device, max_message_bytes: int):
         self.engine = engine
         self.name = name
         # Packing (docs/packing.md): each generate request runs without its padding. Off: every request
@@ -123,13 +124,17 @@ class Executor:
         kind = Kind.parse(job.request.supervision_kind)
         tensors = self.request_tensors(job)
         self.vocab.select(self.engine, kind, job.request.vocab)
-        request = tuple(tensors[n] for n in REQUEST_TENSORS)
-        if self.packing and packing.row_lengths(tensors["attention_mask"], tensors["loss_mask"]) is not None:
-            out = self.engine.generate_packed([request], kind=kind.value)[0]
+        input_ids, attention_mask, loss_mask = (tensors[n] for n in REQUEST_TENSORS)
+        if self.packing and packing.row_lengths(attention_mask, loss_mask) is not None:
+            out = self._packing_engine().generate_packed([(input_ids, attention_mask, loss_mask)], kind=kind.value)[0]
         else:  # not packing, or a request packing cannot take (left padding, loss on padding): padded
-            out = self.engine.generate_batch(*request, kind=kind.value)
+            out = self.engine.generate_batch(input_ids, attention_mask, loss_mask, kind=kind.value)
         tokens = int(tensors["attention_mask"].sum())
         return out, tokens
+
+    def _packing_engine(self) -> PackingEngine:
+        # cast: packing is on only for an engine the worker's _check_packing accepted (it has generate_packed)
+        return cast(PackingEngine, self.engine)
 
     def request_tensors(self, job: Job) -> dict[str, torch.Tensor]:
         """The request's tensors, decoded once (cached on the job)."""
@@ -154,7 +159,8 @@ class Executor:
             kind = Kind.parse(jobs[0].request.supervision_kind)
             parts = [self.request_tensors(job) for job in jobs]
             self.vocab.select(self.engine, kind, jobs[0].request.vocab)
-            outs = self.engine.generate_packed([tuple(p[n] for n in REQUEST_TENSORS) for p in parts], kind=kind.value)
+            requests = [(p["input_ids"], p["attention_mask"], p["loss_mask"]) for p in parts]  # REQUEST_TENSORS
+            outs = self._packing_engine().generate_packed(requests, kind=kind.value)
             elapsed = round(time.perf_counter() - start, 6)
             results = self._split_replies(jobs, parts, outs, Reply(worker=self.name, compute_s=elapsed,
                                                                    batched=len(jobs)))

@@ -40,7 +40,7 @@ class Faults:
         self.corrupt_replies -= 1
         return True
 
-    def corrupt_frames(self, job: Job, frames: list, ready) -> None:
+    def corrupt_frames(self, job: Job, frames: list, ready: torch.cuda.Event | None) -> None:
         """Flip the low bit of a generate reply's first data byte."""
         if not job.request.is_generate or not self._take_corruption():
             return

@@ -31,7 +31,7 @@ class PairBinding:
         self.advertise_host = advertise_host  # where the bound client reaches our rendezvous store
         self.security = security
         self.faults = faults
-        self._pair = None
+        self._pair: PairGroup | None = None
         self._client: str | None = None
         self.prefix: str | None = None  # the bound binding's, read by the I/O thread when registering anew
         self._released: set[str] = set()

@@ -19,10 +19,12 @@ import logging
 import threading
 import time
 import uuid
+from typing import cast
 
 import torch
 import zmq
 
+from spec_serve.engines.base import PackingEngine, TargetEngine
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
     HEARTBEAT_INTERVAL,
@@ -58,7 +60,7 @@ PROBE_TOKENS = 4
 LEAVE_LINGER_MS = 2000
 
 
-def probe_engine(engine) -> None:
+def probe_engine(engine: TargetEngine) -> None:
     """One tiny forward (``PROBE_TOKENS`` tokens, EAGLE-3 compact: every layer and the lm_head) before
     the worker registers, so an engine that cannot serve this target fails at load, not on a client's
     request. Raises whatever the engine raises."""
@@ -68,7 +70,7 @@ def probe_engine(engine) -> None:
     engine.generate_batch(ids, ones, ones, kind=Kind.EAGLE3_COMPACT.value)
 
 
-def _check_packing(engine, packing: bool, max_batch_tokens: int) -> None:
+def _check_packing(engine: TargetEngine, packing: bool, max_batch_tokens: int) -> None:
     """``ValueError`` unless the packing settings hold together and ``engine`` can run packed forwards
     (the hf engine, on a model that allows it) when packing is on."""
     if max_batch_tokens < 0:
@@ -81,7 +83,8 @@ def _check_packing(engine, packing: bool, max_batch_tokens: int) -> None:
     if not hasattr(engine, "generate_packed"):
         raise ValueError(f"packing needs the hf engine; engine {getattr(engine, 'engine', type(engine).__name__)!r} "
                          f"has no packed forward (leave --packing off)")
-    reason = engine.packing_unsupported()
+    # cast: the hasattr check above is the test (an engine need not subclass the protocol)
+    reason = cast(PackingEngine, engine).packing_unsupported()
     if reason is not None:
         raise ValueError(f"packing is not possible for this model: {reason} (leave --packing off)")
 
@@ -104,7 +107,7 @@ class Worker:
 
     def __init__(
         self,
-        engine,
+        engine: TargetEngine,
         broker_url: str,
         *,
         service: str = "default",
@@ -159,11 +162,11 @@ class Worker:
     # ------------------------------------------------- what callers read and set
 
     @property
-    def engine(self):
+    def engine(self) -> TargetEngine:
         return self.executor.engine
 
     @engine.setter
-    def engine(self, engine) -> None:  # from the next job on, the worker serves (and reports) this engine
+    def engine(self, engine: TargetEngine) -> None:  # from the next job on, the worker serves (and reports) this engine
         self.executor.engine = engine
 
     @property
@@ -208,7 +211,7 @@ class Worker:
         self.session.open(poller)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(5 if self.outbox.busy else self._heartbeat_interval * 250))
+                events = dict(poller.poll(5 if self.outbox.busy else int(self._heartbeat_interval * 250)))
                 now = time.monotonic()
                 if self.session.sock in events:
                     self.session.receive(now)

@@ -24,6 +24,7 @@ from spec_serve.protocol.commands import (
     parse_control,
 )
 from spec_serve.protocol.messages import Done, Leave, Ready, Refused
+from spec_serve.supervision.contract import TargetInfo
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import Security, make_socket
@@ -44,7 +45,7 @@ class BrokerSession:
     (``WorkerRefused``). ``before_ready`` runs before each READY; False: do not register."""
 
     def __init__(self, ctx: zmq.Context, identity: bytes, name: str, broker_url: str, service: str, *,
-                 security: Security | None, info, capacity: int, max_message_bytes: int,
+                 security: Security | None, info: TargetInfo, capacity: int, max_message_bytes: int,
                  heartbeat_interval: float, liveness: int, handlers: Mapping[WorkerCommand, Handler],
                  before_ready: Callable[[], bool]):
         self.ctx, self.identity, self.name = ctx, identity, name

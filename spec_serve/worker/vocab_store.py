@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from spec_serve.engines.base import TargetEngine
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import ErrorCode, Message, ProtocolError
 from spec_serve.protocol.messages import WorkerSetVocab
@@ -65,7 +66,7 @@ class VocabStore:
         with self._lock:
             self._mappings.clear()
 
-    def get(self, digest) -> Mapping:
+    def get(self, digest: str | None) -> Mapping:
         """The mapping ``digest`` names; ``RequestError`` if none (BAD_REQUEST) or not held (INTERNAL)."""
         if not isinstance(digest, str):
             raise RequestError(ErrorCode.BAD_REQUEST, "EAGLE-3 needs a draft-vocab mapping: call set_vocab_mapping")
@@ -77,7 +78,7 @@ class VocabStore:
             raise RequestError(ErrorCode.INTERNAL, f"worker {self.worker} lacks vocab mapping {digest}")
         return mapping
 
-    def select(self, engine, kind: Kind, digest) -> None:
+    def select(self, engine: TargetEngine, kind: Kind, digest: str | None) -> None:
         """Compute thread: give ``engine`` the mapping an EAGLE-3 request names, unless it holds it already."""
         if kind in (Kind.EAGLE3, Kind.EAGLE3_COMPACT):
             if digest != self._selected or not isinstance(digest, str):
