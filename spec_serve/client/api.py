@@ -117,11 +117,7 @@ class RemoteTargetModel:
         self._lm_head_slices: dict[str, torch.Tensor] = {}
         self._selected_mask: torch.Tensor | None = None
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
-        # Its thread makes `device` current, as the caller's thread would (else cuBLAS warns of no context).
-        self._expander = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="spec-serve-expand",
-            initializer=torch.cuda.set_device if self.device.type == "cuda" else None,
-            initargs=(self.device,) if self.device.type == "cuda" else ()) if self.compact else None
+        self._expander = _expand_executor(self.device) if self.compact else None
         # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
         # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
         self._binding: ClientBinding | None = None
@@ -171,8 +167,10 @@ class RemoteTargetModel:
         self._credits.acquire()
         try:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
-            requests = [self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, bound)
-                        for lo, hi in bounds]
+            # The digest check may replace a shard's request with its retry (integrity.py).
+            requests: list[tuple[SupervisionRequest, Sequence]] = [
+                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, bound)
+                for lo, hi in bounds]
             expects = [reply_specs(wire_kind, info, hi - lo, input_ids.shape[1], loss_mask.dtype, self._draft_vocab)
                        for lo, hi in bounds]
             shards = [self._submit(header, payload, expect) for (header, payload), expect in zip(requests, expects)]
@@ -184,6 +182,8 @@ class RemoteTargetModel:
         if expand:
             mapping = self._vocab_digest
             assert mapping is not None  # EAGLE-3 without a mapping was refused above
+            assert self._selected_mask is not None  # set with the mapping (set_vocab_mapping)
+            assert self._expander is not None  # made in _setup whenever compact (expand implies it)
             result = expand_later(result, self._lm_head_slices[mapping], self._selected_mask, self.device,
                                   self._expander)
         result.add_done_callback(lambda _: self._credits.release())
@@ -200,7 +200,7 @@ class RemoteTargetModel:
             "loss_mask": loss_mask[lo:hi].to("cpu", copy=True),
         })
         self._check_request_size(payload, f"request for rows {lo}:{hi}")
-        header = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
+        header: dict[str, Any] = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                   "tokens": int(attention_mask[lo:hi].sum())}
         if bound is not None:  # every shard to our bound worker; tensors over the pair group
             header.update(bound=bound, nccl=True)
@@ -211,14 +211,15 @@ class RemoteTargetModel:
     def lm_head_slice(self) -> torch.Tensor:
         """The draft-vocab rows ``[Vd, H]`` of the target's lm_head for the current mapping, on ``device``:
         fetched from a worker once per mapping digest, then cached."""
-        digest = self._vocab_digest
-        if digest is None:
+        mapping = self._vocab_digest
+        if mapping is None:
             raise RuntimeError("call set_vocab_mapping first")
-        weight = self._lm_head_slices.get(digest)
+        weight = self._lm_head_slices.get(mapping)
         if weight is None:
+            assert self._draft_vocab is not None  # set with the mapping (set_vocab_mapping)
             reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout},
                                 weight_specs(self.target_info(), self._draft_vocab))
-            weight = self._lm_head_slices[digest] = reply["weight"]
+            weight = self._lm_head_slices[mapping] = reply["weight"]
         return weight
 
     def _fetch(self, header: dict, expect: ReplySpecs) -> dict[str, torch.Tensor]:
@@ -321,8 +322,8 @@ class RemoteTargetModel:
         while True:
             status = self.status(self.service)
             workers = [w for w in status["workers"] if w["service"] == self.service]
-            limits = [status.get("max_message_bytes")] + [w.get("max_message_bytes") for w in workers]
-            limits = [n for n in limits if isinstance(n, int) and n > 0]
+            advertised = [status.get("max_message_bytes")] + [w.get("max_message_bytes") for w in workers]
+            limits = [n for n in advertised if isinstance(n, int) and n > 0]
             self._max_request_bytes = min(limits) if limits else None
             infos = {w["id"]: w["target_info"] for w in workers}
             if infos or not wait:
@@ -399,6 +400,15 @@ class RemoteTargetModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _expand_executor(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread compact batches are expanded on. It makes ``device`` current, as the caller's
+    thread would (else cuBLAS warns of no context)."""
+    if device.type == "cuda":
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand",
+                                                     initializer=torch.cuda.set_device, initargs=(device,))
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand")
 
 
 def _mismatch_message(title: str, diff: dict, ours: str, theirs: str) -> str:

@@ -4,6 +4,7 @@ compact EAGLE-3 batches expanded."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -39,7 +40,7 @@ def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: t
     """
     batch = _Batch(rows, device, alloc, check)
     for k, future in enumerate(shards):
-        future.add_done_callback(lambda f, k=k: batch.arrived(k, f))
+        future.add_done_callback(functools.partial(batch.arrived, k))
     return batch.out
 
 

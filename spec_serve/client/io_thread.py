@@ -90,7 +90,7 @@ class ClientIO(threading.Thread):
                  connect_timeout: float = CONNECT_TIMEOUT):
         super().__init__(name="spec-serve-client-io", daemon=True)
         self.broker_url = check_connect_url(broker_url, CLIENT_PORT_HINT, FRONTEND_PORT)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.connect_timeout = connect_timeout
         self._created_at = time.monotonic()
         self._heard = False  # any valid message from the broker yet (on this or an earlier socket)
@@ -114,7 +114,10 @@ class ClientIO(threading.Thread):
                                  leave_binding=lambda request_id, why: self.replies.nccl_fallback(request_id, why))
         self.vocab = VocabRegistrations()
         self._ipc_files: list[str] = []
-        self.data = self.dealer = self.data_ingress = None
+        # Opened by _open_sockets before the constructor returns (or it raises): set whenever the thread runs.
+        self.data: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self.data_ingress: Ingress | None = None
         # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
         self.plane = samehost.ClientPlane.start(device, same_host_plane)
         self.replies = WorkerReplies(self.requests, self.stats, self.plane, max_message_bytes, self.call,
@@ -244,7 +247,12 @@ class ClientIO(threading.Thread):
         # The I/O thread must send DISCONNECT before it stops, or the broker
         # counts this client (and what it queued) until its liveness expires.
         sent = threading.Event()
-        self.call(lambda: (self._disconnect(), sent.set()))
+
+        def disconnect() -> None:
+            self._disconnect()
+            sent.set()
+
+        self.call(disconnect)
         if self.is_alive():
             sent.wait(timeout=2)
         self._closing.set()
@@ -263,7 +271,7 @@ class ClientIO(threading.Thread):
         self._broker_expiry = time.monotonic() + self.heartbeat_interval * self.liveness
         try:
             while not self._closing.is_set():
-                events = dict(self._poller.poll(min(self.heartbeat_interval, 0.1) * 1000))
+                events = dict(self._poller.poll(int(min(self.heartbeat_interval, 0.1) * 1000)))
                 now = time.monotonic()
                 self._run_calls(events)
                 self._read_sockets(events, now)
@@ -284,6 +292,7 @@ class ClientIO(threading.Thread):
                 return
 
     def _read_sockets(self, events: dict, now: float) -> None:
+        assert self.dealer is not None and self.data is not None  # opened in __init__
         if self.dealer in events:
             self._broker_expiry = now + self.heartbeat_interval * self.liveness
             self._drain(self.dealer, self._on_control)
@@ -306,6 +315,7 @@ class ClientIO(threading.Thread):
         self.requests.close()
         if self._watch is not None:
             self._watch.close()
+        assert self.dealer is not None and self.data is not None and self.data_ingress is not None  # opened in __init__
         self.dealer.close(linger=500)  # let a final DISCONNECT leave
         self.data_ingress.close()
         self.data.close(0)
@@ -320,6 +330,7 @@ class ClientIO(threading.Thread):
             except zmq.Again:
                 return
             if sock is self.data:
+                assert self.data_ingress is not None  # opened with the data socket
                 self.data_ingress.delivered(frames)
             try:
                 handler(frames)
@@ -329,6 +340,7 @@ class ClientIO(threading.Thread):
                 log.exception("client.handler_failed error=%s", e)
 
     def _send(self, frames: list) -> None:
+        assert self.dealer is not None  # opened in __init__
         try:
             self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -351,6 +363,7 @@ class ClientIO(threading.Thread):
             self._lost_since = now
             event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url,
                   silent_s=round(self.heartbeat_interval * self.liveness, 1))
+        assert self.dealer is not None  # opened in __init__
         self._poller.unregister(self.dealer)
         self.dealer.close(0)
         self.dealer = self._connect()
@@ -382,6 +395,7 @@ class ClientIO(threading.Thread):
         """Fail fast, naming the address and the likely cause, when no broker ever answered."""
         if self._heard or self._unreachable is not None:
             return
+        assert self._watch is not None  # _connect watches every socket until a broker is heard
         self._watch.read()  # keep the monitor's queue short; cause() needs only what it saw
         if now - self._created_at > self.connect_timeout:
             self._fail_all(BrokerUnreachable(
@@ -433,8 +447,9 @@ class ClientIO(threading.Thread):
         """The broker's ERROR for a pending request: retry, or fail it with what the code means."""
         code, error = refusal.code, refusal.error
         now = time.monotonic()
-        if refusal.unknown_vocab and self.vocab.holds(pending.vocab):
-            self._send(self.vocab.registration(pending.vocab))  # e.g. a restarted broker lacks it
+        registration = self.vocab.registration(pending.vocab) if refusal.unknown_vocab else None
+        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it)
+            self._send(registration)
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S)
         elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S,

@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
-from spec_serve.protocol import wire
 from spec_serve.protocol.commands import ClientCommand
 from spec_serve.protocol.messages import WireMessage
 
-# A reply tensor as received: spans over frames (or over a slot a same-host worker lent), or a device
-# tensor that came over the bound worker's pair group.
-ReceivedTensor = wire.TensorSpan | torch.Tensor
+
+class Span(Protocol):
+    """A reply tensor's bytes where they arrived, not yet copied: over frames (``wire.TensorSpan``) or
+    over a slot a same-host worker lent (``samehost.PlaneReply``'s spans)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def view(self) -> torch.Tensor | None: ...
+
+    def copy_into(self, out: torch.Tensor) -> torch.Tensor: ...
+
+
+# A reply tensor as received: a span, or a device tensor that came over the bound worker's pair group.
+ReceivedTensor = Span | torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,7 @@ class WorkerReplies:
                 f"reply of {size} bytes from worker {reply.worker} exceeds this client's "
                 f"max_message_bytes of {self.max_message_bytes}"))
             return
+        tensors: Mapping[str, ReceivedTensor] | None
         if lent is not None:
             tensors = self._open_lent(pending, reply, header, payload)
             if tensors is None:
@@ -173,7 +174,12 @@ class WorkerReplies:
         again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
                                     header=_without_plane(pending.header),
                                     attempts=0, sent_at=0.0, resend_at=None)
-        self._call(lambda: (self._count_fallback(again, reason), self._send_new(again)))
+
+        def send_again() -> None:
+            self._count_fallback(again, reason)
+            self._send_new(again)
+
+        self._call(send_again)
         return again.future
 
     def _count_fallback(self, pending: Pending, reason: str) -> None:
