@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from spec_serve.client import options
 from spec_serve.client.assembly import assemble, expand_later, shard_bounds
 from spec_serve.client.binding_port import BindingPort
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
@@ -22,7 +23,7 @@ from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import CONNECT_TIMEOUT, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, ClientCommand, Op
+from spec_serve.protocol.commands import ClientCommand, Op
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
 from spec_serve.supervision.contract import (
     Kind,
@@ -34,7 +35,7 @@ from spec_serve.supervision.contract import (
     weight_specs,
 )
 from spec_serve.transport.binding import ClientBinding
-from spec_serve.transport.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security
+from spec_serve.transport.sockets import Security
 
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).
 __all__ = ["BrokerUnreachable", "ClientStats", "IntegrityError", "RemoteError", "RemoteTargetModel",
@@ -54,51 +55,51 @@ class RemoteTargetModel:
 
     def __init__(
         self,
-        broker_url: str,
+        broker_url: str | None = None,
         *,
-        service: str = "default",
-        device: str | torch.device = "cpu",
-        timeout: float = 120.0,
-        max_retries: int = 3,
-        prefetch_depth: int = 1,
-        num_shards: int = 1,
+        service: str | None = None,
+        device: str | torch.device | None = None,
+        timeout: float | None = None,
+        max_retries: int | None = None,
+        prefetch_depth: int | None = None,
+        num_shards: int | None = None,
         security: Security | None = None,
         advertise_host: str | None = None,
-        heartbeat_interval: float = HEARTBEAT_INTERVAL,
-        liveness: int = HEARTBEAT_LIVENESS,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        compact: bool = False,
-        enable_nccl: bool = False,
-        nccl_timeout: float = 30.0,
-        nccl_retry_s: float = 30.0,
+        heartbeat_interval: float | None = None,
+        liveness: int | None = None,
+        max_message_bytes: int | None = None,
+        compact: bool | None = None,
+        enable_nccl: bool | None = None,
+        nccl_timeout: float | None = None,
+        nccl_retry_s: float | None = None,
         same_host_plane: bool | None = None,
         verify: str | None = None,
         connect_timeout: float | None = None,
     ):
-        if prefetch_depth < 1 or num_shards < 1 or max_retries < 0 or timeout <= 0:
-            raise ValueError("prefetch_depth and num_shards must be >= 1, max_retries >= 0, timeout > 0")
-        if enable_nccl and security is not None:
-            raise ValueError("enable_nccl=True cannot be combined with CURVE security: the NCCL rendezvous "
-                             "(TCPStore, gloo/NCCL connections) is not authenticated; use frames "
-                             "(enable_nccl=False), which travel over CURVE")
-        connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else float(connect_timeout)
-        if connect_timeout <= 0:
-            raise ValueError("connect_timeout must be > 0")
+        """An argument left None comes from its ``SPEC_SERVE_*`` variable, else its default: the table
+        in spec_serve/client/options.py (docs/client-options.md); a bad value fails with one line."""
+        o = options.resolve({
+            "broker_url": broker_url, "service": service, "device": device, "timeout": timeout,
+            "max_retries": max_retries, "prefetch_depth": prefetch_depth, "num_shards": num_shards,
+            "security": security, "advertise_host": advertise_host, "heartbeat_interval": heartbeat_interval,
+            "liveness": liveness, "max_message_bytes": max_message_bytes, "compact": compact,
+            "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout, "nccl_retry_s": nccl_retry_s,
+            "same_host_plane": same_host_plane, "verify": verify, "connect_timeout": connect_timeout})
         # End-to-end check of reply bytes (spec_serve/protocol/digest.py): "all" (default), "sampled", "off".
-        self._sampler = digest.Sampler(digest.parse_verify(verify))
-        self.service = service
-        self.device = torch.device(device)
-        self.timeout = float(timeout)
-        self.num_shards = num_shards
-        self.prefetch_depth = prefetch_depth
-        self._credits = threading.BoundedSemaphore(prefetch_depth)
-        self._io = ClientIO(broker_url, security=security, advertise_host=advertise_host, max_retries=max_retries,
-                            heartbeat_interval=heartbeat_interval, liveness=liveness,
-                            max_message_bytes=max_message_bytes, device=self.device,
-                            same_host_plane=same_host_plane, connect_timeout=connect_timeout)
+        self._sampler = digest.Sampler(o["verify"])
+        self.service = o["service"]
+        self.device = torch.device(o["device"])
+        self.timeout = o["timeout"]
+        self.num_shards = o["num_shards"]
+        self.prefetch_depth = o["prefetch_depth"]
+        self._credits = threading.BoundedSemaphore(self.prefetch_depth)
+        self._io = ClientIO(o["broker_url"], security=o["security"], advertise_host=o["advertise_host"],
+                            max_retries=o["max_retries"], heartbeat_interval=o["heartbeat_interval"],
+                            liveness=o["liveness"], max_message_bytes=o["max_message_bytes"], device=self.device,
+                            same_host_plane=o["same_host_plane"], connect_timeout=o["connect_timeout"])
         self._io.start()
         try:
-            self._setup(compact, enable_nccl, nccl_timeout, nccl_retry_s)
+            self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"])
         except BaseException:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
