@@ -1,13 +1,18 @@
-"""spec_serve.integrations.nemo: NeMo AutoModel's remote-target interface over a real cluster.
+"""spec_serve.integrations.nemo: NeMo AutoModel's EAGLE-3 recipe with spec-serve as its remote target.
 
-A broker and two hf workers run as processes on loopback; the recipe side is a stand-in of
-NeMo's (tests/fakes/nemo_standin.py) and, where nemo_automodel is installed, NeMo's own
-``TrainEagle3Recipe`` methods. Every batch is compared with the colocated forward (torch.equal).
+A broker with two hf workers (service "default") and two packing workers (service "packed",
+``--packing``) runs as processes on loopback. The recipe side is a stand-in of NeMo 0.7's
+(tests/fakes/nemo_standin.py), with spec-serve's recipe overrides (``SpecServeRecipeMixin``) on top,
+exactly as ``SpecServeEagle3Recipe`` puts them on NeMo's own ``TrainEagle3Recipe``; where
+nemo_automodel is installed, NeMo's own recipe runs the same steps. Unpacked batches are compared with
+the colocated forward bit for bit (torch.equal); packed ones with NeMo's colocated packed forward (the
+stand-in's, or NeMo's own) within the packing tolerances (``engines.packing.TOLERANCE``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -15,16 +20,29 @@ import torch
 
 from cluster_util import CLIENT_KW, FAST_ENV
 from fakes import nemo_standin
-from spec_serve.integrations.nemo import Eagle3Batch, SpecServeEagle3Target, batch_class, broker_url
-from spec_serve.tools.launch import local_cluster
+from spec_serve.client import api
+from spec_serve.engines import packing
+from spec_serve.integrations.nemo import Eagle3Batch, SpecServeEagle3Target, SpecServeRecipeMixin, batch_class
+from spec_serve.integrations.nemo.packed import Documents
+from spec_serve.tools.launch import free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 
 SUPERVISION = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
+FP32 = packing.TOLERANCE[torch.float32]
+PACKED_WIDTH = 96
+NEMO_INSTALLED = importlib.util.find_spec("nemo_automodel") is not None
+
+
+class StandinSpecServeRecipe(SpecServeRecipeMixin, nemo_standin.TrainEagle3Recipe):
+    """What ``SpecServeEagle3Recipe`` is to NeMo's recipe, on the stand-in."""
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_target_dir):
     with local_cluster(tiny_target_dir, workers=2, env=FAST_ENV) as c:
+        for _ in range(2):
+            c.start_worker(tiny_target_dir, "--packing", service="packed")
+        c.wait_workers(2, service="packed")
         yield c
 
 
@@ -37,9 +55,42 @@ def colocated(tiny_target_dir, tiny_vocab_mapping):
     return engine
 
 
+@pytest.fixture(scope="module")
+def nemo_colocated(tiny_target_dir):
+    """The stand-in of NeMo's colocated target (its packed forward: a block-causal mask)."""
+    recipe = nemo_standin.TrainEagle3Recipe(None)
+    recipe._setup_colocated_target(None, tiny_target_dir, None)
+    return recipe.target_wrapper
+
+
 def _batches(target_dir, n=4):
     return [dict(zip(("input_ids", "attention_mask", "loss_mask"), sample_batch(target_dir, 3, 20, seed=s)))
             for s in range(n)]
+
+
+def _documents(target_dir, n=14) -> list[dict]:
+    """Documents of mixed lengths (6 to 40 tokens); every third has loss on its first token, so the slot
+    before it is where NeMo's colocated position_mask can be True across a document boundary."""
+    documents = []
+    for i in range(n):
+        ids, attention, loss = sample_batch(target_dir, 1, 6 + (i * 13) % 35, seed=100 + i)
+        real = attention[0].bool()
+        row_loss = loss[0][real].tolist()
+        if i % 3 == 0:
+            row_loss[0] = 1
+        documents.append({"input_ids": ids[0][real].tolist(), "loss_mask": row_loss})
+    return documents
+
+
+def _recipe_yaml(tmp_path, target_dir, recipe_args: dict) -> str:
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in _documents(target_dir)))
+    args = {"target_model_name_or_path": str(target_dir), "train_data_path": str(data), "seq_length": 48,
+            "micro_batch_size": 2, "draft_vocab_size": 256, **recipe_args}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps({"recipe": "spec_serve.integrations.nemo.SpecServeEagle3Recipe",
+                                "recipe_args": args}))  # JSON is YAML
+    return str(path)
 
 
 def _assert_matches_colocated(target_batch, batch, colocated):
@@ -48,28 +99,61 @@ def _assert_matches_colocated(target_batch, batch, colocated):
         got = getattr(target_batch, name)
         assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
     assert torch.equal(target_batch.attention_mask, batch["attention_mask"])  # as sent, unshifted
-    assert target_batch.logits is None
 
 
-def test_standin_recipe_trains_on_colocated_equal_batches(cluster, tiny_target_dir, tiny_vocab_mapping, colocated):
-    target = nemo_standin.build_backend(SpecServeEagle3Target, {"remote_urls": [cluster.frontend]}, "cpu")
+def _assert_matches_nemo_packed(fed: dict, batch: dict, nemo_colocated, mapping) -> None:
+    """What the trainer was fed for a packed batch against NeMo's colocated packed forward of it."""
+    want = nemo_colocated.generate_batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                         batch["position_ids"], batch["seq_lens"], batch["doc_remaining"])
+    probs, position_mask = nemo_standin.target_distribution(want.logits, *mapping, want.loss_mask)
+    last = Documents.split(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["seq_lens"]).last
+    for name in ("input_ids", "loss_mask", "attention_mask", "position_ids", "seq_lens", "doc_remaining"):
+        assert torch.equal(fed[name], getattr(want, name)), name  # exact: NeMo's own rows, shifted as NeMo shifts
+    # Hidden states at every slot (NeMo's padding is its last document's continuation: computed, not masked).
+    report = packing.compare({"aux_hidden_states": fed["aux_hidden_states"]},
+                             {"aux_hidden_states": want.aux_hidden_states}, torch.ones_like(batch["attention_mask"]))
+    # The next token's distribution wherever it lies in the same document (compare's "next real" = not last).
+    within = torch.zeros_like(last)
+    within[:, 1:] = ~last[:, :-1]
+    report.update(packing.compare({"target_probs": fed["target_probs"]}, {"target_probs": probs}, within))
+    assert packing.violations(report, FP32) == [], report
+    assert torch.equal(fed["position_mask"][~last], position_mask[~last])  # float32: no flips
+    # A document's last slot: no next token of its own. spec-serve says so (uniform, False); NeMo's holds the
+    # next document's first prediction, which its trainer never reads: doc_remaining is 0 there.
+    assert bool((batch["doc_remaining"][last] == 0).all())
+    uniform = torch.softmax(torch.zeros(probs.shape[-1]), dim=-1)
+    assert torch.equal(fed["target_probs"][last], uniform.expand(int(last.sum()), -1))
+    assert not bool(fed["position_mask"][last].any())
+
+
+# ------------------------------------------------------------------------------ unpacked batches
+
+
+def test_standin_recipe_trains_on_colocated_equal_batches(cluster, tmp_path, tiny_target_dir, colocated):
+    """NeMo's setup, prefetch loop and forward step over spec-serve, bit-equal to the colocated forward."""
+    config = nemo_standin.load_config(_recipe_yaml(tmp_path, tiny_target_dir, {
+        "target_model_backend": "remote", "remote_urls": [cluster.frontend], "target_prefetch_depth": 4,
+        "remote_timeout": 60}))
+    recipe = StandinSpecServeRecipe(config)
+    recipe.setup()
+    target = recipe.target_wrapper
     try:
-        assert target.supports_async and target.num_remote_servers == 2
-        target.set_vocab_mapping(*tiny_vocab_mapping)
-        depth = nemo_standin.resolve_prefetch_depth(target, 4)
-        assert depth == 2  # capped at the workers serving the service, as NeMo caps at its servers
-        batches = _batches(tiny_target_dir)
+        assert isinstance(target, SpecServeEagle3Target) and target.num_remote_servers == 2
+        assert recipe.target_prefetch_depth == 2  # capped at the workers serving the service, as NeMo caps
+        assert target.options.sources["timeout"] == "recipe_args.remote_timeout" and target.client.timeout == 60
+        colocated.set_vocab_mapping(recipe.selected_token_ids, recipe.selected_token_mask)
         seen = 0
-        for batch, target_batch in nemo_standin.prefetched_batches(target, batches, depth):
-            assert batch is batches[seen]  # submission order
-            if importlib.util.find_spec("nemo_automodel") is None:
+        for i, (batch, target_batch) in enumerate(recipe._prefetched_batches(recipe.train_dataloader)):
+            assert batch is recipe.train_dataloader[i]  # submission order
+            if not NEMO_INSTALLED:
                 assert isinstance(target_batch, Eagle3Batch)
-            inputs = nemo_standin.trainer_step(target_batch)
-            assert set(inputs) == {"input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "target_probs",
-                                   "position_mask"}
-            _assert_matches_colocated(target_batch, batch, colocated)
+            recipe._forward_batch(batch, target_batch)
+            fed = recipe.trainer_module.calls[-1]
+            assert set(fed) == {"input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "target_probs",
+                                "position_mask"}
+            _assert_matches_colocated(SimpleNamespace(**fed), batch, colocated)
             seen += 1
-        assert seen == len(batches)
+        assert seen == len(recipe.train_dataloader) > 1
     finally:
         target.close()
 
@@ -90,30 +174,8 @@ def test_model_info_and_embeddings_as_nemo_reads_them(cluster, colocated):
         target.close()
 
 
-def test_packed_sequences_are_refused_with_the_fix(cluster, tiny_target_dir, tiny_vocab_mapping):
-    target = SpecServeEagle3Target(cluster.frontend, device="cpu", **CLIENT_KW)
-    try:
-        target.set_vocab_mapping(*tiny_vocab_mapping)
-        ids, attn, loss = sample_batch(tiny_target_dir, 1, 8, seed=0)
-        with pytest.raises(NotImplementedError, match="packed_sequence_size: 0"):
-            target.generate_batch(ids, attn, loss, seq_lens=torch.tensor([[4, 4]]))
-    finally:
-        target.close()
-
-
-@pytest.mark.parametrize("urls, message", [
-    (["http://server:8001"], "HTTP URL"),
-    (["tcp://a:5555", "tcp://b:5555"], "one broker"),
-    ([], "one broker"),
-])
-def test_nemo_style_urls_get_a_hint(urls, message):
-    with pytest.raises(ValueError, match=message):
-        broker_url(urls)
-    assert broker_url(["tcp://a:5555", "tcp://a:5555"]) == "tcp://a:5555"
-
-
 def test_batch_class_is_nemos_when_installed():
-    if importlib.util.find_spec("nemo_automodel") is None:
+    if not NEMO_INSTALLED:
         assert batch_class() is Eagle3Batch
     else:
         from nemo_automodel.components.speculative.eagle.target import Eagle3TargetBatch
@@ -121,18 +183,132 @@ def test_batch_class_is_nemos_when_installed():
         assert batch_class() is Eagle3TargetBatch
 
 
-class _RecordingTrainer:
-    """Takes the place of NeMo's trainer module: records what the recipe feeds it."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, **inputs):
-        self.calls.append(inputs)
-        return SimpleNamespace(loss=torch.tensor(0.0))
+# -------------------------------------------------------------------------------- packed batches
 
 
-def test_nemo_recipe_step_with_spec_serve_backend(cluster, tiny_target_dir, tiny_vocab_mapping, colocated):
+@pytest.mark.parametrize("source, prefetch", [("yaml", 2), ("environment", 0)])
+def test_a_recipe_reaches_compact_sharding_and_packing(cluster, tmp_path, monkeypatch, tiny_target_dir,
+                                                        nemo_colocated, source, prefetch):
+    """The done-when of issue 23 item 5: a NeMo recipe run reaches compact replies, sharding and packed
+    sequences from its YAML (through NeMo's prefetch loop) or from the environment alone (through its
+    inline step), against packing workers; the trainer is fed what NeMo's colocated packed forward gives."""
+    recipe_args = {"target_model_backend": "remote", "packed_sequence_size": PACKED_WIDTH,
+                   "target_prefetch_depth": prefetch}
+    if source == "yaml":
+        recipe_args.update(remote_urls=[cluster.frontend],
+                           spec_serve={"service": "packed", "compact": True, "num_shards": 2})
+    else:  # NeMo's own remote YAML, untouched: its HTTP URL gives way to the environment
+        recipe_args.update(remote_urls=["http://127.0.0.1:8001"])
+        for name, value in {"SPEC_SERVE_CLIENT_BROKER": cluster.frontend, "SPEC_SERVE_SERVICE": "packed",
+                            "SPEC_SERVE_COMPACT": "1", "SPEC_SERVE_NUM_SHARDS": "2"}.items():
+            monkeypatch.setenv(name, value)
+    requests, expanded = _spy_requests(monkeypatch)
+    recipe = StandinSpecServeRecipe(nemo_standin.load_config(_recipe_yaml(tmp_path, tiny_target_dir, recipe_args)))
+    recipe.setup()
+    target = recipe.target_wrapper
+    try:
+        assert recipe.cfg.recipe_args.target_model_backend == "remote"  # as the YAML says, after setup
+        client = target.client
+        assert (client.compact, client.num_shards, client.service) == (True, 2, "packed")
+        assert target.options.sources["compact"] == ("recipe_args.spec_serve.compact" if source == "yaml"
+                                                     else "SPEC_SERVE_COMPACT")
+        recipe.run_train_validation_loop()
+        batches = recipe.train_dataloader
+        assert len(recipe.trainer_module.calls) == len(batches) > 1 and len(requests) == len(batches)
+        mapping = (recipe.selected_token_ids, recipe.selected_token_mask)
+        for batch, fed, (sent, reply) in zip(batches, recipe.trainer_module.calls, requests):
+            _assert_matches_nemo_packed(fed, batch, nemo_colocated, mapping)
+            _assert_one_row_per_document(batch, sent, reply.result())
+        assert expanded["count"] == len(batches)  # every batch came compact, expanded on the client
+        workers = [w for w in client.status("packed")["workers"] if w["service"] == "packed"]
+        assert len(workers) == 2 and all(w["completed"] > 0 for w in workers)  # shards reached both
+    finally:
+        target.close()
+
+
+def _spy_requests(monkeypatch):
+    """Record what the adapter sends (its request rows and raw futures) and count compact expansions."""
+    requests: list = []
+    expanded = {"count": 0}
+    real_submit, real_expand = api.RemoteTargetModel.generate_batch_async, api.expand_later
+
+    def submit(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
+        future = real_submit(self, input_ids, attention_mask, loss_mask, kind)
+        requests.append(((input_ids, attention_mask, loss_mask), future))
+        return future
+
+    def expand(*args, **kwargs):
+        expanded["count"] += 1
+        return real_expand(*args, **kwargs)
+
+    monkeypatch.setattr(api.RemoteTargetModel, "generate_batch_async", submit)
+    monkeypatch.setattr(api, "expand_later", expand)
+    return requests, expanded
+
+
+def _assert_one_row_per_document(batch, sent, reply) -> None:
+    """The request has a row per document of the packed batch, right-padded (so a packing worker packs it),
+    and the packing worker did: its padded positions hold zeros, where a padded forward computes values."""
+    input_ids, attention_mask, loss_mask = sent
+    lengths = batch["seq_lens"][batch["seq_lens"] > 0].tolist()
+    assert packing.row_lengths(attention_mask, loss_mask) == lengths
+    assert input_ids.shape == (len(lengths), max(lengths))
+    padding = ~attention_mask.bool()
+    assert bool(padding.any()) and not bool(reply["aux_hidden_states"][padding].any())
+
+
+def test_documents_split_and_gather_in_process(tiny_target_dir, colocated, nemo_colocated, tiny_vocab_mapping):
+    """The mapping alone, on an in-process engine: padded (a plain worker) and packed (a packing worker) both
+    land within tolerance of NeMo's colocated packed forward; a bad layout is one line naming what is wrong."""
+    colocated.set_vocab_mapping(*tiny_vocab_mapping)  # another test may have set the recipe's
+    rows = nemo_standin.pack_documents(_documents(tiny_target_dir), PACKED_WIDTH, 0)
+    batch = nemo_standin.collate_packed(rows[:3])
+    documents = Documents.split(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["seq_lens"],
+                                batch["position_ids"])
+    request = (documents.input_ids, documents.attention_mask, documents.loss_mask)
+    for reply in (colocated.generate_batch(*request), colocated.generate_packed([request])[0]):
+        got = documents.gather(reply, torch.device("cpu"))
+        fed = {**got, "attention_mask": batch["attention_mask"],
+               **{k: batch[k] for k in ("position_ids", "seq_lens", "doc_remaining")}}
+        _assert_matches_nemo_packed(fed, batch, nemo_colocated, tiny_vocab_mapping)
+    bad_lengths = batch["seq_lens"].clone()
+    bad_lengths[0, 0] += 1
+    with pytest.raises(ValueError, match=r"each row of seq_lens must .* sum to the packed width 96"):
+        Documents.split(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], bad_lengths)
+    with pytest.raises(ValueError, match="position_ids must count 0, 1, ... within each document"):
+        Documents.split(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["seq_lens"],
+                        torch.arange(PACKED_WIDTH).expand(3, -1))
+
+
+def test_nemo_refuses_a_packed_remote_recipe_without_spec_serve(tmp_path, tiny_target_dir):
+    """NeMo's recipe alone refuses packing for a remote target (its server cannot mask per document): the
+    overrides are what make it run."""
+    config = nemo_standin.load_config(_recipe_yaml(tmp_path, tiny_target_dir, {
+        "target_model_backend": "remote", "remote_urls": ["tcp://127.0.0.1:5555"], "packed_sequence_size": 64}))
+    with pytest.raises(NotImplementedError, match="packed_sequence_size > 0 is only supported with the colocated"):
+        nemo_standin.TrainEagle3Recipe(config).setup()
+    config.distributed = nemo_standin.ConfigNode({"tp_size": 2})
+    with pytest.raises(NotImplementedError, match="distributed.tp_size > 1 needs target_model_backend: colocated"):
+        StandinSpecServeRecipe(config).setup()
+
+
+def test_a_packed_batch_without_its_boundaries_is_refused(tiny_target_dir):
+    target = SpecServeEagle3Target(f"tcp://127.0.0.1:{free_port()}", device="cpu", **CLIENT_KW)
+    try:
+        target.expect_packed = True
+        ids, attention, loss = sample_batch(tiny_target_dir, 1, 8, seed=0)
+        with pytest.raises(RuntimeError, match="came without its seq_lens: its documents would attend to each"):
+            target.generate_batch_async(ids, attention, loss)
+        with pytest.raises(TypeError, match=r"unexpected keyword arguments \['cu_seqlens'\]"):
+            target.generate_batch_async(ids, attention, loss, cu_seqlens=torch.tensor([0, 8]))
+    finally:
+        target.close()
+
+
+# ------------------------------------------------------------------------------- NeMo itself
+
+
+def test_nemo_recipe_step_with_patch_recipe(cluster, tiny_target_dir, tiny_vocab_mapping, colocated):
     """NeMo's own TrainEagle3Recipe setup, prefetch loop and forward step, with the adapter patched in."""
     recipe_module = pytest.importorskip("nemo_automodel.recipes.llm.train_eagle3")
     from nemo_automodel.components.speculative.eagle.target import Eagle3TargetBatch
@@ -141,6 +317,7 @@ def test_nemo_recipe_step_with_spec_serve_backend(cluster, tiny_target_dir, tiny
 
     previous = patch_recipe()
     recipe = recipe_module.TrainEagle3Recipe.__new__(recipe_module.TrainEagle3Recipe)
+    colocated.set_vocab_mapping(*tiny_vocab_mapping)
     try:
         recipe.device = torch.device("cpu")
         recipe.dist_env = SimpleNamespace(is_main=True, world_size=1)
@@ -149,13 +326,13 @@ def test_nemo_recipe_step_with_spec_serve_backend(cluster, tiny_target_dir, tiny
         recipe.target_wrapper.set_vocab_mapping(*tiny_vocab_mapping)
         recipe.target_prefetch_depth = recipe._resolve_prefetch_depth({"target_prefetch_depth": 4})
         assert recipe.target_prefetch_depth == 2
-        recipe.trainer_module = _RecordingTrainer()
+        recipe.trainer_module = nemo_standin.RecordingTrainer()
         batches = _batches(tiny_target_dir)
         for i, (batch, target_batch) in enumerate(recipe._prefetched_batches(batches)):
             assert batch is batches[i] and isinstance(target_batch, Eagle3TargetBatch)
             recipe._forward_batch(batch, target_batch)
             fed = recipe.trainer_module.calls[-1]
-            _assert_matches_colocated(SimpleNamespace(**fed, logits=None), batch, colocated)
+            _assert_matches_colocated(SimpleNamespace(**fed), batch, colocated)
         assert len(recipe.trainer_module.calls) == len(batches)
     finally:
         recipe_module.RemoteEagle3TargetModel = previous

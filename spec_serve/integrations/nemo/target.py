@@ -6,8 +6,7 @@ NeMo's EAGLE-3 recipe (``nemo_automodel/recipes/llm/train_eagle3.py``) drives it
 ``get_input_embeddings()``, ``generate_batch`` / ``generate_batch_async`` returning an
 ``Eagle3TargetBatch`` (attribute access, ``to_trainer_inputs()``), and ``close()``.
 :class:`SpecServeEagle3Target` has that surface over :class:`~spec_serve.client.api.RemoteTargetModel`,
-so a NeMo run switches by pointing ``remote_urls`` at a spec-serve broker and calling
-:func:`patch_recipe` (docs/migrating-from-nemo.md). nemo_automodel is optional: when it is
+and serves packed batches (``seq_lens``, packed.py) too. nemo_automodel is optional: when it is
 importable, batches are its own ``Eagle3TargetBatch``; otherwise :class:`Eagle3Batch`, which has the
 same fields and method.
 """
@@ -17,14 +16,16 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from spec_serve.client import RemoteTargetModel
+from spec_serve.client import RemoteTargetModel, options
+from spec_serve.integrations.nemo.packed import PACKING_KEYS, Documents
 
-_RECIPE_MODULE = "nemo_automodel.recipes.llm.train_eagle3"
+# The client's prefetch depth under NeMo, unless set: NeMo keeps up to num_remote_servers batches in flight.
+NEMO_PREFETCH_DEPTH = 4
 
 
 @dataclasses.dataclass
@@ -44,10 +45,14 @@ class Eagle3Batch:
     doc_remaining: torch.Tensor | None = None
 
     def to_trainer_inputs(self) -> dict[str, torch.Tensor | None]:
-        """The keyword arguments of NeMo's EAGLE-3 trainer module for this batch."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
-                "aux_hidden_states": self.aux_hidden_states, "target_probs": self.target_probs,
-                "position_mask": self.position_mask}
+        """The keyword arguments of NeMo's EAGLE-3 trainer module for this batch (with a packed batch's
+        ``position_ids``, ``seq_lens`` and ``doc_remaining``, as NeMo's batch gives them)."""
+        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
+                  "aux_hidden_states": self.aux_hidden_states, "target_probs": self.target_probs,
+                  "position_mask": self.position_mask}
+        if self.seq_lens is not None:
+            inputs.update(position_ids=self.position_ids, seq_lens=self.seq_lens, doc_remaining=self.doc_remaining)
+        return inputs
 
 
 def batch_class() -> type:
@@ -59,23 +64,10 @@ def batch_class() -> type:
     return Eagle3TargetBatch
 
 
-def broker_url(urls: str | Sequence[str]) -> str:
-    """The one broker frontend in NeMo's ``remote_urls`` (``ValueError`` with the fix otherwise)."""
-    given = [urls] if isinstance(urls, str) else list(dict.fromkeys(urls))
-    if len(given) != 1:
-        raise ValueError(f"spec-serve needs one broker frontend URL (its workers register there), got {given}; "
-                         "set remote_urls: ['tcp://BROKER:5555']")
-    url = given[0]
-    if url.startswith(("http://", "https://")):
-        raise ValueError(f"{url} is an HTTP URL (NeMo's serve_target); spec-serve clients connect to the broker's "
-                         "ZeroMQ frontend: remote_urls: ['tcp://BROKER:5555']")
-    return url
-
-
 class _AsyncBatch:
     """What ``generate_batch_async`` returns: ``result(timeout)`` gives the batch, as NeMo's handle does."""
 
-    def __init__(self, future: concurrent.futures.Future, convert):
+    def __init__(self, future: concurrent.futures.Future, convert: Callable[[dict[str, torch.Tensor]], Any]):
         self._future, self._convert = future, convert
 
     def result(self, timeout: float | None = None):
@@ -91,23 +83,40 @@ class _AsyncBatch:
 class SpecServeEagle3Target:
     """NeMo's ``RemoteEagle3TargetModel`` surface over a spec-serve broker.
 
-    ``client_kwargs`` go to :class:`RemoteTargetModel` (``service``, ``prefetch_depth``,
-    ``num_shards``, ``compact``, ``enable_nccl``, ``security``, ...). NeMo's ``max_retries`` means
-    HTTP retries; here it is the client's re-sends of a request after a worker or broker loss.
+    Every :class:`RemoteTargetModel` option comes from, in order: a keyword argument here, its
+    ``SPEC_SERVE_*`` variable, NeMo's ``NEMO_EAGLE_ENABLE_NCCL``, the recipe YAML (``recipe_args``: NeMo's
+    ``remote_urls``/``remote_url``, ``remote_timeout``, ``remote_max_retries``, and
+    ``spec_serve: {compact: true, num_shards: 2, ...}``), the default (docs/client-options.md).
+    NeMo's ``max_retries`` means HTTP retries; here it is the client's re-sends of a request after a
+    worker or broker loss.
     """
 
-    def __init__(self, urls: str | Sequence[str], *, device: str | torch.device, timeout: float = 120,
-                 max_retries: int = 3, prefetch_depth: int = 4, **client_kwargs: Any):
-        self.device = torch.device(device)
-        self.client = RemoteTargetModel(broker_url(urls), device=self.device, timeout=timeout,
-                                        max_retries=max_retries, prefetch_depth=prefetch_depth, **client_kwargs)
+    def __init__(self, urls: str | Sequence[str] | None = None, *, device: str | torch.device,
+                 recipe_args: Any = None, **client_kwargs: Any):
+        resolved = options.resolve({"broker_url": urls, "device": device, **client_kwargs}, config=recipe_args,
+                                   nemo=True, defaults={"prefetch_depth": NEMO_PREFETCH_DEPTH})
+        self.options = resolved
+        self.client = RemoteTargetModel(**resolved.client_kwargs())
+        self.device = self.client.device
         self._batch_class = batch_class()
         self._input_embeddings: types.SimpleNamespace | None = None
+        # Set by the recipe (recipe.py) when packed_sequence_size > 0: a batch without its seq_lens is
+        # then refused, never served as one causal sequence across its documents.
+        self.expect_packed = False
+        # A packed batch's boundaries, from packed_source() to the generate_batch_async call for its input_ids.
+        self._handoff: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], *, device, **kwargs) -> SpecServeEagle3Target:
         """NeMo's constructor: ``from_urls(remote_urls, device=, timeout=, max_retries=)``."""
         return cls(urls, device=device, **kwargs)
+
+    @classmethod
+    def from_recipe(cls, recipe_args: Any, *, device) -> SpecServeEagle3Target:
+        """The target a recipe's ``recipe_args`` (NeMo's YAML section) asks for, the environment applied."""
+        target = cls(device=device, recipe_args=recipe_args)
+        target.expect_packed = int(_get(recipe_args, "packed_sequence_size") or 0) > 0
+        return target
 
     @property
     def supports_async(self) -> bool:
@@ -138,36 +147,60 @@ class SpecServeEagle3Target:
     def get_output_embeddings(self) -> types.SimpleNamespace:
         return self.client.get_output_embeddings()
 
+    def packed_source(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+        """``batches`` as they are; each packed one's ``position_ids``, ``seq_lens`` and ``doc_remaining`` wait
+        here for the ``generate_batch_async`` call with its ``input_ids``: NeMo's prefetch loop passes only
+        ``input_ids``, ``attention_mask`` and ``loss_mask``, right after taking the batch."""
+        for batch in batches:
+            if "seq_lens" in batch:
+                self._handoff = (batch["input_ids"], {k: batch[k] for k in PACKING_KEYS if k in batch})
+            yield batch
+
     def generate_batch(self, input_ids, attention_mask, loss_mask, **packing: Any):
         """One batch's supervision as an ``Eagle3TargetBatch``, every tensor on ``device``."""
         return self.generate_batch_async(input_ids, attention_mask, loss_mask, **packing).result()
 
     def generate_batch_async(self, input_ids, attention_mask, loss_mask, **packing: Any) -> _AsyncBatch:
-        """Submit a batch; ``.result()`` gives the ``Eagle3TargetBatch``."""
-        if packing:  # NeMo passes position_ids, seq_lens, doc_remaining only when packing is on
-            raise NotImplementedError(f"spec-serve targets run each row causally over the whole row and do not "
-                                      f"serve packed sequences ({', '.join(sorted(packing))}); set "
-                                      f"packed_sequence_size: 0")
-        future = self.client.generate_batch_async(input_ids, attention_mask, loss_mask, kind="eagle3")
-        return _AsyncBatch(future, lambda tensors: self._to_batch(tensors, attention_mask))
+        """Submit a batch; ``.result()`` gives the ``Eagle3TargetBatch``. With ``seq_lens`` (NeMo's packed
+        rows) each document is a request row of its own (packed.py)."""
+        packing = self._packing_of(input_ids, packing)
+        if packing.get("seq_lens") is None:
+            future = self.client.generate_batch_async(input_ids, attention_mask, loss_mask, kind="eagle3")
+            return _AsyncBatch(future, lambda tensors: self._to_batch(tensors, attention_mask, {}))
+        documents = Documents.split(input_ids, attention_mask, loss_mask, packing["seq_lens"],
+                                    packing.get("position_ids"))
+        future = self.client.generate_batch_async(documents.input_ids, documents.attention_mask,
+                                                  documents.loss_mask, kind="eagle3")
+        return _AsyncBatch(future, lambda tensors: self._to_batch(documents.gather(tensors, self.device),
+                                                                  attention_mask, packing))
 
-    def _to_batch(self, tensors: dict[str, torch.Tensor], attention_mask: torch.Tensor):
-        # As NeMo's remote batches: input_ids/loss_mask shifted (contract), attention_mask as sent.
+    def _packing_of(self, input_ids: torch.Tensor, packing: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(packing) - set(PACKING_KEYS))
+        if unknown:
+            raise TypeError(f"generate_batch got unexpected keyword arguments {unknown} (NeMo passes {PACKING_KEYS})")
+        handoff, self._handoff = self._handoff, None
+        if not packing and handoff is not None and handoff[0] is input_ids:
+            packing = handoff[1]
+        if self.expect_packed and packing.get("seq_lens") is None:
+            raise RuntimeError("packed_sequence_size > 0, but this batch came without its seq_lens: its documents "
+                               "would attend to each other; run the recipe through spec_serve.integrations.nemo "
+                               "(SpecServeEagle3Recipe), which passes them on")
+        return packing
+
+    def _to_batch(self, tensors: Mapping[str, torch.Tensor], attention_mask: torch.Tensor,
+                  packing: Mapping[str, torch.Tensor]):
+        # As NeMo's remote batches: input_ids/loss_mask shifted (contract), attention_mask as sent; a packed
+        # batch's metadata unshifted, on the training device, as NeMo's colocated target returns it.
+        extra = {k: v.to(self.device) for k, v in packing.items() if v is not None}
         return self._batch_class(aux_hidden_states=tensors["aux_hidden_states"], input_ids=tensors["input_ids"],
                                  attention_mask=attention_mask.to(self.device), loss_mask=tensors["loss_mask"],
-                                 target_probs=tensors["target_probs"], position_mask=tensors["position_mask"])
+                                 target_probs=tensors["target_probs"], position_mask=tensors["position_mask"], **extra)
 
     def close(self) -> None:
         """Leave the broker; the workers keep serving other clients."""
         self.client.close()
 
 
-def patch_recipe() -> type:
-    """Make NeMo's EAGLE-3 recipe build :class:`SpecServeEagle3Target` for ``target_model_backend:
-    remote``; returns the class it replaced. Call it before the recipe's ``setup()``."""
-    import importlib
-
-    recipe: Any = importlib.import_module(_RECIPE_MODULE)
-    previous = recipe.RemoteEagle3TargetModel
-    recipe.RemoteEagle3TargetModel = SpecServeEagle3Target
-    return previous
+def _get(config: Any, key: str) -> Any:
+    getter = getattr(config, "get", None)
+    return getter(key, None) if getter is not None else None
