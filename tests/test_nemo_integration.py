@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +35,8 @@ SUPERVISION = ("aux_hidden_states", "target_probs", "position_mask", "input_ids"
 FP32 = packing.TOLERANCE[torch.float32]
 PACKED_WIDTH = 96
 NEMO_INSTALLED = importlib.util.find_spec("nemo_automodel") is not None
+NEEDS_NEMO = pytest.mark.skipif(not NEMO_INSTALLED, reason="NeMo AutoModel (nemo_automodel) is not installed: "
+                                "its own recipe runs where it is; the stand-in runs here")
 
 
 class StandinSpecServeRecipe(SpecServeRecipeMixin, nemo_standin.TrainEagle3Recipe):
@@ -308,9 +314,10 @@ def test_a_packed_batch_without_its_boundaries_is_refused(tiny_target_dir):
 # ------------------------------------------------------------------------------- NeMo itself
 
 
+@NEEDS_NEMO
 def test_nemo_recipe_step_with_patch_recipe(cluster, tiny_target_dir, tiny_vocab_mapping, colocated):
     """NeMo's own TrainEagle3Recipe setup, prefetch loop and forward step, with the adapter patched in."""
-    recipe_module = pytest.importorskip("nemo_automodel.recipes.llm.train_eagle3")
+    import nemo_automodel.recipes.llm.train_eagle3 as recipe_module
     from nemo_automodel.components.speculative.eagle.target import Eagle3TargetBatch
 
     from spec_serve.integrations.nemo import patch_recipe
@@ -338,3 +345,120 @@ def test_nemo_recipe_step_with_patch_recipe(cluster, tiny_target_dir, tiny_vocab
         recipe_module.RemoteEagle3TargetModel = previous
         if getattr(recipe, "target_wrapper", None) is not None:
             recipe.target_wrapper.close()
+
+
+def _nemo_packed_recipe(frontend: str, target_dir):
+    """NeMo's own recipe as SpecServeEagle3Recipe, set up to the point its setup() reaches the target: a
+    YAML asking for packed rows, compact replies and two shards; the data is NeMo's own packed rows of
+    pre-tokenized documents (its chat dataset and tokenizer are not what is tested here)."""
+    from nemo_automodel.components.config.loader import ConfigNode
+    from nemo_automodel.components.datasets.llm.eagle3 import _pack_collate, build_packed_eagle3_dataset
+    from torch.utils.data import DataLoader
+
+    import spec_serve.integrations.nemo as integration
+
+    cls = integration.SpecServeEagle3Recipe  # as NeMo's CLI resolves `recipe: spec_serve.integrations.nemo....`
+    recipe = cls.__new__(cls)
+    recipe.cfg = ConfigNode({"recipe_args": {
+        "target_model_backend": "remote", "remote_urls": [frontend], "packed_sequence_size": PACKED_WIDTH,
+        "target_prefetch_depth": 2, "draft_vocab_size": 256, "train_data_path": "unused", "output_dir": "unused",
+        "spec_serve": {"service": "packed", "compact": True, "num_shards": 2}}})
+    recipe.device, recipe.dp_mesh = torch.device("cpu"), None
+    recipe.dist_env = SimpleNamespace(is_main=True, world_size=1)
+    recipe.tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=3, unk_token_id=0)
+    rows = build_packed_eagle3_dataset(_documents(target_dir), packed_sequence_size=PACKED_WIDTH, pad_token_id=3)
+    recipe._build_train_dataloader = lambda path, split: DataLoader(rows, batch_size=2, collate_fn=_pack_collate)
+    return recipe
+
+
+@NEEDS_NEMO
+def test_nemo_recipe_reaches_compact_sharding_and_packing(cluster, monkeypatch, tiny_target_dir):
+    """NeMo's own TrainEagle3Recipe (its setup gates, data, prefetch loop, forward step) as
+    SpecServeEagle3Recipe reaches packed rows, compact replies and sharding from its YAML; what it feeds the
+    trainer is checked against NeMo's own colocated packed forward (HFEagle3TargetModel, a block-causal
+    mask) and its trainer's projection of the logits (_compute_target_distribution)."""
+    from nemo_automodel.components.speculative.eagle.core import _compute_target_distribution
+    from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
+    from transformers import AutoConfig
+
+    recipe = _nemo_packed_recipe(cluster.frontend, tiny_target_dir)
+    requests, expanded = _spy_requests(monkeypatch)
+    recipe_cfg = recipe.cfg.recipe_args
+    try:
+        ids, mask = recipe._setup_online_target(recipe_cfg, str(tiny_target_dir),
+                                                AutoConfig.from_pretrained(tiny_target_dir))
+        assert recipe_cfg.target_model_backend == "remote"
+        recipe.target_prefetch_depth = recipe._resolve_prefetch_depth(recipe_cfg)
+        recipe.trainer_module = nemo_standin.RecordingTrainer()
+        batches = []
+        for batch, target_batch in recipe._prefetched_batches(recipe.train_dataloader):
+            recipe._forward_batch(batch, target_batch)
+            batches.append(batch)
+        loader = nemo_standin.TrainEagle3Recipe(None)
+        loader._setup_colocated_target(None, tiny_target_dir, None)
+        nemo_target = HFEagle3TargetModel(loader.target_model)
+        for batch, fed, (sent, reply) in zip(batches, recipe.trainer_module.calls, requests):
+            want = nemo_target.generate_batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                              batch["position_ids"], batch["seq_lens"], batch["doc_remaining"])
+            _assert_matches_nemo_packed(fed, batch, SimpleNamespace(generate_batch=lambda *a, w=want: w), (ids, mask))
+            _assert_one_row_per_document(batch, sent, reply.result())
+            probs, position_mask = _compute_target_distribution(want.logits, ids, mask, want.loss_mask)
+            read = fed["doc_remaining"] > 0  # what NeMo's trainer reads
+            assert torch.equal(fed["position_mask"][read], position_mask[read])
+            assert torch.allclose(fed["target_probs"][read], probs[read], atol=1e-5, rtol=0)
+        assert len(batches) == len(requests) == expanded["count"] > 1
+        workers = recipe.target_wrapper.client.status("packed")["workers"]
+        assert all(w["completed"] > 0 for w in workers if w["service"] == "packed")
+    finally:
+        if getattr(recipe, "target_wrapper", None) is not None:
+            recipe.target_wrapper.close()
+
+
+def _launch(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spec_serve.integrations.nemo", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_the_launcher_says_how_to_use_it():
+    shown = _launch("--help", timeout=60)
+    assert shown.returncode == 0 and "python -m spec_serve.integrations.nemo CONFIG.yaml" in shown.stdout
+    if not NEMO_INSTALLED:
+        missing = _launch("recipe.yaml", timeout=60)
+        last = missing.stderr.strip().splitlines()[-1]
+        assert missing.returncode == 1 and "Traceback" not in missing.stderr
+        assert last.startswith("error: this runs NeMo AutoModel's EAGLE-3 recipe")
+        assert "pip install nemo-automodel" in last
+
+
+@NEEDS_NEMO
+def test_nemo_launcher_trains_a_packed_recipe(cluster, tmp_path, tiny_target_dir):
+    """`python -m spec_serve.integrations.nemo CONFIG.yaml`: NeMo's whole recipe (its config loader, chat data,
+    draft, optimizer and training loop) trains on packed rows against the packing workers, with compact replies
+    from the environment, two shards from the YAML, and NeMo's remote YAML otherwise as NeMo ships it."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"question {i} about the broker and its workers"},
+        {"role": "assistant", "content": "the worker serves the draft " * (1 + i % 5)}]}) + "\n" for i in range(16)))
+    config = tmp_path / "llama_eagle3_remote.yaml"
+    config.write_text(json.dumps({
+        "recipe": "TrainEagle3Recipe", "dist_env": {"backend": "gloo"}, "optimizer": {"lr": 1e-4},
+        "checkpoint": {"enabled": False},
+        "recipe_args": {"target_model_name_or_path": str(target), "target_model_backend": "remote",
+                        "remote_urls": ["http://127.0.0.1:8001"], "target_prefetch_depth": 2,
+                        "packed_sequence_size": 128, "train_data_path": str(data), "output_dir": str(tmp_path / "out"),
+                        "seq_length": 128, "micro_batch_size": 2, "num_epochs": 1, "ttt_steps": 2,
+                        "draft_vocab_size": 64, "log_every_steps": 1, "spec_serve": {"num_shards": 2}}}))
+    before = sum(w["completed"] for w in cluster.get("/workers")[1]["workers"] if w["service"] == "packed")
+    run = _launch(str(config), env={"SPEC_SERVE_CLIENT_BROKER": cluster.frontend, "SPEC_SERVE_SERVICE": "packed",
+                                    "SPEC_SERVE_COMPACT": "1", "SPEC_SERVE_LOG_LEVEL": "INFO"})
+    log = run.stdout + run.stderr
+    assert run.returncode == 0 and "Training complete" in log, log[-3000:]
+    assert "compact=True(SPEC_SERVE_COMPACT)" in log and "num_shards=2(recipe_args.spec_serve.num_shards)" in log
+    after = [w["completed"] for w in cluster.get("/workers")[1]["workers"] if w["service"] == "packed"]
+    assert sum(after) > before and all(n > 0 for n in after)

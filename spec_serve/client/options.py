@@ -252,8 +252,8 @@ def _first_set(option: Option, explicit: Mapping[str, Any], config: Any, nemo: b
         return option.nemo_env, environ[option.nemo_env]
     for key in option.yaml if config is not None else ():
         value = _lookup(config, key)
-        if value is not None:
-            return f"recipe_args.{key}", value
+        if value is not None and not (isinstance(value, (str, list, tuple)) and len(value) == 0):
+            return f"recipe_args.{key}", value  # as NeMo reads remote_urls: empty means unset
     return None, None
 
 

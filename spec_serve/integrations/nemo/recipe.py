@@ -151,8 +151,11 @@ def main(argv: Sequence[str] | None = None) -> Any:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
-    from nemo_automodel.components.config._arg_parser import parse_args_and_load_config
-
+    try:
+        from nemo_automodel.components.config._arg_parser import parse_args_and_load_config
+    except ImportError as e:
+        raise SystemExit(f"error: this runs NeMo AutoModel's EAGLE-3 recipe, and nemo_automodel does not import "
+                         f"({e}): pip install nemo-automodel") from None
     path = None if args[0].startswith("-") else args.pop(0)
     cfg = parse_args_and_load_config(path, argv=args)
     named = _recipe_named(cfg)
