@@ -92,7 +92,7 @@ def test_curve_from_the_environment(tmp_path):
     ("recipe_args.remote_urls", ["tcp://a:5555", "tcp://b:5555"], "is not valid for broker_url: spec-serve connects "
                                                                    "to one broker frontend"),
     ("num_shards", 0, "num_shards=0 is not valid for num_shards: a whole number >= 1"),
-    ("compact", "auto", "compact='auto' is not valid for compact: one of"),
+    ("compact", "sometimes", "compact='sometimes' is not valid for compact: one of"),
 ])
 def test_a_bad_value_is_one_line_naming_its_source(source, value, message):
     environ, yaml, explicit = {}, {}, {}

@@ -462,3 +462,40 @@ def test_nemo_launcher_trains_a_packed_recipe(cluster, tmp_path, tiny_target_dir
     assert "compact=True(SPEC_SERVE_COMPACT)" in log and "num_shards=2(recipe_args.spec_serve.num_shards)" in log
     after = [w["completed"] for w in cluster.get("/workers")[1]["workers"] if w["service"] == "packed"]
     assert sum(after) > before and all(n > 0 for n in after)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_nemo_packed_rows_within_bf16_tolerance(tiny_target_dir, tiny_vocab_mapping):
+    """On a GPU in bf16: NeMo's packed rows, served as a row per document by a packed forward, against NeMo's
+    colocated packed forward (a block-causal mask, bf16 on CUDA as NeMo loads it); prints what was measured."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_serve.engines.hf import HFTarget
+
+    engine = HFTarget(tiny_target_dir, device="cuda:0", dtype="bfloat16")
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.bfloat16).cuda()
+    layers = model.config.num_hidden_layers
+    nemo = nemo_standin.ColocatedEagle3Target(model, [1, layers // 2 - 1, layers - 4])
+    mapping = tuple(t.cuda() for t in tiny_vocab_mapping)
+    rows = nemo_standin.pack_documents(_documents(tiny_target_dir, n=40), PACKED_WIDTH, 0)
+    batch = {k: v.cuda() for k, v in nemo_standin.collate_packed(rows[:4]).items()}
+    documents = Documents.split(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["seq_lens"],
+                                batch["position_ids"])
+    reply = engine.generate_packed([(documents.input_ids, documents.attention_mask, documents.loss_mask)])[0]
+    got = documents.gather(reply, torch.device("cuda:0"))
+    want = nemo.generate_batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["position_ids"],
+                               batch["seq_lens"], batch["doc_remaining"])
+    probs, position_mask = nemo_standin.target_distribution(want.logits, *mapping, want.loss_mask)
+    last = documents.last.cuda()
+    within = torch.zeros_like(last)
+    within[:, 1:] = ~last[:, :-1]
+    report = packing.compare({"aux_hidden_states": got["aux_hidden_states"]},
+                             {"aux_hidden_states": want.aux_hidden_states}, torch.ones_like(last))
+    report.update(packing.compare({"target_probs": got["target_probs"]}, {"target_probs": probs}, within))
+    flips = (got["position_mask"][~last] != position_mask[~last]).float().mean()
+    report["position_mask"] = {"flip_rate": float(flips)}
+    print("\nGPU NeMo packed rows, bf16:", report)
+    assert packing.violations(report, packing.TOLERANCE[torch.bfloat16]) == [], report
+    assert torch.equal(got["input_ids"], want.input_ids) and torch.equal(got["loss_mask"], want.loss_mask)
