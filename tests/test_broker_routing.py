@@ -8,6 +8,7 @@ import time
 import pytest
 
 from spec_serve.broker.routing import Peer, Router
+from spec_serve.broker.status import full_status
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     WORKER_TAG,
@@ -155,3 +156,54 @@ def test_a_worker_holding_a_request_past_its_timeout_loses_it_to_another(router)
     # worker-a answering late changes nothing: the request is worker-b's now
     done(router, b"worker-a", request_id, later)
     assert router.requests[request_id].worker == b"worker-b"
+
+
+def leave(router: Router, worker: bytes, now: float, reason: str, drain: bool = False) -> None:
+    header = {"reason": reason, "drain": True} if drain else {"reason": reason}
+    router.worker_left(router.worker_seen(worker, now), message(WORKER_TAG, WorkerCommand.LEAVE, header=header),
+                       now)
+
+
+def test_a_draining_worker_gets_nothing_more_and_what_it_returns_goes_to_another(router):
+    """Issue 23: a worker told to stop LEAVEs with drain (no more requests), returns what it never ran
+    (DONE returned: at once to another worker), finishes the rest and LEAVEs for good: no death."""
+    now = time.monotonic()
+    ready(router, b"worker-a", now, capacity=2)
+    running, queued = submit(router, b"client", now), submit(router, b"client", now)
+    assert router.recorder.requests_to(b"worker-a") == [running, queued]
+    ready(router, b"worker-b", now, capacity=1)
+    router.recorder.take()
+    leave(router, b"worker-a", now, "SIGTERM", drain=True)
+    assert router.workers[b"worker-a"].free == 0
+    page = full_status(router)
+    assert sorted(w["state"] for w in page["workers"]) == ["idle", "leaving"]  # b idle, a draining
+    assert page["services"][SERVICE]["ready_workers"] == 1
+    newer = submit(router, b"client", now)
+    assert router.recorder.requests_to(b"worker-b") == [newer] and router.recorder.requests_to(b"worker-a") == []
+    router.recorder.take()
+    router.complete(router.worker_seen(b"worker-a", now),
+                    message(WORKER_TAG, WorkerCommand.DONE, queued, {"status": "returned"}), now)
+    assert router.services[SERVICE].queue_depth() == 1  # worker-b is busy: first in line for it
+    done(router, b"worker-b", newer, now)
+    assert router.recorder.requests_to(b"worker-b") == [queued]
+    done(router, b"worker-a", running, now)
+    leave(router, b"worker-a", now, "stopped: drained")
+    assert b"worker-a" not in router.workers
+    assert _sample(router, "spec_serve_worker_deaths_total") == 0
+    assert _sample(router, "spec_serve_redispatched_total") == 1
+    assert _sample(router, "spec_serve_completed_total", service=SERVICE, status="ok") == 2
+
+
+def test_an_engine_death_leave_still_counts_as_a_death(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    request_id = submit(router, b"client", now)
+    ready(router, b"worker-b", now)
+    router.recorder.take()
+    leave(router, b"worker-a", now, "CUDA error")
+    assert router.recorder.requests_to(b"worker-b") == [request_id]
+    assert _sample(router, "spec_serve_worker_deaths_total") == 1
+
+
+def _sample(router: Router, name: str, **labels: str) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0

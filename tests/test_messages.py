@@ -33,6 +33,7 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.SupervisionRequest, {"op": "embeddings", "which": "input", "timeout": 5, "reply_to": "tcp://h:1",
                             "max_reply_bytes": 1, "fingerprint": "f", "avoid": "w2"}),
     (m.BrokerHeartbeat, {"broker": "b" * 32}),
+    (m.BrokerHeartbeat, {"broker": "b" * 32, "stopping": True}),
     (m.SetVocab, {"fingerprint": "f", "release": ["d1", "d2"]}),
     (m.SetVocab, {}),
     (m.VocabOk, {"digest": "ab" * 16}),
@@ -57,6 +58,10 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.Done, {"status": "undeliverable", "tokens": 0, "bytes": 0, "via": "shm", "error": "takes nothing"}),
     (m.Done, {"status": "undeliverable", "error": "bad endpoint: x"}),
     (m.Leave, {"reason": "CUDA error"}),
+    (m.Leave, {"reason": "SIGTERM", "drain": True}),
+    (m.Done, {"status": "returned"}),
+    (m.Disconnect, {}),
+    (m.Disconnect, {"stopping": True}),
     (m.Reply, {"worker": "w", "compute_s": 0.25, "fingerprint": "f", "digests": {"hidden": 3}}),
     (m.Reply, {"worker": "fake", "fingerprint": "f"}),  # what the tests' fake workers send
     (m.Reply, {"worker": "w", "compute_s": 0.25, "batched": 3, "plane": PLANE_SLOT, "fingerprint": "f"}),

@@ -383,11 +383,22 @@ class Router:
                                          header=Refused(error=message)))
 
     def worker_left(self, worker: WorkerState, msg: Message, now: float) -> None:
-        """LEAVE: its engine died; its in-flight requests go elsewhere now. The request it was running got
-        engine_dead already; those it held were never run: no suspects."""
-        self.metrics.worker_deaths.inc()
-        reason = Leave.from_json(msg.header).reason
-        self.delete_worker(worker, now, reason=f"left: {str(reason)[:200]}", died=False)
+        """LEAVE. With ``drain`` (the worker was told to stop): it gets nothing more, its binding ends, and it
+        finishes or hands back (DONE returned) what it holds before it LEAVEs for good. Otherwise it goes
+        now (its engine died, or it stopped): what it still holds goes elsewhere. The request a dead engine
+        was running got engine_dead already; the rest were never run: no suspects."""
+        leave = Leave.from_json(msg.header)
+        reason = str(leave.reason)[:200]
+        if leave.drain:
+            worker.leaving = worker.draining = True
+            self.bindings.unbind(worker, "its worker is stopping", notify=True)
+            event(log, logging.INFO, "broker.worker_draining", worker=worker.name, service=worker.service,
+                  holds=len(worker.inflight), reason=reason)
+            self.status_stale = True
+            return
+        if not worker.draining:
+            self.metrics.worker_deaths.inc()
+        self.delete_worker(worker, now, reason=f"left: {reason}", died=False)
 
     def delete_worker(self, worker: WorkerState, now: float, reason: str, died: bool = True) -> None:
         """Remove a worker; its in-flight requests go back to the front of their queues, except one
@@ -451,7 +462,10 @@ class Router:
         worker.idle_since = now
         worker.leaving = worker.leaving or done.status == "engine_dead"
         request = self.requests.get(msg.request_id)
-        if request is not None and request.worker == worker.identity:
+        if done.status == "returned" and request is not None and request.worker == worker.identity:
+            # Handed back unrun by a draining worker: to the front of its queue, for another worker now.
+            self._orphaned(self.services[worker.service], worker, request, "returned by its worker", died=False)
+        elif request is not None and request.worker == worker.identity:
             del self.requests[msg.request_id]
             client = self.clients.get(request.client)
             if client is not None:

@@ -30,7 +30,8 @@ class WorkerState:
     bind_request: bytes = b""  # the client's BIND request id
     idle_since: float = 0.0
     completed: int = 0
-    leaving: bool = False  # its engine died: no more requests; LEAVE follows its last answers
+    leaving: bool = False  # its engine died, or it drains: no more requests; LEAVE follows its last answers
+    draining: bool = False  # it was told to stop (LEAVE with drain): its final LEAVE is no death
 
     @property
     def name(self) -> str:

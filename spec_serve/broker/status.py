@@ -79,7 +79,8 @@ def _summary(router: Router) -> dict[str, Any]:
 def _service_entry(router: Router, service: ServiceState) -> dict[str, Any]:
     return {
         "workers": len(service.workers),
-        "ready_workers": sum(1 for w in service.workers if router.workers[w].bound_to is None),
+        "ready_workers": sum(1 for w in service.workers if router.workers[w].bound_to is None
+                             and not router.workers[w].leaving),
         "queue_depth": service.queue_depth(),
         "vocab_mappings": len(service.mappings),
         "ever_had_workers": service.name in router.served,
@@ -90,7 +91,7 @@ def _worker_entry(router: Router, w: WorkerState, now: float) -> dict[str, Any]:
     return {
         "id": w.name,
         "service": w.service,
-        "state": "bound" if w.bound_to else ("busy" if w.inflight else "idle"),
+        "state": "leaving" if w.leaving else "bound" if w.bound_to else ("busy" if w.inflight else "idle"),
         "bound_to": w.bound_to.hex()[:12] if w.bound_to else None,
         "inflight": len(w.inflight),
         "capacity": w.capacity,

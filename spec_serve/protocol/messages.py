@@ -254,15 +254,18 @@ def _fingerprint(r: _Reader) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class BrokerHeartbeat(WireMessage):
-    """HEARTBEAT, broker -> client: ``broker`` is its instance id (a new one: it restarted)."""
+    """HEARTBEAT, broker -> client: ``broker`` is its instance id (a new one: it restarted); ``stopping``:
+    the broker's last word, it was told to stop (what it queued is gone; a successor gets it again)."""
 
     COMMAND: ClassVar[str] = "HEARTBEAT"
 
     broker: str | None = None
+    stopping: bool = False
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> BrokerHeartbeat:
-        return cls(broker=_Reader(cls.COMMAND, raw).text("broker"))
+        r = _Reader(cls.COMMAND, raw)
+        return cls(broker=r.text("broker"), stopping=r.flag("stopping"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,8 +517,9 @@ class WorkerBind(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class Done(WireMessage):
-    """DONE, worker -> broker: the reply left (``status`` ok/error/engine_dead) or could not (undeliverable);
-    the request's slot is free either way. ``bytes`` is the reply's payload size."""
+    """DONE, worker -> broker: the reply left (``status`` ok/error/engine_dead) or could not (undeliverable),
+    or a draining worker hands the request back unrun (returned); the request's slot is free either way.
+    ``bytes`` is the reply's payload size."""
 
     COMMAND: ClassVar[str] = "DONE"
 
@@ -534,15 +538,33 @@ class Done(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class Leave(WireMessage):
-    """LEAVE, worker -> broker: my engine is dead (``reason``); forget me and re-queue what I hold."""
+    """LEAVE, worker -> broker: forget me and re-queue what I hold (my engine died, or I stopped: ``reason``).
+    With ``drain``: I was told to stop; send me nothing more, I finish or hand back (DONE ``returned``)
+    what I hold, then LEAVE again without ``drain``."""
 
     COMMAND: ClassVar[str] = "LEAVE"
 
     reason: str | None = dataclasses.field(default=None, metadata=ALWAYS)
+    drain: bool = False
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Leave:
-        return cls(reason=_Reader(cls.COMMAND, raw).text("reason", nullable=True))
+        r = _Reader(cls.COMMAND, raw)
+        return cls(reason=r.text("reason", nullable=True), drain=r.flag("drain"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Disconnect(WireMessage):
+    """DISCONNECT, broker -> worker: register again (READY). ``stopping``: the broker was told to stop; the
+    READY reaches its successor."""
+
+    COMMAND: ClassVar[str] = "DISCONNECT"
+
+    stopping: bool = False
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Disconnect:
+        return cls(stopping=_Reader(cls.COMMAND, raw).flag("stopping"))
 
 
 # -------------------------------------------------------------------- worker -> client (data)
@@ -632,6 +654,6 @@ class ErrorReply(WireMessage):
 # Every typed header, in the order docs/protocol.md lists them (its table is checked against these).
 MESSAGES: tuple[type[WireMessage], ...] = (
     SupervisionRequest, BrokerHeartbeat, SetVocab, VocabOk, BrokerError, StatusQuery, StatusPage, BindRequest,
-    Bound, Release, Ready, Refused, WorkerSetVocab, WorkerBind, Done, Leave, Reply, Rendezvous, BindGrant,
-    ErrorReply,
+    Bound, Release, Ready, Refused, WorkerSetVocab, WorkerBind, Done, Leave, Disconnect, Reply, Rendezvous,
+    BindGrant, ErrorReply,
 )

@@ -39,7 +39,8 @@ class BrokerMetrics:
         self.clients = Gauge("spec_serve_clients", "Connected clients", registry=r)
         self.worker_state = Gauge("spec_serve_worker_inflight", "Requests in flight per worker",
                                   ["worker", "service", "state"], registry=r)
-        self.redispatched = Counter("spec_serve_redispatched", "Requests re-dispatched after a worker died",
+        self.redispatched = Counter("spec_serve_redispatched",
+                                    "Requests re-dispatched: their worker died, left, or handed them back unrun",
                                     registry=r)
         self.worker_deaths = Counter("spec_serve_worker_deaths",
                                      "Workers expired by missed heartbeats or gone with a dead engine", registry=r)
