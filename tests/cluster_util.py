@@ -279,9 +279,11 @@ def run_requests(client, reference: Reference, seeds, tally: Tally, kind: str = 
 
 def _slow_worker_main(argv: list[str]) -> None:
     import argparse
+    import logging
 
     from spec_serve.engines import load_engine
     from spec_serve.telemetry import logs
+    from spec_serve.worker.drain import exit_if_computing, handle_stop_signals
     from spec_serve.worker.server import Worker
 
     p = argparse.ArgumentParser(prog="cluster_util.py slow-worker")
@@ -290,21 +292,27 @@ def _slow_worker_main(argv: list[str]) -> None:
     p.add_argument("--broker", required=True)
     p.add_argument("--service", default="default")
     p.add_argument("--crash-on-token", type=int, default=None)
+    p.add_argument("--capacity", type=int, default=2)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
     args = p.parse_args(argv)
     logs.setup(os.environ.get("SPEC_SERVE_LOG_LEVEL", "INFO"))
     engine = load_engine("hf", args.target)
     inner = engine.generate_batch
+    log = logging.getLogger("spec_serve.worker")
 
     def slow_generate_batch(input_ids, *a, **kw):
         if args.crash_on_token is not None and bool((input_ids == args.crash_on_token).all()):
             os._exit(70)  # as a segfault or an OOM kill would: no reply, no DONE, no goodbye
+        log.info("test.forward_started rows=%d", input_ids.shape[0])
         time.sleep(args.delay)  # holds the compute thread only; heartbeats run on the I/O thread
         return inner(input_ids, *a, **kw)
 
     engine.generate_batch = slow_generate_batch
-    worker = Worker(engine, args.broker, service=args.service)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    worker = Worker(engine, args.broker, service=args.service, capacity=args.capacity,
+                    drain_timeout=args.drain_timeout)
+    handle_stop_signals(worker)  # as `spec-serve worker` does: SIGTERM drains, a second one stops at once
     worker.run()
+    exit_if_computing(worker.compute)
 
 
 def _swap_worker_main(argv: list[str]) -> None:
@@ -312,6 +320,7 @@ def _swap_worker_main(argv: list[str]) -> None:
 
     from spec_serve.engines import load_engine
     from spec_serve.telemetry import logs
+    from spec_serve.worker.drain import exit_if_computing
     from spec_serve.worker.server import Worker
 
     p = argparse.ArgumentParser(prog="cluster_util.py swap-worker")
@@ -339,6 +348,7 @@ def _swap_worker_main(argv: list[str]) -> None:
     engine.generate_batch = generate_batch
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     worker.run()
+    exit_if_computing(worker.compute)
 
 
 def _idle_client_main(argv: list[str]) -> None:

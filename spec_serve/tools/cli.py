@@ -293,6 +293,12 @@ def _start_shim(b, host: str, port: int):
               envvar="SPEC_SERVE_PLANE_LEASE", show_default=True,
               help="Seconds a same-host client may take to copy a reply before its slot is lent again (the "
                    "client then asks again as frames) [env SPEC_SERVE_PLANE_LEASE].")
+@click.option("--drain-timeout", default=30.0, type=click.FloatRange(min=0), envvar="SPEC_SERVE_DRAIN_TIMEOUT",
+              show_default=True,
+              help="On SIGTERM or Ctrl-C: seconds to finish or hand back the requests held and let same-host "
+                   "clients give back their slots before exiting 0; a second signal exits at once. Keep it "
+                   "below the orchestrator's grace (Kubernetes terminationGracePeriodSeconds, 30 by default) "
+                   "[env SPEC_SERVE_DRAIN_TIMEOUT].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
@@ -301,7 +307,7 @@ def _start_shim(b, host: str, port: int):
 @engine_options
 def worker(engine, target, broker_url, service, device, dtype, trust_remote_code, aux_layer_ids, dspark_layer_ids,
            capacity, packing, max_batch_tokens, threads, advertise_host, host_pool, host_pool_buffers, plane_slots,
-           plane_lease,
+           plane_lease, drain_timeout,
            curve_secret_key, curve_server_key, log_level, **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
 
@@ -354,7 +360,7 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
                       max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
                       host_pool=host_pool, host_pool_buffers=host_pool_buffers,
-                      plane_slots=plane_slots, plane_lease=plane_lease,
+                      plane_slots=plane_slots, plane_lease=plane_lease, drain_timeout=drain_timeout,
                       security=_security(curve_secret_key, curve_server_key), threads=share)
     finally:
         close = getattr(engine_obj, "close", None)
@@ -369,6 +375,7 @@ def _exit_on_sigterm(signum, frame):
 def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> None:
     """Probe the engine, register and serve until a signal; exit 1 if the broker refuses the worker or
     the engine dies."""
+    from spec_serve.worker.drain import exit_if_computing, handle_stop_signals
     from spec_serve.worker.server import PROBE_TOKENS, Worker, WorkerRefused, probe_engine
 
     try:
@@ -381,13 +388,17 @@ def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> 
         logging.getLogger("spec_serve.worker").debug("worker.probe_failed", exc_info=True)
         raise click.ClickException(f"the {engine} engine failed its load-time probe (one {PROBE_TOKENS}-token "
                                    f"forward), so the worker did not register: {logs.one_line(e)}") from None
-    _serve_until_signal(w.stop)
+    handle_stop_signals(w)  # SIGTERM / Ctrl-C: drain; a second one: stop at once
     try:
         w.run()
     except WorkerRefused as e:  # logged at ERROR by the worker; exit 1 with the one-line reason
         raise click.ClickException(f"the broker refused this worker: {e}") from None
     if w.engine_error is not None:
         raise click.ClickException(f"worker {w.name} left the pool: its {engine} engine died: {w.engine_error}")
+    close = getattr(engine_obj, "close", None)
+    if close is not None and w.compute.running:  # a vllm/sglang engine ends the forward it runs as it closes
+        close()
+    exit_if_computing(w.compute)
 
 
 def device_and_dtype(device: str | None, dtype: str | None, cuda_available: bool) -> tuple[str, str | None]:

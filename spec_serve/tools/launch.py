@@ -119,17 +119,19 @@ class Cluster:
         raise TimeoutError(f"{count} workers did not register within {timeout:g}s")
 
     def stop(self, timeout: float = 10.0) -> None:
-        procs = [p for p in [*self.workers, self.broker] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        """SIGTERM the workers (each leaves the broker's pool and exits), then the broker; a process still
+        running after ``timeout`` seconds is killed."""
         deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for group in (self.workers, [self.broker] if self.broker is not None else []):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
 
 @contextlib.contextmanager

@@ -282,6 +282,13 @@ class WorkerPlane:
             torch.cuda.synchronize(self.device)
         return None
 
+    def lent_out(self) -> int:
+        """Slots lent to clients and not yet back (acked, client gone, or lease over): a stopping worker
+        waits for them before it unlinks their memory."""
+        with self._lock:
+            now = time.monotonic()
+            return sum(not self._free(slot, now) for slot in self._slots)
+
     def _give_back(self, index: int, gen: int) -> None:
         with self._lock:
             if not self._closed:

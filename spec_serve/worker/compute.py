@@ -35,6 +35,7 @@ class ComputeLoop:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._results: queue.Queue[Result] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="spec-serve-compute", daemon=True)
+        self.forwarding = False  # a job is on the engine (or its NCCL send runs); written by the thread only
 
     # ------------------------------------------------- the I/O thread's side
 
@@ -47,6 +48,40 @@ class ComputeLoop:
     def finish(self) -> None:
         """The loop ends once it reaches this (after the jobs queued before it)."""
         self._jobs.put(None)
+
+    def take_queued(self) -> list[Job]:
+        """Take back the requests queued and not started (a draining worker hands them back); binds,
+        releases and the end mark stay queued, in order."""
+        taken: list[Job] = []
+        kept: list[Job | None] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None or job.control is not None:
+                kept.append(job)
+            else:
+                taken.append(job)
+        for other in kept:
+            self._jobs.put(other)
+        return taken
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread to end (after ``finish``); True if it has (or never ran)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        """The thread is alive: inside a forward, or waiting for its next job."""
+        return self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the thread (not counting the one it runs)."""
+        return self._jobs.qsize()
 
     def results(self) -> list[Result]:
         """The results posted so far, in order."""
@@ -86,6 +121,7 @@ class ComputeLoop:
                 if backlog[0].control is not None:  # bind/release, in order with the jobs before it
                     self.pair.control(backlog.popleft(), post)
                     continue
+                self.forwarding = True
                 if not self.packing or self.max_batch_tokens <= 0:
                     results = [self.executor.serve(backlog.popleft())]
                 elif not self._take_queued(backlog):
@@ -94,7 +130,9 @@ class ComputeLoop:
                     results = self.executor.serve_group(self.take_group(backlog))
                 post(*results)
                 self.pair.send(results)
+                self.forwarding = False
         finally:
+            self.forwarding = False
             wake.close(0)
 
     def _take_queued(self, backlog: collections.deque[Job]) -> bool:

@@ -94,6 +94,10 @@ class DataSockets:
                 event(log, logging.WARNING, "worker.reply_stuck", endpoint=endpoint[:80],
                       unsent=len(reply_socket.unsent))
 
+    def unsent(self, now: float) -> int:
+        """Replies handed to ZeroMQ that have not left this process yet (closing their sockets drops them)."""
+        return sum(len(s.unsent) for s in self._sockets.values() if s.oldest_unsent(now) > 0.0)
+
     def close_all(self, linger_ms: int) -> None:
         for reply_socket in self._sockets.values():
             reply_socket.close(linger_ms)

@@ -34,13 +34,14 @@ from spec_serve.protocol.commands import (
     ProtocolError,
     WorkerCommand,
 )
-from spec_serve.protocol.messages import Release
+from spec_serve.protocol.messages import Done, Release
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
 from spec_serve.transport import samehost
 from spec_serve.transport.hostpool import HostBufferPool
 from spec_serve.transport.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, check_connect_url
 from spec_serve.worker.compute import ComputeLoop
+from spec_serve.worker.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from spec_serve.worker.executor import Executor
 from spec_serve.worker.faults import Faults
 from spec_serve.worker.jobs import Job, Result
@@ -58,6 +59,8 @@ log = logging.getLogger("spec_serve.worker")
 PROBE_TOKENS = 4
 # How long a worker whose engine died lets its last error replies and LEAVE drain before closing.
 LEAVE_LINGER_MS = 2000
+# How long a stopping worker waits for the broker to confirm its final LEAVE.
+LEAVE_CONFIRM_S = 2.0
 
 
 def probe_engine(engine: TargetEngine) -> None:
@@ -126,10 +129,13 @@ class Worker:
         threads: ThreadShare | None = None,
         plane_slots: int | None = None,
         plane_lease: float = samehost.DEFAULT_LEASE_S,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     ):
         """Builds the parts; a constructor argument goes to the part that uses it."""
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
+        if drain_timeout < 0:
+            raise ValueError("drain_timeout must be >= 0 seconds")
         _check_packing(engine, packing, max_batch_tokens)
         self.device = device = torch.device(getattr(engine, "device", "cpu"))
         self.broker_url = check_connect_url(broker_url, WORKER_PORT_HINT, BACKEND_PORT)
@@ -138,6 +144,7 @@ class Worker:
         identity = uuid.uuid4().bytes
         self.name = identity.hex()[:12]
         self._stop = threading.Event()
+        self.drain = Drain(drain_timeout)
         faults = Faults()
         self.vocab = VocabStore(self.name, capacity, max_message_bytes)
         self.pair = PairBinding(self.name, device, self.broker_url, advertise_host, security, faults)
@@ -201,7 +208,7 @@ class Worker:
     # ------------------------------------------------------ the I/O busy loop
 
     def run(self) -> None:
-        """Serve until ``stop()`` (or, once the engine died, until its last answers are out)."""
+        """Serve until ``stop()``, the end of a ``drain()``, or (once the engine died) its last answers."""
         self.executor.plane = samehost.WorkerPlane.start(self.device, *self._plane_shape)
         wake = self.ctx.socket(zmq.PAIR)
         wake.bind(self.compute.wake_endpoint)
@@ -219,6 +226,11 @@ class Worker:
                 self.outbox.flush(now)
                 if self._answered_all():
                     self.session.leave(self.engine_error)  # in-flight requests go to other workers
+                    event(log, logging.ERROR, "worker.left_pool", worker=self.name,
+                          reason=f"engine dead: {self.engine_error}")
+                    self.drain.left = True
+                    break
+                if self._drain_over(now):
                     break
                 self._keep_alive(now)
         except WorkerRefused as e:
@@ -228,7 +240,19 @@ class Worker:
             self._shutdown(wake)
 
     def stop(self) -> None:
+        """Stop at once (thread-safe): what we hold goes back to the broker, which gives it to other workers."""
         self._stop.set()
+
+    def begin_drain(self, reason: str) -> None:
+        """Stop gracefully (thread- and signal-safe): leave the pool at once, finish or hand back what we hold
+        within ``drain_timeout``, release what we lent, and return from ``run``."""
+        self.drain.request(reason)
+
+    @property
+    def serving(self) -> bool:
+        """Registered with the broker and taking requests (not draining, not stopped, engine alive)."""
+        return (self.session.registered and self.drain.reason is None and not self._stop.is_set()
+                and self.engine_error is None)
 
     def _collect_results(self, wake: zmq.Socket, woken: bool, now: float) -> None:
         """Queue the compute thread's results for delivery; a dead engine's last answers never wait."""
@@ -246,13 +270,64 @@ class Worker:
         """The engine died and every answer it owes is out: time to leave the pool."""
         return self.engine_error is not None and self.compute.drained and self.outbox.empty
 
+    # ------------------------------------------------------------- draining
+
+    def _drain_over(self, now: float) -> bool:
+        """Drive a requested drain: begin it, and True once nothing is held any more or its time is up."""
+        if self.drain.reason is None:
+            return False
+        if not self.drain.started:
+            self._begin_drain(now)
+        if self._holds_nothing(now):
+            self.drain.outcome = "drained"
+            return True
+        if now >= self.drain.deadline:
+            self.drain.outcome = f"drain timed out after {self.drain.timeout:g}s"
+            return True
+        return False
+
+    def _begin_drain(self, now: float) -> None:
+        """Tell the broker (no more requests), hand back what the compute thread has not started, and let
+        that thread end after the forward it runs."""
+        self.session.leave(self.drain.reason, drain=True)
+        self.drain.start(now)
+        for job in self.compute.take_queued():
+            self._hand_back(job)
+        self.compute.finish()
+        event(log, logging.INFO, "worker.draining", worker=self.name, reason=self.drain.reason,
+              timeout_s=self.drain.timeout, handed_back=self.drain.handed_back,
+              running=int(self.compute.forwarding), unsent=self.data_sockets.unsent(now), lent=self._lent_out())
+
+    def _hand_back(self, job: Job) -> None:
+        """A request we will not run: the broker gives it to another worker at once."""
+        self.session.send_done(job.request_id, Done(status="returned"))
+        self.drain.handed_back += 1
+
+    def _holds_nothing(self, now: float) -> bool:
+        """No forward, no reply waiting or still leaving, no same-host slot lent out."""
+        return (self.compute.drained and not self.outbox.busy and self.data_sockets.unsent(now) == 0
+                and self._lent_out() == 0)
+
+    def _lent_out(self) -> int:
+        return 0 if self.executor.plane is None else self.executor.plane.lent_out()
+
     def _keep_alive(self, now: float) -> None:
         """Heartbeat the broker (closing idle data sockets at the same pace); reconnect if it went silent."""
         if self.session.keep_alive(now):
             self.data_sockets.close_idle(now)
 
     def _shutdown(self, wake: zmq.Socket) -> None:
+        """Leave the pool for good (unless the engine's death did), then release everything we own: the
+        NCCL pair (once the compute thread is out of it), the sockets, the same-host plane's segments and
+        CUDA IPC handles. A forward still running is abandoned: the broker gave its request to another."""
         self.compute.finish()
+        if not self.drain.left and self.session.registered:
+            self.session.leave(self._stop_reason())
+            self.drain.left = True
+            self.drain.confirmed = self.session.confirm_left(LEAVE_CONFIRM_S)
+        computing = not self.compute.join(0.5)
+        if not computing:
+            self.pair.close("worker stopping")
         linger = LEAVE_LINGER_MS if self.engine_error is not None else 0
         self.session.close(linger)
         wake.close(0)
@@ -261,7 +336,14 @@ class Worker:
             self.executor.plane.close()
             self.executor.plane = None
         event(log, logging.INFO, "worker.stop", served=self.outbox.served, replies_plane=self.outbox.replies_plane,
-              replies_frames=self.outbox.replies_frames)
+              replies_frames=self.outbox.replies_frames, handed_back=self.drain.handed_back,
+              outcome=self.drain.outcome or ("stopped at once" if self._stop.is_set() else "left"),
+              abandoned_forward=int(computing))
+
+    def _stop_reason(self) -> str:
+        if self.drain.outcome is not None:
+            return f"stopped: {self.drain.outcome}"
+        return "stopped at once" + (f" (drain: {self.drain.reason})" if self.drain.reason else "")
 
     # ---------------------------------------------------- the broker's commands
 
@@ -269,6 +351,9 @@ class Worker:
         if not msg.request_id:
             raise ProtocolError("REQUEST without reply_to or request id")
         job = Job(msg.request_id, msg.header, msg.payload, time.monotonic())  # raises without a reply_to
+        if self.drain.started:  # sent before the broker read our LEAVE
+            self._hand_back(job)
+            return
         self.compute.submit(job)
         with contextlib.suppress(Exception):  # connect now, while the forward runs (errors: when replying)
             self.data_sockets.get(*job.reply_route, time.monotonic())
@@ -276,6 +361,8 @@ class Worker:
     def _on_bind(self, msg: Message) -> None:
         if not msg.request_id:
             raise ProtocolError("BIND without reply_to, prefix or request id")
+        if self.drain.started:  # the broker ended this binding when it read our LEAVE, and told the client
+            return
         self.compute.submit(Job(msg.request_id, msg.header, [], time.monotonic(), control="bind"))  # checks it
 
     def _on_release(self, msg: Message) -> None:
@@ -288,9 +375,9 @@ class Worker:
             self.compute.submit(Job(b"", Release(prefix).to_json(), [], time.monotonic(), control="release"))
 
     def _before_ready(self) -> bool:
-        """Before each READY: False once the engine died (it never registers again); otherwise forget
+        """Before each READY: False once the engine died or a drain began (it never registers again); otherwise forget
         what the broker forgets with a new registration (our binding, our vocab mappings)."""
-        if self.engine_error is not None:
+        if self.engine_error is not None or self.drain.reason is not None:
             return False
         if self.pair.prefix is not None:
             self._release(self.pair.prefix)

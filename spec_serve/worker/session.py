@@ -23,7 +23,7 @@ from spec_serve.protocol.commands import (
     control,
     parse_control,
 )
-from spec_serve.protocol.messages import Done, Leave, Ready, Refused
+from spec_serve.protocol.messages import Disconnect, Done, Leave, Ready, Refused
 from spec_serve.supervision.contract import TargetInfo
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.ingress import Ingress
@@ -107,10 +107,17 @@ class BrokerSession:
         if heard:
             self._expiry = now + self.heartbeat_interval * self.liveness
 
+    @property
+    def registered(self) -> bool:
+        """The broker answered our latest READY and has not gone silent or stopped since."""
+        return self._registered
+
     def _dispatch(self, msg: Message) -> bool:
         """Handle one broker message; True if we must register again."""
         command = WorkerCommand(msg.command)
         if command is WorkerCommand.DISCONNECT:
+            if Disconnect.from_json(msg.header).stopping:
+                self._broker_stopping()
             return True
         if command is WorkerCommand.REFUSED:
             raise WorkerRefused(Refused.from_json(msg.header).error)
@@ -139,11 +146,30 @@ class BrokerSession:
         """Tell the broker a request's reply left (or could not): its slot is free."""
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.DONE.value, self.service, request_id, header))
 
-    def leave(self, reason: str | None) -> None:
-        """Leave the pool for good: in-flight requests go to other workers."""
+    def leave(self, reason: str | None, *, drain: bool = False) -> None:
+        """Leave the pool: for good (what we still hold goes to other workers), or, with ``drain``, no more
+        requests while we finish or hand back what we hold (a LEAVE without drain follows)."""
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.LEAVE.value, self.service,
-                                           header=Leave(reason)))
-        event(log, logging.ERROR, "worker.left_pool", worker=self.name, reason=f"engine dead: {reason}")
+                                         header=Leave(reason, drain=drain)))
+
+    def confirm_left(self, timeout: float) -> bool:
+        """After the final LEAVE: True once the broker has handled it, False if it did not within ``timeout``
+        s (or was lost already). The broker answers a heartbeat from a worker it does not know with
+        DISCONNECT, and handles one connection's messages in order, so that answer comes after the LEAVE."""
+        if not self._registered:
+            return False
+        self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            try:
+                msg = parse_control(self.sock.recv_multipart(zmq.NOBLOCK), WORKER_TAG, WorkerCommand)
+            except (zmq.Again, ProtocolError):
+                continue
+            if msg.command == WorkerCommand.DISCONNECT.value:
+                return True
+            if time.monotonic() >= deadline:
+                break
+        return False
 
     def _send_ready(self) -> None:
         if not self.before_ready():
@@ -165,6 +191,14 @@ class BrokerSession:
             self._lost_since = None
         event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url,
               target=self.info.model_name, capacity=self.capacity)
+
+    def _broker_stopping(self) -> None:
+        """The broker was told to stop: an outage starts now, and our next READY reaches its successor."""
+        if self._registered:
+            self._lost_since = time.monotonic()
+        self._registered = False
+        event(log, logging.WARNING, "worker.broker_stopping", broker=self.broker_url, action="registering with "
+              "its successor")
 
     def _broker_silent(self, now: float) -> None:
         """Log a broker outage once (not once per liveness window), and a broker that never answered."""
