@@ -37,7 +37,7 @@ from spec_serve.protocol.commands import (
     control,
     parse_control,
 )
-from spec_serve.protocol.messages import BrokerError, Refused, StatusQuery
+from spec_serve.protocol.messages import BrokerError, BrokerHeartbeat, Disconnect, Refused, StatusQuery
 from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
@@ -59,6 +59,8 @@ BACKEND_CONNECTION_BYTES = 1 << 20
 BACKEND_TOTAL_BYTES = 64 << 20
 # A peer on the wrong port is answered every time, but logged once per this many seconds.
 WRONG_PORT_LOG_INTERVAL_S = 60.0
+# How long a stopping broker lets its last words to clients and workers leave before it closes.
+GOODBYE_LINGER_MS = 1000
 
 ClientHandler = Callable[[ClientState, Message, float], None]
 WorkerHandler = Callable[[WorkerState, Message, float], None]
@@ -198,15 +200,35 @@ class Broker:
                 # rebuilt once per loop turn, not once per message (O(workers) each)
                 if self.router.status_stale:
                     self.update_snapshot()
+            self._say_goodbye()
         finally:
+            linger = GOODBYE_LINGER_MS if self._stop.is_set() else 0
             for ingress in self.ingress.values():
                 ingress.close()
-            self.frontend.close(0)
-            self.backend.close(0)
+            self.frontend.close(linger)
+            self.backend.close(linger)
             event(log, logging.INFO, "broker.stop")
 
     def stop(self) -> None:
+        """Stop (thread- and signal-safe): the loop tells its clients and workers, then ends."""
         self._stop.set()
+
+    def _say_goodbye(self) -> None:
+        """Told to stop: every client hears it (a last heartbeat, ``stopping``) and waits for a successor, to
+        which it re-sends what it has pending; every worker is asked to register again (DISCONNECT,
+        ``stopping``), and its READY reaches that successor. Replies on their way from workers still reach
+        their clients directly."""
+        router = self.router
+        bye = control(CLIENT_TAG, ClientCommand.HEARTBEAT.value,
+                      header=BrokerHeartbeat(router.instance_id, stopping=True))
+        for identity in list(router.clients):
+            self._send(self.frontend, identity, bye)
+        again = control(WORKER_TAG, WorkerCommand.DISCONNECT.value, header=Disconnect(stopping=True))
+        for identity in list(router.workers):
+            self._send(self.backend, identity, again)
+        event(log, logging.INFO, "broker.stopping", clients=len(router.clients), workers=len(router.workers),
+              queued=sum(s.queue_depth() for s in router.services.values()),
+              inflight=sum(1 for r in router.requests.values() if r.worker is not None))
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[bytes, list], None]) -> None:
         for _ in range(DRAIN_BATCH):

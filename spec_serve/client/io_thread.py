@@ -423,6 +423,8 @@ class ClientIO(threading.Thread):
         self._broker_answered()
         if isinstance(header, BrokerHeartbeat):
             self._on_heartbeat(header.broker)
+            if header.stopping:
+                self._broker_stopping()
             return
         binding = self.replies.binding
         if isinstance(header, Bound) and header.lost and binding is not None:
@@ -435,6 +437,14 @@ class ClientIO(threading.Thread):
             self._on_refusal(pending, header)
         else:
             self.requests.resolve(pending, Received(msg.request_id, header, broker_command=command))
+
+    def _broker_stopping(self) -> None:
+        """The broker was told to stop: an outage starts now (one line); a successor's first heartbeat (a new
+        instance id) makes us send it every pending request again."""
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
+            event(log, logging.WARNING, "client.broker_stopping", broker=self.broker_url,
+                  pending=len(self.requests.table))
 
     def _on_heartbeat(self, instance: str | None) -> None:
         if self._broker_instance is not None and instance != self._broker_instance:
