@@ -1,0 +1,304 @@
+"""Stopping workers and the broker as orchestrators do (issue 23 item 1), with real processes on CPU.
+
+SIGTERM (Kubernetes, Slurm, systemd) or SIGINT (Ctrl-C) drains a worker: LEAVE at once, the requests it
+never started go back to the broker and on to another worker, the forward it runs and the replies it
+owes finish (sent, or lent through the same-host plane until the client gives the slot back), then it
+leaves for good and exits 0 with none of its /dev/shm segments left. A second signal, or the end of
+``--drain-timeout``, stops it at once, still with status 0: the broker gives what it held to another
+worker. A broker told to stop tells its clients and workers, and a successor on the same ports serves
+them. Each stage of a request is caught by a slow engine hook (``cluster_util.py slow-worker``, which
+installs the same signal handling as ``spec-serve worker``) or by a real long forward of the CLI worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+import spec_serve.client.io_thread as client_module
+from cluster_util import CLIENT_KW, FAST_ENV, Reference, assert_equal_batches, kill, start_slow_worker, wait_until
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.launch import local_cluster
+from spec_serve.transport import samehost, shm
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target_dir, tmp_path_factory):
+    """A broker and worker B (capacity 1), which takes what a stopping worker hands back."""
+    with local_cluster(tiny_target_dir, workers=1, env=FAST_ENV, worker_args=("--capacity", "1"),
+                       log_dir=tmp_path_factory.mktemp("lifecycle-logs")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target_dir, tiny_vocab_mapping):
+    return Reference(tiny_target_dir, tiny_vocab_mapping)
+
+
+def _slow_worker(cluster, target, delay: float, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A slow-worker process and its log file."""
+    log = cluster.log_dir / f"slow-worker{len(cluster.workers)}.log"
+    return start_slow_worker(cluster, target, delay, *extra), log
+
+
+def _line(log: Path, pattern: str, timeout: float = 60.0) -> str:
+    """The first line of ``log`` matching ``pattern``, waiting for it."""
+    def find():
+        text = log.read_text() if log.exists() else ""
+        return next((line for line in text.splitlines() if re.search(pattern, line)), None)
+    return wait_until(find, timeout, what=f"{pattern!r} in {log.name}")
+
+
+def _worker_name(log: Path) -> str:
+    return re.search(r"worker=(\w+)", _line(log, r"worker\.ready")).group(1)
+
+
+def _own_segments(pid: int) -> set[str]:
+    """Same-host plane segments in /dev/shm created by process ``pid`` (other tests' are not ours to judge)."""
+    return {n for n in os.listdir(shm.SHM_DIR) if (o := shm.owner_of(n)) is not None and o.pid == pid}
+
+
+def _metric(cluster, name: str) -> float:
+    _, text = cluster.get("/metrics")
+    found = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _left_cleanly(cluster, log: Path, name: str, reason: str) -> None:
+    """The broker logged the worker as gone because it left (``reason``), never as expired."""
+    broker_log = (cluster.log_dir / "broker.log").read_text()
+    gone = [line for line in broker_log.splitlines() if "broker.worker_gone" in line and f"worker={name}" in line]
+    assert len(gone) == 1 and f"reason='left: {reason}" in gone[0], gone
+    assert "heartbeat expired" not in gone[0]
+
+
+# ------------------------------------------------------------------------------------- workers
+
+
+def test_sigterm_drains_a_worker_mid_forward_and_hands_back_its_queue(cluster, tiny_target_dir, reference):
+    """Worker A (capacity 3, 4 s per forward) holds one request in its forward and two queued when SIGTERM
+    comes: the queued two go back at once and B serves them while A's forward still runs (no gap), A
+    delivers its own reply, leaves, and exits 0."""
+    proc, log = _slow_worker(cluster, tiny_target_dir, 4.0, "--capacity", "3")
+    name = _worker_name(log)
+    redispatched = _metric(cluster, "spec_serve_redispatched_total")
+    done_at: dict[int, float] = {}
+    with RemoteTargetModel(cluster.frontend, timeout=60, prefetch_depth=4, **CLIENT_KW) as client:
+        # B (full at 1) takes one, A the other three: its first in the forward, two queued behind it.
+        futures = {seed: client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in range(4)}
+        for seed, future in futures.items():
+            future.add_done_callback(lambda _, seed=seed: done_at.setdefault(seed, time.monotonic()))
+        _line(log, r"test\.forward_started")
+        forward_ends = time.monotonic() + 4.0  # at the earliest
+        proc.send_signal(signal.SIGTERM)
+        draining = _line(log, r"worker\.draining")
+        for seed, future in futures.items():
+            assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
+    assert proc.wait(30) == 0
+    stop = _line(log, r"worker\.stop ")
+    assert "served=1 " in stop and "handed_back=2 " in stop and "outcome=drained" in stop, stop
+    assert "reason=SIGTERM" in draining and "running=1" in draining, draining
+    # The two handed back (and B's own) were answered before A's forward could end: nobody waited for A.
+    assert sum(1 for t in done_at.values() if t < forward_ends) == 3, (done_at, forward_ends)
+    assert _metric(cluster, "spec_serve_redispatched_total") - redispatched == 2
+    _left_cleanly(cluster, log, name, "stopped: drained")
+    assert not _own_segments(proc.pid)
+
+
+def test_a_second_signal_stops_a_worker_mid_forward_and_another_serves_its_request(cluster, tiny_target_dir,
+                                                                                   reference):
+    """A 60 s forward cannot finish: a second SIGTERM stops the worker at once; it leaves the pool (the broker
+    gives the request to B), releases its segments and exits 0."""
+    proc, log = _slow_worker(cluster, tiny_target_dir, 60.0, "--capacity", "1")
+    name = _worker_name(log)
+    with RemoteTargetModel(cluster.frontend, timeout=60, prefetch_depth=2, **CLIENT_KW) as client:
+        futures = [client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in (10, 11)]
+        _line(log, r"test\.forward_started")  # one of them; B answers the other
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _line(log, r"worker\.draining")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - signalled < 20  # not the 60 s forward
+        for seed, future in zip((10, 11), futures):
+            assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
+    stop = _line(log, r"worker\.stop ")
+    assert "abandoned_forward=1" in stop and "served=0 " in stop and "outcome='stopped at once'" in stop, stop
+    _line(log, r"worker\.exit_mid_forward")
+    _left_cleanly(cluster, log, name, "stopped at once")
+    assert not _own_segments(proc.pid)
+
+
+@pytest.fixture
+def stalled_client(monkeypatch):
+    """Clients made now queue one reply in libzmq and 64 KiB in the kernel, so a reader that stalls keeps
+    the rest of a large reply in the worker's libzmq; returns a function that stalls a client's reader."""
+    make_socket = client_module.make_socket
+
+    def small_buffers(ctx, kind, **kwargs):
+        if kind == zmq.PULL:
+            kwargs["hwm"] = 1
+        sock = make_socket(ctx, kind, **kwargs)
+        if kind == zmq.PULL:
+            sock.setsockopt(zmq.RCVBUF, 64 << 10)  # before the data socket binds
+        return sock
+
+    monkeypatch.setattr(client_module, "make_socket", small_buffers)
+
+    def stall(client: RemoteTargetModel) -> threading.Event:
+        stalled = threading.Event()
+        io = client._io
+        drain = io._drain
+
+        def drain_unless_stalled(sock, handler):
+            if sock is io.data and stalled.is_set():
+                time.sleep(0.01)
+                return
+            drain(sock, handler)
+
+        io._drain = drain_unless_stalled
+        stalled.set()
+        return stalled
+
+    return stall
+
+
+@pytest.fixture
+def held_copies(monkeypatch):
+    """Same-host replies are mapped but their copy waits: returns (copying, go_on) events."""
+    copying, go_on = threading.Event(), threading.Event()
+    copy_into = samehost._Span.copy_into
+
+    def held_copy(span, out):
+        copying.set()
+        go_on.wait(30)
+        return copy_into(span, out)
+
+    monkeypatch.setattr(samehost._Span, "copy_into", held_copy)
+    return copying, go_on
+
+
+def test_a_drain_waits_for_a_reply_being_sent_and_a_slot_being_copied(cluster, tiny_target_dir, reference,
+                                                                      stalled_client, held_copies):
+    """SIGTERM while the worker's answers are on their way: two 12 MiB replies handed to ZeroMQ (DONE sent)
+    that a stalled client does not read, and one lent through the same-host plane that another client is
+    still copying. The worker keeps its sockets and its segment until every byte left and the slot came
+    back, then exits 0 and unlinks the segment."""
+    proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--service", "lent", "--capacity", "3")
+    _worker_name(log)
+    copying, go_on = held_copies
+    big = {"batch": 32, "seq": 128}
+    kw = {"service": "lent", "timeout": 60, "heartbeat_interval": CLIENT_KW["heartbeat_interval"], "liveness": 100}
+    with RemoteTargetModel(cluster.frontend, same_host_plane=False, prefetch_depth=2, **kw) as framed, \
+            RemoteTargetModel(cluster.frontend, **kw) as lent:
+        stalled = stalled_client(framed)
+        sent = {seed: framed.generate_batch_async(*reference.batch(seed, **big), kind="dspark") for seed in (30, 31)}
+        copied = lent.generate_batch_async(*reference.batch(32), kind="dspark")
+        assert copying.wait(60)
+
+        def completed():
+            (worker,) = [w for w in cluster.get("/workers")[1]["workers"] if w["service"] == "lent"]
+            return worker["completed"] == 3  # DONE for all three: the replies are ZeroMQ's, the slot lent
+        wait_until(completed, 60, what="every reply handed over")
+        proc.send_signal(signal.SIGTERM)
+        draining = _line(log, r"worker\.draining")
+        assert int(re.search(r"unsent=(\d+)", draining).group(1)) >= 1 and "lent=1" in draining, draining
+        assert proc.poll() is None and _own_segments(proc.pid)  # waiting, its segment still there
+        stalled.clear()
+        for seed, future in sent.items():
+            assert_equal_batches(future.result(timeout=60), reference.expected(seed, **big, kind="dspark"))
+        assert proc.poll() is None  # the slot is still out
+        go_on.set()
+        assert_equal_batches(copied.result(timeout=60), reference.expected(32, kind="dspark"))
+        assert lent.stats.plane_replies == 1 and lent.stats.plane_fallbacks == 0
+        assert framed.stats.plane_replies == 0
+    assert proc.wait(30) == 0
+    assert "outcome=drained" in _line(log, r"worker\.stop ")
+    assert not _own_segments(proc.pid)
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigterm-timeout"])
+def test_the_cli_worker_stopped_in_a_real_forward_exits_0(cluster, tiny_target_dir, colocated_target, how):
+    """`spec-serve worker` X inside a real forward (a 4 x 1024 shard; B computes the other): Ctrl-C drains it
+    (it delivers its shard), SIGTERM with --drain-timeout 0.5 stops it mid-forward (B computes its shard
+    too). Either way it exits 0 (it used to abort: "terminate called without an active exception", status
+    134) and the batch is whole."""
+    from spec_serve.tools.tiny import sample_batch
+
+    extra = ("--drain-timeout", "0.5") if how == "sigterm-timeout" else ()
+    proc = cluster.start_worker(tiny_target_dir, "--capacity", "1", *extra)
+    log = cluster.log_path(f"worker{len(cluster.workers) - 1}")
+    name = _worker_name(log)
+    batch = sample_batch(tiny_target_dir, 8, 1024, seed=40)
+    with RemoteTargetModel(cluster.frontend, num_shards=2, timeout=120, **CLIENT_KW) as client:
+        future = client.generate_batch_async(*batch, kind="dspark")
+
+        def computing():
+            return [w["inflight"] for w in cluster.get("/workers")[1]["workers"] if w["id"] == name] == [1]
+        wait_until(computing, 60, interval=0.05, what="a shard on X")
+        time.sleep(0.3)  # X got it at once; its forward takes seconds
+        proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+        assert proc.wait(120) == 0, log.read_text()[-2000:]
+        assert_equal_batches(future.result(timeout=120), colocated_target().generate_batch(*batch, kind="dspark"))
+    stop = _line(log, r"worker\.stop ")
+    if how == "sigint":
+        assert "served=1 " in stop and "outcome=drained" in stop, stop
+    else:
+        assert "abandoned_forward=1" in stop and "outcome='drain timed out after 0.5s'" in stop, stop
+    assert not _own_segments(proc.pid)
+
+
+# -------------------------------------------------------------------------------------- broker
+
+
+@contextlib.contextmanager
+def _captured(logger_name: str):
+    """Lines logged to ``logger_name`` (INFO and up) while inside."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_broker_sigterm_tells_clients_and_workers_and_exits_0(cluster, tiny_target_dir, reference):
+    """SIGTERM on the broker while one request is in a forward and one queued: it tells the client
+    (``client.broker_stopping``, at once, not after the liveness window) and the worker (which registers
+    again), exits 0; a broker started on the same ports gets both re-sent and serves them. (The module's
+    last test: its cluster goes on with the new broker.)"""
+    proc, log = _slow_worker(cluster, tiny_target_dir, 2.0, "--capacity", "1", "--service", "broker-stop")
+    _worker_name(log)
+    with _captured("spec_serve.client") as lines, \
+            RemoteTargetModel(cluster.frontend, service="broker-stop", timeout=60, prefetch_depth=2,
+                              **CLIENT_KW) as client:
+        futures = [client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in (50, 51)]
+        _line(log, r"test\.forward_started")
+        cluster.broker.send_signal(signal.SIGTERM)
+        assert cluster.broker.wait(10) == 0
+        stopping = _line(cluster.log_path("broker"), r"broker\.stopping")
+        assert "queued=1 inflight=1" in stopping and " workers=2 " in stopping, stopping
+        assert any("client.broker_stopping" in line for line in lines), lines
+        _line(log, r"worker\.broker_stopping")
+        cluster.start_broker()
+        for seed, future in zip((50, 51), futures):
+            assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
+        assert not any("client.broker_lost" in line for line in lines), lines
+    _line(log, r"worker\.broker_regained")
+    kill(proc)
