@@ -243,7 +243,7 @@ def test_http_shim_binds_loopback_by_default():
 
 
 def test_health_ignores_services_no_worker_ever_served():
-    from spec_serve.broker.http_shim import health
+    from spec_serve.broker.status import health
 
     def svc(ready, ever, queued=0):
         return {"workers": ready, "ready_workers": ready, "queue_depth": queued, "ever_had_workers": ever}

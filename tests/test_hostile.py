@@ -304,8 +304,8 @@ def test_hung_worker_misses_the_deadline_and_its_requests_move(cluster, tiny_tar
 # ------------------------------------------------------------------------ the HTTP shim
 
 TRICKLERS = 200
-SHIM_CONNECTIONS = 32  # http_shim.MAX_CONNECTIONS
-SHIM_DEADLINE_S = 5.0  # http_shim.REQUEST_DEADLINE_S
+SHIM_CONNECTIONS = 32  # transport/http_shim.py MAX_CONNECTIONS
+SHIM_DEADLINE_S = 5.0  # transport/http_shim.py REQUEST_DEADLINE_S
 
 
 def _open_fds(pid: int) -> int:

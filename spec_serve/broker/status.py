@@ -1,16 +1,19 @@
-"""What the broker reports about itself: the full status (the HTTP shim's snapshot) and the paged
-STATUS replies clients ask for. Reads the router's state, changes nothing."""
+"""What the broker reports about itself: the full status (the HTTP shim's snapshot), the paged STATUS
+replies clients ask for, and the routes of its HTTP shim. Reads the router's state, changes nothing."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from spec_serve.broker.routing import Router
 from spec_serve.broker.state import ServiceState, WorkerState
 from spec_serve.protocol.commands import MAX_HEADER_BYTES, UNKNOWN_SERVICE_GRACE, encode_header
 from spec_serve.protocol.messages import StatusPage, StatusQuery
+from spec_serve.transport.http_shim import Query, Response, Route, json_response, metrics_response
 
 # Entries one STATUS page carries, in encoded bytes: a page stays far below the peers' header limit.
 STATUS_PAGE_BYTES = MAX_HEADER_BYTES // 2
@@ -102,3 +105,47 @@ def _worker_entry(router: Router, w: WorkerState, now: float) -> dict[str, Any]:
         "target_info": w.info,
     }
 
+
+
+# ------------------------------------------------------------------ the broker's HTTP routes
+
+
+def health(snapshot: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """200 when every served service has a ready worker (and one exists), else 503.
+
+    A service counts once a worker has registered for it: a name only clients asked for (a typo,
+    or junk) must not turn the health check red.
+    """
+    services = snapshot.get("services", {})
+    counts = {name: s["ready_workers"] for name, s in services.items() if s["ever_had_workers"]}
+    healthy = bool(counts) and all(n > 0 for n in counts.values())
+    body = {"status": "ok" if healthy else "unavailable", "workers": len(snapshot.get("workers", [])),
+            "ready_workers": counts}
+    return (200 if healthy else 503), body
+
+
+def model_info(snapshot: dict[str, Any], service: str | None) -> tuple[int, Any]:
+    """Target info per service (of its first worker), or of one ``service``."""
+    infos: dict[str, Any] = {}
+    for w in snapshot.get("workers", []):
+        infos.setdefault(w["service"], w["target_info"])
+    if service is not None:
+        if service not in infos:
+            return 404, {"error": f"no worker serves {service!r}", "services": sorted(infos)}
+        return 200, infos[service]
+    return 200, infos
+
+
+def http_routes(snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> dict[str, Route]:
+    """The broker's HTTP shim: ``/health``, ``/model_info[?service=]``, ``/workers``, ``/metrics``, each
+    read from ``snapshot`` (replaced atomically by the broker loop) or the metrics ``registry``."""
+    def workers(query: Query) -> Response:
+        snap = snapshot()
+        return json_response(200, {"workers": snap.get("workers", []), "services": snap.get("services", {})})
+
+    return {
+        "/health": lambda query: json_response(*health(snapshot())),
+        "/model_info": lambda query: json_response(*model_info(snapshot(), query.get("service", [None])[0])),
+        "/workers": workers,
+        "/metrics": lambda query: metrics_response(registry),
+    }

@@ -220,10 +220,11 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
 
 def _start_shim(b, host: str, port: int):
     """The HTTP shim, or a one-line error naming the flag (the broker's sockets closed first)."""
-    from spec_serve.broker.http_shim import HttpShim
+    from spec_serve.broker.status import http_routes
+    from spec_serve.transport.http_shim import HttpShim
 
     try:
-        return HttpShim(b.snapshot, b.metrics.registry, host, port).start()
+        return HttpShim(http_routes(b.snapshot, b.metrics.registry), host, port).start()
     except OSError as e:
         b.frontend.close(0)
         b.backend.close(0)

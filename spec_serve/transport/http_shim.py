@@ -1,7 +1,9 @@
-"""A small HTTP shim beside the broker: health, model info, workers, metrics.
+"""The HTTP shim beside the broker and (``--http-port``) each worker: GET routes for people, probes and
+Prometheus, from one hardened server.
 
-It reads the broker's snapshot (replaced atomically by the broker loop) and
-never touches the broker's sockets. Binds 127.0.0.1 unless told otherwise.
+Its owner gives it routes, each a function of the query string that reads state replaced atomically by
+the owner's loop (the broker's snapshot, a worker's counters); the shim never touches the owner's
+sockets. Binds 127.0.0.1 unless told otherwise.
 
 One thread serves every connection without blocking (a selector), so a peer
 that opens many connections or sends a byte at a time costs a descriptor, not a
@@ -19,7 +21,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -30,6 +32,10 @@ from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.http")
 
+Response = tuple[int, str, bytes]  # status code, content type, body
+Query = Mapping[str, list[str]]
+Route = Callable[[Query], Response]
+
 MAX_REQUEST_LINE = 4096
 # A request head (request line and headers) larger than this is refused (431).
 MAX_REQUEST_HEAD = 16 << 10
@@ -37,30 +43,13 @@ MAX_CONNECTIONS = 32
 REQUEST_DEADLINE_S = 5.0
 
 
-def health(snapshot: dict[str, Any]) -> tuple[int, dict]:
-    """200 when every served service has a ready worker (and one exists), else 503.
-
-    A service counts once a worker has registered for it: a name only clients asked for (a typo,
-    or junk) must not turn the health check red.
-    """
-    services = snapshot.get("services", {})
-    counts = {name: s["ready_workers"] for name, s in services.items() if s["ever_had_workers"]}
-    healthy = bool(counts) and all(n > 0 for n in counts.values())
-    body = {"status": "ok" if healthy else "unavailable", "workers": len(snapshot.get("workers", [])),
-            "ready_workers": counts}
-    return (200 if healthy else 503), body
+def json_response(code: int, body: Any) -> Response:
+    return code, "application/json", json.dumps(body).encode()
 
 
-def model_info(snapshot: dict[str, Any], service: str | None) -> tuple[int, dict]:
-    """Target info per service (of its first worker), or of one ``service``."""
-    infos: dict[str, Any] = {}
-    for w in snapshot.get("workers", []):
-        infos.setdefault(w["service"], w["target_info"])
-    if service is not None:
-        if service not in infos:
-            return 404, {"error": f"no worker serves {service!r}", "services": sorted(infos)}
-        return 200, infos[service]
-    return 200, infos
+def metrics_response(registry: CollectorRegistry) -> Response:
+    """The registry in Prometheus' text format."""
+    return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
 
 
 @dataclasses.dataclass
@@ -73,13 +62,10 @@ class _Connection:
 
 
 class HttpShim:
-    """``GET /health``, ``/model_info[?service=]``, ``/workers``, ``/metrics``."""
+    """``GET`` on ``routes`` (path -> function of the query); anything else is answered 4xx."""
 
-    def __init__(self, snapshot: Callable[[], dict], registry: CollectorRegistry, host: str = "127.0.0.1",
-                 port: int = 8080, refresh: Callable[[], None] | None = None):
-        self._snapshot = snapshot
-        self._registry = registry
-        self._refresh = refresh
+    def __init__(self, routes: Mapping[str, Route], host: str = "127.0.0.1", port: int = 8080):
+        self._routes = dict(routes)
         self._listener = socket.create_server((host, port), backlog=128)
         self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
@@ -182,7 +168,7 @@ class HttpShim:
 
     # ------------------------------------------------------------- routes
 
-    def _route(self, head: bytes) -> tuple[int, str, bytes]:
+    def _route(self, head: bytes) -> Response:
         line = head.split(b"\r\n", 1)[0]
         parts = line.split(b" ")
         if len(parts) != 3:
@@ -196,25 +182,13 @@ class HttpShim:
             return _error(HTTPStatus.REQUEST_URI_TOO_LONG)
         return self._handle(target.decode("latin-1"))
 
-    def _handle(self, path: str) -> tuple[int, str, bytes]:
+    def _handle(self, path: str) -> Response:
         url = urlsplit(path)
-        query = parse_qs(url.query)
-        snap = self._snapshot()
-        if url.path == "/health":
-            code, body = health(snap)
-        elif url.path == "/model_info":
-            code, body = model_info(snap, query.get("service", [None])[0])
-        elif url.path == "/workers":
-            code, body = 200, {"workers": snap.get("workers", []), "services": snap.get("services", {})}
-        elif url.path == "/metrics":
-            if self._refresh is not None:
-                self._refresh()
-            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
-        else:
-            code, body = 404, {"error": f"no route {url.path}", "routes": ["/health", "/model_info", "/workers",
-                                                                           "/metrics"]}
-        return code, "application/json", json.dumps(body).encode()
+        route = self._routes.get(url.path)
+        if route is None:
+            return json_response(404, {"error": f"no route {url.path}", "routes": sorted(self._routes)})
+        return route(parse_qs(url.query))
 
 
-def _error(status: HTTPStatus, message: str | None = None) -> tuple[int, str, bytes]:
-    return status.value, "application/json", json.dumps({"error": message or status.phrase}).encode()
+def _error(status: HTTPStatus, message: str | None = None) -> Response:
+    return json_response(status.value, {"error": message or status.phrase})
