@@ -1,11 +1,16 @@
-"""Prometheus metrics: the broker's, in a private registry (one per broker); the client's, process-local."""
+"""Prometheus metrics: the broker's and each worker's, in a private registry (one per process); the
+client's, process-local."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 # No `*_created` series: a timestamp per counter and histogram that scrapers store as data.
 prometheus_client.disable_created_metrics()
@@ -69,3 +74,67 @@ class BrokerMetrics:
         self.worker_state.clear()
         for w in workers:
             self.worker_state.labels(worker=w["id"], service=w["service"], state=w["state"]).set(w["inflight"])
+
+
+# A forward's wall time, from a few milliseconds (a tiny request on a GPU) to minutes (a long one on a CPU).
+FORWARD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class WorkerMetrics:
+    """One worker's figures for its ``/metrics``, in a private registry. The forward histogram is observed
+    by the compute thread; everything else is read from the worker when scraped (``read`` returns the
+    plain figures: see ``_WorkerCollector``), so serving costs nothing while nobody scrapes."""
+
+    def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.forward_seconds = Histogram("spec_serve_worker_forward_seconds",
+                                         "Wall time of each forward on the engine (a packed group counts once)",
+                                         registry=r, buckets=FORWARD_BUCKETS)
+        r.register(_WorkerCollector(read))
+
+
+class _WorkerCollector(Collector):
+    """The figures a worker keeps, as metric families: ``requests`` {DONE status: n}, ``tokens``,
+    ``reply_bytes`` {data plane: bytes}, ``digests`` (tensors digested), ``queue_depth``, ``in_forward``,
+    ``device_memory`` {(device, kind): bytes}, ``state`` (serving, draining, ...), ``info`` {label: value}."""
+
+    def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        f = self._read()
+        info = GaugeMetricFamily("spec_serve_worker_info", "This worker: its id, service, engine and model",
+                                 labels=sorted(f["info"]))
+        info.add_metric([str(f["info"][k]) for k in sorted(f["info"])], 1)
+        yield info
+        requests = CounterMetricFamily("spec_serve_worker_requests", "Requests answered, by DONE status "
+                                       "(returned: handed back unrun while draining)", labels=["status"])
+        for status, n in sorted(f["requests"].items()):
+            requests.add_metric([status], n)
+        yield requests
+        yield CounterMetricFamily("spec_serve_worker_tokens", "Supervision tokens served", value=f["tokens"])
+        plane = CounterMetricFamily("spec_serve_worker_reply_bytes", "Reply payload bytes, by data plane",
+                                    labels=["plane"])
+        for name, n in sorted(f["reply_bytes"].items()):
+            plane.add_metric([name], n)
+        yield plane
+        yield CounterMetricFamily("spec_serve_worker_digests", "Reply tensors digested on the device (verify)",
+                                  value=f["digests"])
+        yield GaugeMetricFamily("spec_serve_worker_queue_depth", "Requests held and not started",
+                                value=f["queue_depth"])
+        yield GaugeMetricFamily("spec_serve_worker_in_forward", "1 while a forward runs", value=f["in_forward"])
+        memory = GaugeMetricFamily("spec_serve_worker_device_memory_bytes", "Memory in use: allocated and "
+                                   "reserved by this process's torch, used on the whole GPU, or resident (CPU)",
+                                   labels=["device", "kind"])
+        for (device, kind), n in sorted(f["device_memory"].items()):
+            memory.add_metric([device, kind], n)
+        yield memory
+        state = GaugeMetricFamily("spec_serve_worker_state", "1 for the state the worker is in", labels=["state"])
+        for name in WORKER_STATES:
+            state.add_metric([name], float(name == f["state"]))
+        yield state
+
+
+# What a worker's /health reports; only "serving" answers 200.
+WORKER_STATES = ("starting", "checking_broker", "loading", "probing", "disconnected", "serving", "draining",
+                 "stopping", "engine_dead")

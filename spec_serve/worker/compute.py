@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -36,6 +38,7 @@ class ComputeLoop:
         self._results: queue.Queue[Result] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="spec-serve-compute", daemon=True)
         self.forwarding = False  # a job is on the engine (or its NCCL send runs); written by the thread only
+        self.on_forward: Callable[[float], None] | None = None  # called with each forward's seconds
 
     # ------------------------------------------------- the I/O thread's side
 
@@ -121,19 +124,28 @@ class ComputeLoop:
                 if backlog[0].control is not None:  # bind/release, in order with the jobs before it
                     self.pair.control(backlog.popleft(), post)
                     continue
-                self.forwarding = True
-                if not self.packing or self.max_batch_tokens <= 0:
-                    results = [self.executor.serve(backlog.popleft())]
-                elif not self._take_queued(backlog):
+                results = self._forward(backlog)
+                if results is None:
                     return
-                else:
-                    results = self.executor.serve_group(self.take_group(backlog))
                 post(*results)
                 self.pair.send(results)
                 self.forwarding = False
         finally:
             self.forwarding = False
             wake.close(0)
+
+    def _forward(self, backlog: collections.deque[Job]) -> list[Result] | None:
+        """Serve the oldest job (with the queued ones that share its packed forward); None: the loop ends."""
+        self.forwarding, started = True, time.perf_counter()
+        if not self.packing or self.max_batch_tokens <= 0:
+            results = [self.executor.serve(backlog.popleft())]
+        elif not self._take_queued(backlog):
+            return None
+        else:
+            results = self.executor.serve_group(self.take_group(backlog))
+        if self.on_forward is not None:
+            self.on_forward(time.perf_counter() - started)
+        return results
 
     def _take_queued(self, backlog: collections.deque[Job]) -> bool:
         """Move every job queued now into ``backlog`` (it may share the packed forward); False at the end."""

@@ -51,6 +51,7 @@ class Executor:
         # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
         self.engine_error: str | None = None
         self.batches = 0  # packed forwards run for several requests
+        self.digests = 0  # reply tensors digested (verify)
 
     # ------------------------------------------------------------ one job
 
@@ -223,6 +224,7 @@ class Executor:
         fields: list[dict[str, Any]] = [{"fingerprint": fingerprint} for _ in jobs]
         for i, sums in zip(wanted, digest.digests([outputs[i] for i in wanted])):
             fields[i]["digests"] = sums
+            self.digests += len(sums)
         return fields
 
     def _within_client_limit(self, result: Result) -> Result:

@@ -36,6 +36,7 @@ class PairBinding:
         self.prefix: str | None = None  # the bound binding's, read by the I/O thread when registering anew
         self._released: set[str] = set()
         self.sent = 0
+        self.sent_bytes = 0  # reply payload sent over pair groups
 
     def mark_released(self, prefix: str) -> None:
         """I/O thread: the binding ``prefix`` ended (its release job closes the pair in order)."""
@@ -113,6 +114,7 @@ class PairBinding:
                     raise RuntimeError("SPEC_SERVE_TEST_FAIL_NCCL_SEND: send aborted (test hook)")
                 pair.send_tensors(tensors)
                 self.sent += 1
+                self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             except Exception as e:  # PairGroupError aborted the group: the client re-sends as frames
                 event(log, logging.WARNING, "worker.nccl_send_failed", request=result.job.request_id.hex()[:12],
                       error=e)

@@ -14,12 +14,13 @@ reply's payload), ``vocab_store``, ``nccl_pair`` and ``faults`` (test-only fault
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
 import time
 import uuid
-from typing import cast
+from typing import Any, cast
 
 import torch
 import zmq
@@ -37,6 +38,7 @@ from spec_serve.protocol.commands import (
 from spec_serve.protocol.messages import Done, Release
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
+from spec_serve.telemetry.metrics import WorkerMetrics
 from spec_serve.transport import samehost
 from spec_serve.transport.hostpool import HostBufferPool
 from spec_serve.transport.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, check_connect_url
@@ -44,6 +46,7 @@ from spec_serve.worker.compute import ComputeLoop
 from spec_serve.worker.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from spec_serve.worker.executor import Executor
 from spec_serve.worker.faults import Faults
+from spec_serve.worker.health import device_memory
 from spec_serve.worker.jobs import Job, Result
 from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.replies import DataSockets, Outbox
@@ -160,7 +163,11 @@ class Worker:
             liveness=liveness, before_ready=self._before_ready,
             handlers={WorkerCommand.REQUEST: self._on_request, WorkerCommand.BIND: self._on_bind,
                       WorkerCommand.RELEASE: self._on_release, WorkerCommand.SET_VOCAB: self.vocab.store})
-        self.outbox = Outbox(self.data_sockets, self.session.send_done)
+        self.outbox = Outbox(self.data_sockets, self._done)
+        self._counts_lock = threading.Lock()  # the I/O thread counts DONEs; the HTTP thread reads them
+        self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<plane>"
+        self.metrics = WorkerMetrics(self.figures)
+        self.compute.on_forward = self.metrics.forward_seconds.observe
         # run() owns the same-host plane: it creates the shared-memory segments and closes them on the way
         # out, so a Worker that is built but never run holds none.
         self._plane_shape = (plane_slots or capacity + 2, plane_lease)
@@ -249,10 +256,39 @@ class Worker:
         self.drain.request(reason)
 
     @property
-    def serving(self) -> bool:
-        """Registered with the broker and taking requests (not draining, not stopped, engine alive)."""
-        return (self.session.registered and self.drain.reason is None and not self._stop.is_set()
-                and self.engine_error is None)
+    def state(self) -> str:
+        """``serving`` (registered, taking requests), ``disconnected`` (not registered yet, or the broker is
+        lost), ``draining``, ``stopping``, or ``engine_dead`` (telemetry.metrics.WORKER_STATES)."""
+        if self.engine_error is not None:
+            return "engine_dead"
+        if self._stop.is_set() or self.drain.outcome is not None:
+            return "stopping"
+        if self.drain.reason is not None:
+            return "draining"
+        return "serving" if self.session.registered else "disconnected"
+
+    def figures(self) -> dict[str, Any]:
+        """What ``/metrics`` shows (telemetry.metrics.WorkerMetrics); safe to call from another thread."""
+        with self._counts_lock:
+            counts = dict(self._done_counts)
+        requests = {k: v for k, v in counts.items() if k != "tokens" and not k.startswith("bytes:")}
+        reply_bytes = {k[len("bytes:"):]: v for k, v in counts.items() if k.startswith("bytes:")}
+        reply_bytes["nccl"] = self.pair.sent_bytes
+        info = self.engine.target_info()
+        return {"info": {"worker": self.name, "service": self.service, "engine": info.engine, "model": info.model_name},
+                "requests": requests, "tokens": counts.get("tokens", 0), "reply_bytes": reply_bytes,
+                "digests": self.executor.digests, "queue_depth": self.compute.queued,
+                "in_forward": int(self.compute.forwarding), "device_memory": device_memory(self.device),
+                "state": self.state}
+
+    def _done(self, request_id: bytes, done: Done) -> None:
+        """Tell the broker DONE, and count it for /metrics."""
+        with self._counts_lock:
+            self._done_counts[done.status] += 1
+            self._done_counts["tokens"] += done.tokens or 0
+            if done.nbytes:
+                self._done_counts[f"bytes:{done.via or 'frames'}"] += done.nbytes
+        self.session.send_done(request_id, done)
 
     def _collect_results(self, wake: zmq.Socket, woken: bool, now: float) -> None:
         """Queue the compute thread's results for delivery; a dead engine's last answers never wait."""
@@ -300,7 +336,7 @@ class Worker:
 
     def _hand_back(self, job: Job) -> None:
         """A request we will not run: the broker gives it to another worker at once."""
-        self.session.send_done(job.request_id, Done(status="returned"))
+        self._done(job.request_id, Done(status="returned"))
         self.drain.handed_back += 1
 
     def _holds_nothing(self, now: float) -> bool:
