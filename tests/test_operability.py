@@ -7,6 +7,7 @@ Issue 15. Every timing bound here is a generous "fails fast instead of hanging" 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import http.client
 import json
@@ -120,6 +121,45 @@ def test_client_on_the_worker_port_is_told_which_port(cluster):
     assert log.count("broker.wrong_port") == 1, log
 
 
+def test_worker_checks_its_broker_before_loading_the_model(cluster, tiny_target_dir):
+    """Issue 23 item 2: a worker pointed at the broker's client port loaded its whole model before it
+    learned so; at an unresolvable name or a closed port it loaded, then waited forever. Now it resolves
+    the host and makes a handshake that needs no target first: each fails within seconds with one line
+    naming the cause, before the model loads. --wait-for-broker waits, then says how long it waited."""
+    closed = f"tcp://127.0.0.1:{free_port()}"
+    cases = {
+        "client port": ((cluster.frontend,), "client port"),
+        "unresolvable": (("tcp://nosuchhost.invalid:5556",), "'nosuchhost.invalid' does not resolve"),
+        "refused": ((closed,), "nothing accepts connections"),
+        "http port": ((f"tcp://127.0.0.1:{cluster.http_port}",), "another program"),
+        "refused, waited": ((closed, "--wait-for-broker", "2"), "(waited 2s)"),
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "worker", "--target",
+                                     str(tiny_target_dir), "--device", "cpu", "--broker", *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                    env={**os.environ, **ENV, "SPEC_SERVE_LOG_LEVEL": "INFO"})
+             for name, (args, _) in cases.items()}
+    results, ended = {}, {}
+    try:
+        for name, p in procs.items():
+            results[name] = subprocess.CompletedProcess(p.args, None, *p.communicate(timeout=180))
+            results[name].returncode = p.returncode
+            ended[name] = time.time()  # at most this late: the others were waited for first
+    finally:
+        for p in procs.values():
+            kill(p)
+    for name, (_, expected) in cases.items():
+        line = error_line(results[name])
+        assert expected in line and "--broker" in line, (name, line)
+        assert "worker.loading" not in results[name].stderr, (name, "the model loaded before the check")
+        # From its last line before the check (process start-up on a loaded box does not count) to its exit.
+        checking = [ln for ln in results[name].stderr.splitlines() if "worker.threads" in ln][0]
+        began = datetime.datetime.strptime(checking[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        assert ended[name] - began < 30, (name, f"{ended[name] - began:.0f}s")
+    assert "--wait-for-broker" in error_line(results["refused"])
+    assert "workers connect to its worker port" in error_line(results["client port"])
+
+
 def test_worker_on_the_client_port_exits_with_one_line(cluster, tiny_target_dir):
     proc = spec_serve("worker", "--target", str(tiny_target_dir), "--device", "cpu", "--broker", cluster.frontend,
                       env=ENV)
@@ -160,14 +200,14 @@ def test_missing_target_directory_fails_at_once(tmp_path):
     assert "nor in the Hugging Face cache" in error_line(hub) and "HF_HUB_OFFLINE" in error_line(hub)
 
 
-def test_cli_errors_are_one_line(tiny_target_dir, tmp_path):
+def test_cli_errors_are_one_line(cluster, tiny_target_dir, tmp_path):
     """Bad values and load errors: one ``Error:`` line each; a traceback only at --log-level debug."""
     busy = f"tcp://127.0.0.1:{free_port()}"
     broken = tmp_path / "broken"
     broken.mkdir()
     shutil.copy(tiny_target_dir / "config.json", broken)
     (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
-    worker = ("worker", "--broker", f"tcp://127.0.0.1:{free_port()}")
+    worker = ("worker", "--broker", cluster.backend)  # a broker answers: the load is what fails
     cases = {
         "aux": ((*worker, "--target", str(tiny_target_dir), "--aux-layer-ids", "1", "2", "99"),
                 "--aux-layer-ids"),
@@ -205,20 +245,22 @@ def test_cli_errors_are_one_line(tiny_target_dir, tmp_path):
 
 
 def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
-    """loading, loaded (seconds, memory), ready only once the broker answered, broker lost once per
-    outage however long, then regained."""
+    """Started before its broker (--wait-for-broker): waiting, then, once a broker answers, loading, loaded
+    (seconds, memory), ready; broker lost once per outage however long, then regained."""
     c = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(), env=ENV,
                 log_dir=tmp_path)
     try:
-        c.start_worker(tiny_target_dir)
+        c.start_worker(tiny_target_dir, "--wait-for-broker", "120")
         log = tmp_path / "worker0.log"
-        wait_until(lambda: "worker.loaded" in log.read_text(), timeout=120, what="worker.loaded")
-        time.sleep(1.5)  # a few liveness windows with no broker
+        wait_until(lambda: "worker.waiting_for_broker" in log.read_text(), timeout=120, what="waiting")
+        time.sleep(1.5)  # a few retries with no broker
+        assert "worker.loading" not in log.read_text(), "the model loads only once a broker answered"
+        c.start_broker()
+        wait_until(lambda: "worker.ready" in log.read_text(), timeout=120, what="worker.ready")
         text = log.read_text()
         assert "worker.loading" in text and "device=cpu" in text and "memory=" in text and "seconds=" in text
-        assert "worker.ready" not in text, "ready before any broker answered"
-        c.start_broker()
-        wait_until(lambda: "worker.ready" in log.read_text(), timeout=60, what="worker.ready")
+        assert text.index("worker.broker_checked") < text.index("worker.loading") < text.index("worker.ready")
+        assert text.count("worker.waiting_for_broker") == 1, text
         kill(c.broker)
         time.sleep(3)  # 3 s of silence: 3 liveness windows
         c.start_broker()
@@ -230,11 +272,11 @@ def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
     assert text.count("worker.ready") == 2, text
 
 
-def test_weight_loading_shows_a_progress_bar_on_a_tty(tiny_target_dir):
+def test_weight_loading_shows_a_progress_bar_on_a_tty(cluster, tiny_target_dir):
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "worker", "--target", str(tiny_target_dir),
-                             "--device", "cpu", "--broker", f"tcp://127.0.0.1:{free_port()}"],
+                             "--device", "cpu", "--broker", cluster.backend, "--service", "tty"],
                             stdin=secondary, stdout=secondary, stderr=secondary, env={**os.environ, **ENV},
                             start_new_session=True)
     os.close(secondary)
@@ -317,12 +359,12 @@ def _remote_code_target(tmp_path: Path, target_dir: Path) -> Path:
     return out
 
 
-def test_trust_remote_code(tiny_target_dir, tmp_path, colocated_target, tiny_vocab_mapping):
+def test_trust_remote_code(cluster, tiny_target_dir, tmp_path, colocated_target, tiny_vocab_mapping):
     from spec_serve.engines.hf import HFTarget
 
     path = _remote_code_target(tmp_path, tiny_target_dir)
-    refused = spec_serve("worker", "--target", str(path), "--device", "cpu", "--broker",
-                         f"tcp://127.0.0.1:{free_port()}", env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    refused = spec_serve("worker", "--target", str(path), "--device", "cpu", "--broker", cluster.backend,
+                         env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
     assert "--trust-remote-code" in error_line(refused)
     engine = HFTarget(path, trust_remote_code=True)
     assert type(engine.model).__name__ == "AcmeForCausalLM"
@@ -379,8 +421,37 @@ def test_threads_option_and_default(tmp_path):
                       "12": ["spec-serve", "broker"], "13": []}.items():
         (proc / pid).mkdir(parents=True)
         (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
-    assert local_workers(proc) == 2
-    assert local_workers(tmp_path / "absent") == 1
+    assert local_workers(None, proc) == 2
+    assert local_workers(None, tmp_path / "absent") == 1
+
+
+def test_thread_share_counts_only_the_workers_of_the_same_broker(tmp_path):
+    """Issue 23: a worker counted every spec-serve worker on the host (local_workers=9 with one of one's
+    own): now only those serving its broker, as their command line, environment or --config file says.
+    Another user's worker whose environment we cannot read is not counted."""
+    ours, theirs = "tcp://10.0.0.1:5556", "tcp://10.9.9.9:5556"
+    config = tmp_path / "worker.yaml"
+    config.write_text(f"broker: {ours}\n")
+    processes = {
+        "20": (["spec-serve", "worker", "--broker", ours], None),
+        "21": (["python", "-m", "spec_serve.tools.cli", "worker", f"--broker={ours}"], None),
+        "22": (["spec-serve", "worker"], {"SPEC_SERVE_BROKER": ours}),
+        "23": (["spec-serve", "worker", "--config", str(config)], {}),
+        "24": (["spec-serve", "worker", "--broker", theirs], None),
+        "25": (["spec-serve", "worker"], {"SPEC_SERVE_BROKER": theirs}),
+        "26": (["spec-serve", "worker"], None),  # another user's: environment unreadable, broker unknown
+        "27": (["spec-serve", "worker"], {}),  # the default broker
+    }
+    proc = tmp_path / "proc"
+    for pid, (args, environ) in processes.items():
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
+        if environ is not None:
+            (proc / pid / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in environ.items()))
+    assert local_workers(ours, proc) == 4
+    assert local_workers(theirs, proc) == 2
+    assert local_workers("tcp://127.0.0.1:5556", proc) == 1
+    assert local_workers(None, proc) == 8
 
 
 def test_keygen_secret_is_private_and_authorize_copies_only_the_public_key(tmp_path):

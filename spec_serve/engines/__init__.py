@@ -62,13 +62,20 @@ def install_advice(package: str, root: Path = _CHECKOUT_ROOT, cwd: Path | None =
     return f"install it into this environment: {sys.executable} -m pip install {package}{cpu_hint}"
 
 
-def load_engine(name: str, target: str, **kwargs: Any):
-    """Build engine ``name`` serving the model at ``target``."""
+def check_available(name: str) -> None:
+    """``EngineUnavailable`` (with the install advice) unless engine ``name``'s package is installed here;
+    cheap: nothing is imported."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
-    module_name, class_name, package = ENGINES[name]
+    package = ENGINES[name][2]
     if package is not None and importlib.util.find_spec(package) is None:
         raise EngineUnavailable(f"engine {name!r} needs the {package!r} package, which this Python "
                                 f"({sys.executable}) lacks; {install_advice(package)}")
+
+
+def load_engine(name: str, target: str, **kwargs: Any):
+    """Build engine ``name`` serving the model at ``target``."""
+    check_available(name)
+    module_name, class_name, _ = ENGINES[name]
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(target, **kwargs)

@@ -276,7 +276,8 @@ def _start_shim(b, host: str, port: int):
                    f"[env SPEC_SERVE_MAX_BATCH_TOKENS].")
 @click.option("--threads", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_THREADS",
               help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else the cores this process may "
-                   "use divided by the spec-serve workers on this host, recounted as they come and go "
+                   "use divided by the spec-serve workers on this host that serve the same --broker, recounted as they "
+                   "come and go "
                    "[env SPEC_SERVE_THREADS].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
@@ -294,6 +295,18 @@ def _start_shim(b, host: str, port: int):
               envvar="SPEC_SERVE_PLANE_LEASE", show_default=True,
               help="Seconds a same-host client may take to copy a reply before its slot is lent again (the "
                    "client then asks again as frames) [env SPEC_SERVE_PLANE_LEASE].")
+@click.option("--http-port", default=0, type=click.IntRange(min=0), envvar="SPEC_SERVE_WORKER_HTTP_PORT",
+              show_default=True,
+              help="Serve /health (200 once registered and the probe forward passed; 503 while loading, "
+                   "draining or disconnected) and /metrics on this port; 0: none "
+                   "[env SPEC_SERVE_WORKER_HTTP_PORT].")
+@click.option("--http-host", default="127.0.0.1", envvar="SPEC_SERVE_WORKER_HTTP_HOST", show_default=True,
+              help="Address of --http-port; loopback unless told otherwise [env SPEC_SERVE_WORKER_HTTP_HOST].")
+@click.option("--wait-for-broker", default=0.0, type=click.FloatRange(min=0), envvar="SPEC_SERVE_WAIT_FOR_BROKER",
+              show_default=True,
+              help="Before loading the model the worker checks its broker (the host resolves, the worker port "
+                   "answers) and fails within seconds naming the cause; this waits up to SECONDS for a broker "
+                   "that is not there yet (orchestrators that start workers first) [env SPEC_SERVE_WAIT_FOR_BROKER].")
 @click.option("--drain-timeout", default=30.0, type=click.FloatRange(min=0), envvar="SPEC_SERVE_DRAIN_TIMEOUT",
               show_default=True,
               help="On SIGTERM or Ctrl-C: seconds to finish or hand back the requests held and let same-host "
@@ -308,7 +321,7 @@ def _start_shim(b, host: str, port: int):
 @engine_options
 def worker(engine, target, broker_url, service, device, dtype, trust_remote_code, aux_layer_ids, dspark_layer_ids,
            capacity, packing, max_batch_tokens, threads, advertise_host, host_pool, host_pool_buffers, plane_slots,
-           plane_lease, drain_timeout,
+           plane_lease, http_port, http_host, wait_for_broker, drain_timeout,
            curve_secret_key, curve_server_key, log_level, **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
 
@@ -328,6 +341,11 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
       spec-serve worker --target /models/llama --device cuda:0 --packing   # skip padding, pack requests
       spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
       spec-serve worker --target ./tiny --device cpu --threads 4    # four math threads
+      spec-serve worker --target /models/llama --http-port 8081       # /health and /metrics on 127.0.0.1
+      spec-serve worker --target /models/llama --wait-for-broker 600  # started before its broker
+
+    SIGTERM or Ctrl-C drains the worker: it leaves the broker's pool at once, finishes or hands back what
+    it holds within --drain-timeout, and exits 0; a second signal exits at once (docs/deploy.md).
 
     The broker refuses a worker whose target (checkpoint fingerprint, layers, dtype, ...) differs
     from the service's: the worker then exits with status 1 and the reason.
@@ -336,46 +354,92 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         raise click.UsageError("--max-batch-tokens is the token budget of --packing: add --packing, or drop it")
     logs.setup(log_level)
     logs.quiet_transformers()
+    from spec_serve.worker.health import WorkerStatus
     from spec_serve.worker.threads import ThreadShare
 
+    path, kwargs = _engine_settings(engine, target, device, dtype, trust_remote_code, aux_layer_ids,
+                                    dspark_layer_ids, engine_values)
+    share = ThreadShare(threads or _omp_threads(), broker_url)
+    _log_threads(share.apply(), threads, share.fixed, broker_url)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # until serving: unwind, so the engine cleans up
+    security = _security(curve_secret_key, curve_server_key)
+    _engine_available(engine)
+    status = WorkerStatus()  # what --http-port's /health and /metrics report, from now on
+    http = _start_worker_http(status, http_host, http_port) if http_port else None
+    engine_obj = None
+    try:
+        status.phase = "checking_broker"
+        _check_broker(broker_url, security, wait_for_broker)  # before minutes of loading, not after
+        status.phase = "loading"
+        engine_obj = _load_engine(engine, target, path, kwargs)
+        _serve_engine(engine, engine_obj, broker_url, status, service=service,
+                      capacity=capacity or (8 if packing else 2),
+                      max_batch_tokens=max_batch_tokens if max_batch_tokens is not None
+                      else DEFAULT_PACKED_TOKENS if packing else 0,
+                      advertise_host=advertise_host, packing=packing, host_pool=host_pool,
+                      host_pool_buffers=host_pool_buffers, plane_slots=plane_slots, plane_lease=plane_lease,
+                      drain_timeout=drain_timeout, security=security, threads=share)
+    finally:
+        close = getattr(engine_obj, "close", None)
+        if close is not None:
+            close()
+        if http is not None:
+            http.close()
+
+
+def _engine_settings(engine: str, target: str, device: str | None, dtype: str | None, trust_remote_code: bool,
+                     aux_layer_ids: str | None, dspark_layer_ids: str | None,
+                     engine_values: dict) -> tuple[Path, dict]:
+    """The checkpoint's path and the engine's keyword arguments, every flag checked before anything loads."""
     extra = engine_kwargs(engine, click.get_current_context().command, engine_values)
     device, dtype = _device_and_dtype(device, dtype)
     path, model_name = _resolve_target(target)
     aux, dspark = _layer_ids(path, aux_layer_ids, dspark_layer_ids)
-    share = ThreadShare(threads or _omp_threads())
-    _log_threads(share.apply(), threads, share.fixed)
-    kwargs = {"device": device, "dtype": dtype, "aux_layer_ids": aux, "dspark_layer_ids": dspark}
+    kwargs: dict[str, object] = {"device": device, "dtype": dtype, "aux_layer_ids": aux, "dspark_layer_ids": dspark}
     if model_name is not None:
         kwargs["model_name"] = model_name
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     if extra:
         logs.event(log, logging.INFO, "worker.engine_args", engine=engine, args=json.dumps(extra, sort_keys=True))
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # until serving: unwind, so the engine cleans up
-    engine_obj = _load_engine(engine, target, path, {**kwargs, **extra})
-    if capacity is None:
-        capacity = 8 if packing else 2
-    if max_batch_tokens is None:
-        max_batch_tokens = DEFAULT_PACKED_TOKENS if packing else 0
+    return path, {**kwargs, **extra}
+
+
+def _start_worker_http(status, host: str, port: int):
+    """The worker's /health and /metrics, or a one-line error naming the flag."""
+    from spec_serve.worker.health import start_http
+
     try:
-        _serve_engine(engine, engine_obj, broker_url, service=service, capacity=capacity,
-                      max_batch_tokens=max_batch_tokens, advertise_host=advertise_host, packing=packing,
-                      host_pool=host_pool, host_pool_buffers=host_pool_buffers,
-                      plane_slots=plane_slots, plane_lease=plane_lease, drain_timeout=drain_timeout,
-                      security=_security(curve_secret_key, curve_server_key), threads=share)
-    finally:
-        close = getattr(engine_obj, "close", None)
-        if close is not None:
-            close()
+        return start_http(status, host, port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise click.ClickException(f"--http-port {port}: address already in use (another worker's? give each "
+                                       f"worker its own port, or 0 for none)") from None
+        raise click.ClickException(f"--http-host {host} --http-port {port}: cannot serve HTTP there: "
+                                   f"{e.strerror or e}") from None
 
 
 def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)
 
 
-def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> None:
-    """Probe the engine, register and serve until a signal; exit 1 if the broker refuses the worker or
-    the engine dies."""
+def _check_broker(broker_url: str, security, wait: float) -> None:
+    """A one-line error, within seconds, when ``--broker`` is not a spec-serve broker's worker port."""
+    import zmq
+
+    from spec_serve.worker.session import BrokerCheckFailed, wait_for_broker
+
+    try:
+        wait_for_broker(zmq.Context.instance(), broker_url, security, wait)
+    except BrokerCheckFailed as e:
+        waited = f" (waited {wait:g}s)" if wait else ""
+        hint = "; --wait-for-broker SECONDS waits for a broker that starts later" if e.transient and not wait else ""
+        raise click.ClickException(f"--broker {broker_url}: {e}{waited}{hint}") from None
+
+
+def _serve_engine(engine: str, engine_obj, broker_url: str, status, **worker_kwargs) -> None:
+    """Probe the engine, register and serve until a signal (``status`` follows it for /health); exit 1 if
+    the broker refuses the worker or the engine dies."""
     from spec_serve.worker.drain import exit_if_computing, handle_stop_signals
     from spec_serve.worker.server import PROBE_TOKENS, Worker, WorkerRefused, probe_engine
 
@@ -383,6 +447,7 @@ def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> 
         w = Worker(engine_obj, broker_url, **worker_kwargs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    status.phase = "probing"
     try:
         probe_engine(engine_obj)
     except Exception as e:
@@ -390,6 +455,7 @@ def _serve_engine(engine: str, engine_obj, broker_url: str, **worker_kwargs) -> 
         raise click.ClickException(f"the {engine} engine failed its load-time probe (one {PROBE_TOKENS}-token "
                                    f"forward), so the worker did not register: {logs.one_line(e)}") from None
     handle_stop_signals(w)  # SIGTERM / Ctrl-C: drain; a second one: stop at once
+    status.worker = w
     try:
         w.run()
     except WorkerRefused as e:  # logged at ERROR by the worker; exit 1 with the one-line reason
@@ -462,18 +528,30 @@ def _layer_ids(path: Path, aux: str | None, dspark: str | None) -> tuple[list[in
     return aux_ids, dspark_ids
 
 
-def _log_threads(n: int, flag: int | None, fixed: int | None) -> None:
+def _log_threads(n: int, flag: int | None, fixed: int | None, broker_url: str) -> None:
     from spec_serve.worker.threads import local_workers, usable_cores
 
     if flag or fixed:
         logs.event(log, logging.INFO, "worker.threads", threads=n, source="--threads" if flag else "OMP_NUM_THREADS")
     else:
-        logs.event(log, logging.INFO, "worker.threads", threads=n, cores=usable_cores(), local_workers=local_workers())
+        logs.event(log, logging.INFO, "worker.threads", threads=n, cores=usable_cores(),
+                   local_workers=local_workers(broker_url), broker=broker_url)
 
 
 def _omp_threads() -> int | None:
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _engine_available(engine: str) -> None:
+    """The engine's package is installed, or its install advice on one line and status 2."""
+    from spec_serve.engines import EngineUnavailable, check_available
+
+    try:
+        check_available(engine)
+    except EngineUnavailable as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
 
 def _load_engine(engine: str, target: str, path: Path, kwargs: dict):

@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -26,6 +27,7 @@ from spec_serve.protocol.commands import (
 from spec_serve.protocol.messages import Disconnect, Done, Leave, Ready, Refused
 from spec_serve.supervision.contract import TargetInfo
 from spec_serve.telemetry.logs import event
+from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import Security, make_socket
 
@@ -212,3 +214,86 @@ class BrokerSession:
             event(log, logging.WARNING, "worker.broker_unreachable", broker=self.broker_url,
                   waited_s=round(now - self._started), expected=WORKER_PORT_HINT, action="still trying")
 
+
+
+# ------------------------------------------------------------- before the model loads
+
+# How long the check before loading waits for a broker's answer; a reachable one answers in milliseconds.
+BROKER_CHECK_S = 5.0
+# How often a worker told to wait for its broker (--wait-for-broker) tries again.
+BROKER_RETRY_S = 1.0
+
+
+class BrokerCheckFailed(RuntimeError):
+    """No spec-serve broker's worker port answered; ``transient`` when a broker starting later could fix it
+    (nothing listens yet, the name does not resolve yet), not when something else answered there."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+def check_broker(ctx: zmq.Context, url: str, security: Security | None, timeout: float = BROKER_CHECK_S) -> None:
+    """Make sure ``url`` is a spec-serve broker's worker port before the (slow) model load: resolve its host,
+    then a handshake that needs no target. A worker the broker does not know gets DISCONNECT for a
+    heartbeat (register, please); a worker on the clients' port gets REFUSED (wrong_port). Raises
+    ``BrokerCheckFailed`` naming the cause."""
+    host = urlsplit(url).hostname if url.startswith("tcp://") else None
+    if host and host != "*":
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError) as e:
+            raise BrokerCheckFailed(f"the host name {host!r} does not resolve ({e})", transient=True) from None
+    sock = make_socket(ctx, zmq.DEALER, identity=os.urandom(16), security=security)
+    watch = connect_watched(sock, url)
+    try:
+        _await_broker(sock, watch, timeout)
+    finally:
+        watch.close()
+        sock.close(0)
+
+
+def _await_broker(sock: zmq.Socket, watch: ConnectWatch, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    sent = False
+    while (left := deadline - time.monotonic()) > 0:
+        if not sent:  # the heartbeat waits in the socket's queue until the connection is up
+            try:
+                sock.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value), zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:
+                pass
+        if not sock.poll(int(min(left, 0.1) * 1000)):
+            continue
+        try:
+            msg = parse_control(sock.recv_multipart(), WORKER_TAG, WorkerCommand)
+        except ProtocolError as e:
+            raise BrokerCheckFailed(f"the peer there answered, but not in the spec-serve worker protocol: {e}",
+                                    transient=False) from None
+        if msg.command == WorkerCommand.REFUSED.value:
+            raise BrokerCheckFailed(Refused.from_json(msg.header).error, transient=False)
+        return  # DISCONNECT (or a heartbeat): a broker's worker port
+    cause = watch.cause()
+    transient = "nothing accepts connections" in cause or "does not resolve" in cause
+    raise BrokerCheckFailed(f"no spec-serve broker answered within {timeout:g}s: {cause}", transient=transient)
+
+
+def wait_for_broker(ctx: zmq.Context, url: str, security: Security | None, wait: float,
+                    check_s: float = BROKER_CHECK_S) -> None:
+    """``check_broker``, tried again for up to ``wait`` seconds while the failure is one a broker starting
+    later would fix (an orchestrator may start workers before the broker). Logs once while it waits."""
+    deadline = time.monotonic() + wait
+    waiting = False
+    while True:
+        try:
+            check_broker(ctx, url, security, check_s)
+        except BrokerCheckFailed as e:
+            if not e.transient or time.monotonic() + BROKER_RETRY_S >= deadline:
+                raise
+            if not waiting:
+                waiting = True
+                event(log, logging.INFO, "worker.waiting_for_broker", broker=url, wait_s=wait, cause=e)
+            time.sleep(BROKER_RETRY_S)
+            continue
+        event(log, logging.INFO, "worker.broker_checked", broker=url)
+        return

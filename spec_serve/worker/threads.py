@@ -3,24 +3,30 @@
 Left alone, every torch process starts one OpenMP thread per core, so several workers (and the
 trainer's ranks) on one host oversubscribe the cores and spin against each other. A worker without
 ``--threads`` (and without ``OMP_NUM_THREADS`` in its environment) takes the cores it may run on
-divided by the spec-serve workers running on this host, and re-divides as workers come and go.
+divided by the spec-serve workers running on this host for the same broker, and re-divides as workers
+come and go.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from spec_serve.protocol.commands import BACKEND_PORT
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.worker")
 
 # How often a worker with the default share recounts its neighbours.
 RECOUNT_S = 10.0
+# A worker's --broker when neither the command line nor the environment names one (tools/cli.py).
+DEFAULT_BROKER = f"tcp://127.0.0.1:{BACKEND_PORT}"
 
 
 def usable_cores() -> int:
@@ -39,36 +45,91 @@ def is_worker_cmdline(args: list[str]) -> bool:
     return False
 
 
-def local_workers(proc: Path = Path("/proc")) -> int:
-    """spec-serve workers running on this host (counting this one), from ``/proc``; 1 where it is absent."""
+def _flag(args: list[str], flag: str) -> str | None:
+    """The value of ``--flag VALUE`` or ``--flag=VALUE`` in ``args`` (the last one given)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1:]
+    return found
+
+
+def worker_broker(args: list[str], environ: Callable[[], dict[str, str] | None]) -> str | None:
+    """The broker a worker process serves, as its command line or environment says: ``--broker``, else
+    ``SPEC_SERVE_BROKER``, else the default; None when that cannot be known (another user's process, whose
+    environment we may not read, or a --config file we cannot read)."""
+    value = _flag(args, "--broker")
+    if value is not None:
+        return value
+    env = environ()
+    if env is None:
+        return None
+    if "SPEC_SERVE_BROKER" in env:
+        return env["SPEC_SERVE_BROKER"]
+    config = _flag(args, "--config") or env.get("SPEC_SERVE_CONFIG")
+    if config is not None:
+        return _config_broker(config)
+    return DEFAULT_BROKER
+
+
+def _config_broker(path: str) -> str | None:
+    try:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text())
+    except Exception:  # unreadable, not YAML (relative to another process's directory): unknown
+        return None
+    value = data.get("broker") if isinstance(data, dict) else None
+    return str(value) if value is not None else DEFAULT_BROKER
+
+
+def _environ(entry: Path) -> dict[str, str] | None:
+    try:
+        raw = (entry / "environ").read_bytes()
+    except OSError:  # not ours to read
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
+
+
+def local_workers(broker_url: str | None = None, proc: Path = Path("/proc")) -> int:
+    """spec-serve workers on this host that serve ``broker_url`` (counting this one), from ``/proc``; every
+    worker when ``broker_url`` is None; 1 where /proc is absent. Workers of other brokers (another user's
+    cluster on a shared node, say) have cores of their own to share."""
     count = 0
-    for entry in proc.glob("[0-9]*/cmdline") if proc.is_dir() else ():
+    for entry in proc.glob("[0-9]*") if proc.is_dir() else ():
         try:
-            args = entry.read_bytes().split(b"\0")
+            args = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
         except OSError:  # the process ended, or is not ours to read
             continue
-        count += is_worker_cmdline([a.decode(errors="replace") for a in args if a])
+        if not is_worker_cmdline(args):
+            continue
+        count += broker_url is None or worker_broker(args, functools.partial(_environ, entry)) == broker_url
     return max(1, count)
 
 
-def default_threads() -> int:
-    """This worker's share: usable cores over local workers, at least 1."""
-    return max(1, usable_cores() // local_workers())
+def default_threads(broker_url: str | None = None) -> int:
+    """This worker's share: usable cores over the local workers of its broker, at least 1."""
+    return max(1, usable_cores() // local_workers(broker_url))
 
 
 class ThreadShare:
     """Sets torch's intra-op threads (and ``OMP_NUM_THREADS`` for child processes): ``fixed`` if given,
-    else :func:`default_threads`, recounted every ``RECOUNT_S`` by :meth:`rebalance`."""
+    else :func:`default_threads` among the workers of ``broker_url``, recounted every ``RECOUNT_S`` by
+    :meth:`rebalance`."""
 
-    def __init__(self, fixed: int | None):
+    def __init__(self, fixed: int | None, broker_url: str | None = None):
         if fixed is not None and fixed < 1:
             raise ValueError(f"--threads must be >= 1, got {fixed}")
         self.fixed = fixed
+        self.broker_url = broker_url
         self.threads = 0
         self._next_recount = 0.0
 
     def apply(self) -> int:
-        self._set(self.fixed or default_threads())
+        self._set(self.fixed or default_threads(self.broker_url))
         self._next_recount = time.monotonic() + RECOUNT_S
         return self.threads
 
@@ -80,7 +141,7 @@ class ThreadShare:
         self.apply()
         if self.threads != before:
             event(log, logging.INFO, "worker.threads", threads=self.threads, previous=before,
-                  local_workers=local_workers())
+                  local_workers=local_workers(self.broker_url))
 
     def _set(self, n: int) -> None:
         self.threads = n
