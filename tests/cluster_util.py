@@ -189,6 +189,23 @@ def start_swap_worker(cluster, target, swap_to, after: int, service: str) -> sub
     return proc
 
 
+def hold_plane_copies(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """From now on, clients in this process map same-host replies but wait before copying them out (so the
+    worker's slot stays lent): returns (copying, go_on), set when a copy starts and to let copies proceed."""
+    from spec_serve.transport import samehost
+
+    copying, go_on = threading.Event(), threading.Event()
+    copy_into = samehost._Span.copy_into
+
+    def held_copy(span, out):
+        copying.set()
+        go_on.wait(60)
+        return copy_into(span, out)
+
+    monkeypatch.setattr(samehost._Span, "copy_into", held_copy)
+    return copying, go_on
+
+
 def kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)

@@ -26,10 +26,19 @@ import pytest
 import zmq
 
 import spec_serve.client.io_thread as client_module
-from cluster_util import CLIENT_KW, FAST_ENV, Reference, assert_equal_batches, kill, start_slow_worker, wait_until
+from cluster_util import (
+    CLIENT_KW,
+    FAST_ENV,
+    Reference,
+    assert_equal_batches,
+    hold_plane_copies,
+    kill,
+    start_slow_worker,
+    wait_until,
+)
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.launch import local_cluster
-from spec_serve.transport import samehost, shm
+from spec_serve.transport import shm
 
 
 @pytest.fixture(scope="module")
@@ -173,30 +182,15 @@ def stalled_client(monkeypatch):
     return stall
 
 
-@pytest.fixture
-def held_copies(monkeypatch):
-    """Same-host replies are mapped but their copy waits: returns (copying, go_on) events."""
-    copying, go_on = threading.Event(), threading.Event()
-    copy_into = samehost._Span.copy_into
-
-    def held_copy(span, out):
-        copying.set()
-        go_on.wait(30)
-        return copy_into(span, out)
-
-    monkeypatch.setattr(samehost._Span, "copy_into", held_copy)
-    return copying, go_on
-
-
 def test_a_drain_waits_for_a_reply_being_sent_and_a_slot_being_copied(cluster, tiny_target_dir, reference,
-                                                                      stalled_client, held_copies):
+                                                                      stalled_client, monkeypatch):
     """SIGTERM while the worker's answers are on their way: two 12 MiB replies handed to ZeroMQ (DONE sent)
     that a stalled client does not read, and one lent through the same-host plane that another client is
     still copying. The worker keeps its sockets and its segment until every byte left and the slot came
     back, then exits 0 and unlinks the segment."""
     proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--service", "lent", "--capacity", "3")
     _worker_name(log)
-    copying, go_on = held_copies
+    copying, go_on = hold_plane_copies(monkeypatch)
     big = {"batch": 32, "seq": 128}
     kw = {"service": "lent", "timeout": 60, "heartbeat_interval": CLIENT_KW["heartbeat_interval"], "liveness": 100}
     with RemoteTargetModel(cluster.frontend, same_host_plane=False, prefetch_depth=2, **kw) as framed, \
