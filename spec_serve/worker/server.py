@@ -215,7 +215,7 @@ class Worker:
     # ------------------------------------------------------ the I/O busy loop
 
     def run(self) -> None:
-        """Serve until ``stop()``, the end of a ``drain()``, or (once the engine died) its last answers."""
+        """Serve until ``stop()``, the end of a drain (``begin_drain``), or (once the engine died) its last answers."""
         self.executor.plane = samehost.WorkerPlane.start(self.device, *self._plane_shape)
         wake = self.ctx.socket(zmq.PAIR)
         wake.bind(self.compute.wake_endpoint)
