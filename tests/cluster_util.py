@@ -311,9 +311,10 @@ def _slow_worker_main(argv: list[str]) -> None:
     p.add_argument("--crash-on-token", type=int, default=None)
     p.add_argument("--capacity", type=int, default=2)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     logs.setup(os.environ.get("SPEC_SERVE_LOG_LEVEL", "INFO"))
-    engine = load_engine("hf", args.target)
+    engine = load_engine("hf", args.target, device=args.device)
     inner = engine.generate_batch
     log = logging.getLogger("spec_serve.worker")
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 import spec_serve.client.io_thread as client_module
@@ -250,6 +251,42 @@ def test_the_cli_worker_stopped_in_a_real_forward_exits_0(cluster, tiny_target_d
     else:
         assert "abandoned_forward=1" in stop and "outcome='drain timed out after 0.5s'" in stop, stop
     assert not _own_segments(proc.pid)
+
+
+def _cuda_ipc_files(pid: int) -> list[str]:
+    """Files the CUDA IPC shares of process ``pid`` left in /dev/shm (torch's ref counters, the driver's)."""
+    return [n for n in os.listdir(shm.SHM_DIR) if shm.companion_pid("/" + n) == pid]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("signals", [1, 2], ids=["drain", "second-signal"])
+def test_gpu_worker_stopped_releases_its_cuda_ipc_slots(cluster, tiny_target_dir, signals):
+    """A worker on cuda:0 lends a GPU client its replies through CUDA IPC; stopped in a 5 s forward, it exits 0
+    and leaves none of its segments or CUDA IPC files: drained (its reply delivered, equal to the colocated
+    forward on that GPU), or stopped at once by a second signal (the process ends itself mid-forward, so
+    torch's own cleanup does not run: the worker removes them)."""
+    from spec_serve.engines.hf import HFTarget
+    from spec_serve.tools.tiny import sample_batch
+
+    service = f"gpu-{signals}"
+    proc, log = _slow_worker(cluster, tiny_target_dir, 5.0, "--device", "cuda:0", "--service", service)
+    _worker_name(log)
+    colocated = HFTarget(tiny_target_dir, device="cuda:0")
+    batches = [sample_batch(tiny_target_dir, 2, 16, seed=s) for s in (70, 71)]
+    with RemoteTargetModel(cluster.frontend, service=service, device="cuda:0", timeout=60, **CLIENT_KW) as client:
+        first = client.generate_batch(*batches[0], kind="dspark")  # lent through CUDA IPC: the files exist
+        assert_equal_batches(first, colocated.generate_batch(*batches[0], kind="dspark"))
+        assert client.stats.plane_replies == 1 and _cuda_ipc_files(proc.pid)
+        future = client.generate_batch_async(*batches[1], kind="dspark")
+        wait_until(lambda: log.read_text().count("test.forward_started") == 2, 60, what="the second forward")
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            _line(log, r"worker\.draining")
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        if signals == 1:
+            assert_equal_batches(future.result(timeout=60), colocated.generate_batch(*batches[1], kind="dspark"))
+    assert not _own_segments(proc.pid) and not _cuda_ipc_files(proc.pid)
 
 
 # -------------------------------------------------------------------------------------- broker

@@ -11,6 +11,7 @@ other workers, and a forward still running is abandoned (docs/deploy.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,6 +20,7 @@ import sys
 from typing import Protocol
 
 from spec_serve.telemetry.logs import event
+from spec_serve.transport import shm
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -82,7 +84,22 @@ def exit_if_computing(compute: Computing) -> None:
     if not compute.running:
         return
     event(log, logging.WARNING, "worker.exit_mid_forward", action="the forward still running is abandoned")
+    _unlink_own_cuda_ipc_files()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _unlink_own_cuda_ipc_files() -> None:
+    """The files our CUDA IPC shares left in /dev/shm (torch's ref counters, the driver's event file): torch
+    removes its own at a normal exit, which ``os._exit`` skips; the plane was closed already."""
+    pid = os.getpid()
+    try:
+        names = os.listdir(shm.SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if shm.companion_pid("/" + name) == pid:
+            with contextlib.suppress(OSError):
+                os.unlink(shm.SHM_DIR / name)
