@@ -90,7 +90,7 @@ def test_rows_never_attend_across_rows(tiny_target_dir, colocated_target):
 
     def last_hidden(segments):
         return engine._forward(layout.input_ids, engine.aux_layer_ids, position_ids=layout.position_ids,
-                               **{packing.SEGMENTS_KWARG: segments})[0][0]
+                               **{packing.SEGMENTS_KWARG: packing.row_bounds(segments)})[0][0]
 
     rows, bleeding = last_hidden(layout.segments), last_hidden(((0, layout.tokens),))
     first = lengths[0]

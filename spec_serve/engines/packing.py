@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Iterator, Mapping, Sequence
+from typing import cast
 
 import torch
 
 ATTENTION = "spec_serve_packed_rows"
-# The keyword that carries the row bounds ((start, end) of each row in the packed sequence) through
+# The keyword that carries the row bounds (``row_bounds``: 0 and each row's end in the packed sequence) through
 # the model's forward to ``_row_attention``; transformers passes unknown keywords on to attention.
 SEGMENTS_KWARG = "spec_serve_segments"
 
@@ -47,6 +49,14 @@ def row_lengths(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> list[i
     return [int(n) for n in lengths.tolist()]
 
 
+def row_bounds(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``((0, a), (a, b), ...)`` -> ``tensor([0, a, b, ...])``: consecutive rows as the packed forward takes them
+    (``SEGMENTS_KWARG``), a tensor so that a compiled forward is the same graph for any number of rows."""
+    if any(start != end for (_, end), (start, _) in zip(segments, segments[1:])) or not segments or segments[0][0]:
+        raise ValueError(f"packed rows must be consecutive from 0, got {segments}")
+    return torch.tensor([0, *(end for _, end in segments)], dtype=torch.int64)
+
+
 @dataclasses.dataclass
 class PackedLayout:
     """Where each request's real tokens lie in the packed sequence, and the packed inputs."""
@@ -54,6 +64,7 @@ class PackedLayout:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T], 0..n-1 for each row
     segments: tuple[tuple[int, int], ...]  # (start, end) of each non-empty row in [0, T)
+    bounds: torch.Tensor  # [rows + 1] int64 on the host: 0, then each non-empty row's end (SEGMENTS_KWARG)
     spans: list[tuple[int, int]]  # (start, end) of each request's tokens in [0, T)
     real: list[torch.Tensor]  # each request's flat indices of real positions in its [B*S]
     shapes: list[tuple[int, int]]  # each request's [B, S]
@@ -86,7 +97,8 @@ class PackedLayout:
             shapes.append((input_ids.shape[0], input_ids.shape[1]))  # [B, S]: the engine validated it 2-D
         if offset == 0:
             raise ValueError("nothing to pack: every row is empty")
-        return cls(torch.cat(ids)[None], torch.cat(positions)[None], tuple(segments), spans, real, shapes)
+        return cls(torch.cat(ids)[None], torch.cat(positions)[None], tuple(segments), row_bounds(segments), spans, real,
+                   shapes)
 
     @property
     def tokens(self) -> int:
@@ -111,20 +123,40 @@ def _row_attention(module, query, key, value, attention_mask, *, scaling=None, d
     """transformers attention function: causal SDPA within each packed row, never across rows.
 
     ``query`` ``[1, heads, T, D]`` (keys and values with their own head count); returns
-    ``([1, T, heads, D], None)`` as every transformers attention function does. Each row goes through
-    transformers' own SDPA function with no mask and ``is_causal=True`` (on CUDA: the flash kernel).
+    ``([1, T, heads, D], None)`` as every transformers attention function does. The rows run in
+    ``rows_sdpa``, one op for torch.compile, so compiled decoder layers (engines.compiled) neither break
+    their graph here nor depend on the number of rows.
     """
+    bounds = kwargs.pop(SEGMENTS_KWARG, None)
+    if bounds is None or attention_mask is not None or query.shape[0] != 1 or dropout:
+        raise RuntimeError(f"attention {ATTENTION!r} runs packed forwards only (HFTarget.generate_packed)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    return torch.ops.spec_serve.rows_sdpa(query, key, value, bounds, scaling, groups), None
+
+
+# The schema is spelled out: older torch releases cannot read it from postponed (string) annotations.
+@torch.library.custom_op("spec_serve::rows_sdpa", mutates_args=(), schema="(Tensor query, Tensor key, Tensor value, "
+                         "Tensor bounds, float? scaling, int groups) -> Tensor")
+def rows_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
+              scaling: float | None, groups: int) -> torch.Tensor:
+    """Each packed row ``bounds[i]:bounds[i+1]`` through transformers' own SDPA function with no mask and
+    ``is_causal=True`` (on CUDA: the flash kernel); ``[1, T, heads, D]``. ``bounds`` lives on the host."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    segments = kwargs.pop(SEGMENTS_KWARG, None)
-    if segments is None or attention_mask is not None or query.shape[0] != 1:
-        raise RuntimeError(f"attention {ATTENTION!r} runs packed forwards only (HFTarget.generate_packed)")
+    # All that function reads of the attention module is its number of query heads per key/value head.
+    heads = cast(torch.nn.Module, types.SimpleNamespace(num_key_value_groups=groups))
+    ends = bounds.tolist()
     outputs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
-                               scaling=scaling, is_causal=True, **kwargs)[0]
-        for s, e in segments
+        sdpa_attention_forward(heads, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, scaling=scaling,
+                               is_causal=True)[0]
+        for s, e in zip(ends[:-1], ends[1:])
     ]
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+@rows_sdpa.register_fake
+def _rows_sdpa_shape(query, key, value, bounds, scaling, groups):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
 def unsupported_reason(model) -> str | None:
