@@ -50,7 +50,10 @@ def test_help_lists_engine_options_in_their_own_sections():
     both = next(s for s in sections if s.startswith("Options for the vllm and sglang engines"))
     assert "--tensor-parallel-size, --tp-size" in both and "--engine-arg KEY=VALUE" in both
     general = next(s for s in sections if s.startswith("Options:"))
-    assert "--max-model-len" not in general and "--engine-arg" not in general
+    assert "--max-model-len" not in general and "--engine-arg" not in general and "--compile" not in general
+    hf = next(s for s in sections if s.startswith("hf engine options"))
+    assert "--compile / --no-compile" in hf and "SPEC_SERVE_COMPILE=1" in hf
+    assert "--compile-cache DIR" in hf and "SPEC_SERVE_COMPILE_CACHE" in hf
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
@@ -91,6 +94,8 @@ def test_sglang_flags_reach_the_engine(tiny_target_dir):
     (["--engine", "vllm", "--max-model-len", "64", "--engine-arg", "max_model_len=32"], "given twice"),
     (["--engine", "vllm", "--engine-arg", "dtype=float16"], "'dtype' is the worker's own; use --dtype"),
     (["--engine", "vllm", "--engine-arg", "no-equals-sign"], "expected KEY=VALUE"),
+    (["--engine", "vllm", "--compile"], "--compile is an option of --engine hf; --engine vllm does not take it"),
+    (["--engine", "sglang", "--compile-cache", "/tmp/x"], "--compile-cache is an option of --engine hf"),
 ])
 def test_misplaced_engine_options_are_one_line_usage_errors(args, message):
     result = CliRunner().invoke(main, ["worker", "--target", "unused", *args])

@@ -1,9 +1,10 @@
-"""The worker's engine options: vLLM's and SGLang's own flags, and ``--engine-arg KEY=VALUE``.
+"""The worker's engine options: the hf engine's, vLLM's and SGLang's own flags, and ``--engine-arg KEY=VALUE``.
 
-Each flag carries the name its engine gives it on its own command line and becomes the keyword the
-engine's constructor takes (``vllm.LLM``, SGLang's ``ServerArgs``). ``--engine-arg`` passes any other
-keyword; its value is parsed as JSON, and a value that is not JSON stays a string. ``spec-serve worker
---help`` lists these options in sections of their own.
+Each flag carries the name its engine gives it on its own command line (the hf engine's are
+spec-serve's own) and becomes the keyword the engine's constructor takes (``HFTarget``, ``vllm.LLM``,
+SGLang's ``ServerArgs``). ``--engine-arg`` passes any other keyword to vllm or sglang; its value is
+parsed as JSON, and a value that is not JSON stays a string. ``spec-serve worker --help`` lists these
+options in sections of their own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import click
 
 GENERAL = "Options"
+HF = "hf engine options (--engine hf)"
 VLLM = "vLLM engine options (--engine vllm; passed to vllm.LLM)"
 SGLANG = "SGLang engine options (--engine sglang; passed to sglang's ServerArgs)"
 BOTH = "Options for the vllm and sglang engines"
@@ -53,6 +55,16 @@ def _option(*decls: str, section: str, keywords: Mapping[str, str] | None = None
 
 
 _OPTIONS = (
+    _option("--compile/--no-compile", "compile", section=HF, keywords={"hf": "compile"}, envvar="SPEC_SERVE_COMPILE",
+            help="Compile the decoder layers with torch.compile (one layer's compile serves all; docs/compile.md): "
+                 "faster forwards, results within a stated tolerance of eager, bit-equal to a colocated "
+                 "HFTarget(compile=True) on the same device. If compiling fails the worker serves eager and "
+                 "logs why [off] [env SPEC_SERVE_COMPILE=1]."),
+    _option("--compile-cache", "compile_cache", metavar="DIR", section=HF, keywords={"hf": "compile_cache"},
+            envvar="SPEC_SERVE_COMPILE_CACHE",
+            help="Inductor's cache directory, so that a restarted worker loads its kernels instead of compiling "
+                 "them again [TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER] "
+                 "[env SPEC_SERVE_COMPILE_CACHE]."),
     _option("--tensor-parallel-size", "--tp-size", "tensor_parallel_size", type=click.IntRange(min=1),
             section=BOTH, keywords={"vllm": "tensor_parallel_size", "sglang": "tp_size"},
             help="GPUs the target is split over by the engine's tensor parallelism [engine default 1; the "

