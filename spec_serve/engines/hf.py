@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from spec_serve.engines import packing
+from spec_serve.engines import compiled, packing
 from spec_serve.engines.checkpoint import fingerprint, parse_dtype
 from spec_serve.supervision import assemble, contract
 from spec_serve.supervision.contract import Kind, TargetInfo
@@ -144,6 +144,12 @@ def _load_model(path: Path, config, dtype: str | torch.dtype | None, devices: Se
 class HFTarget:
     """A frozen local causal LM serving the supervision contract (engine "hf").
 
+    ``compile=True`` compiles the decoder layers (:mod:`spec_serve.engines.compiled`): results within
+    ``compiled.TOLERANCE`` of the eager forward, bit-equal to another compiled engine of the same model on
+    the same device; if compilation fails the engine serves eager (``compile_report`` says why).
+    ``compile_cache``: Inductor's cache directory (process-wide; default ``TORCHINDUCTOR_CACHE_DIR``, else
+    torch's own).
+
     ``device`` may list several devices (``"cuda:0,cuda:1"``) for a target bigger than one: the
     layers are spread over them in order (:func:`spread_model`) and the outputs are on the last.
     Every module computes what it computes on one device; only exact copies are added between them.
@@ -160,6 +166,8 @@ class HFTarget:
         dspark_layer_ids: Sequence[int] | None = None,
         model_name: str | None = None,
         trust_remote_code: bool = False,
+        compile: bool = False,
+        compile_cache: str | Path | None = None,
     ):
         from transformers import AutoConfig
 
@@ -197,6 +205,11 @@ class HFTarget:
         self._forwards = 0
         self._fault = _test_fault()
         self._install_hooks()
+        self._compiled: compiled.CompiledLayers | None = None
+        if compile:
+            compiled.cache_dir_from(compile_cache)
+            self._compiled = compiled.CompiledLayers(self.model, self._layers, self.model_name, self._warm_up)
+            self._compiled.install(self.devices[0])
 
     # -- capture ---------------------------------------------------------------------------------
 
@@ -230,10 +243,7 @@ class HFTarget:
             self._wanted = frozenset(layer_ids)
             self._captured = {}
             try:
-                with packing.row_attention(self.model) if packing.SEGMENTS_KWARG in model_kwargs \
-                        else contextlib.nullcontext():
-                    out = self._base(input_ids=input_ids, use_cache=False, return_dict=True, **model_kwargs)
-                last = out.last_hidden_state
+                last = self._trunk(input_ids, **model_kwargs)
                 captured = dict(self._captured)
             finally:
                 self._wanted = frozenset()
@@ -242,6 +252,49 @@ class HFTarget:
         captured[self.num_layers - 1] = last
         # Spread over devices, a layer's output is on its own device (.to is a no-op on one device).
         return last, {i: captured[i].to(self.device) for i in layer_ids}
+
+    def _trunk(self, input_ids: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        """The decoder's final-norm output (the hooks capture layers on the way); compiled layers that fail
+        to compile a new shape fall back to eager and the forward runs again. Under the forward lock."""
+        layers = self._compiled if self._compiled is not None and self._compiled.report.active else None
+        try:
+            with layers.watch(input_ids.shape) if layers is not None else contextlib.nullcontext():
+                return self._decoder(input_ids, **model_kwargs)
+        except Exception as e:
+            if layers is None or not compiled.compile_error(e):
+                raise
+            layers.fall_back(e)
+            self._captured = {}
+            return self._decoder(input_ids, **model_kwargs)
+
+    def _decoder(self, input_ids: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        with packing.row_attention(self.model) if packing.SEGMENTS_KWARG in model_kwargs \
+                else contextlib.nullcontext():
+            out = self._base(input_ids=input_ids, use_cache=False, return_dict=True, **model_kwargs)
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def _warm_up(self, rows: int, tokens: int, padding: bool, packed: bool) -> None:
+        """One forward of ``rows`` x ``tokens`` (with ``padding``, or ``packed`` as one sequence), so that compiled
+        layers compile that class of batch (``compiled.WARMUP``). A model that cannot pack skips the packed class."""
+        if packed and self.packing_unsupported() is not None:
+            return
+        ids = (torch.arange(rows * tokens) % self.vocab_size).view(rows, tokens).to(self.devices[0])
+        mask = torch.ones_like(ids)
+        if padding:  # the last row half padding
+            mask[-1, tokens // 2:] = 0
+        with self._forward_lock:
+            if packed:
+                layout = packing.PackedLayout.build([(ids, mask, mask)]).to(self.devices[0], self.device)
+                self._decoder(layout.input_ids, position_ids=layout.position_ids,
+                              **{packing.SEGMENTS_KWARG: layout.bounds})
+            else:
+                self._decoder(ids, attention_mask=mask)
+
+    @property
+    def compile_report(self) -> compiled.CompileReport | None:
+        """What ``compile=True`` did (compiled or eager and why, seconds, graphs, recompiles); None without it."""
+        return None if self._compiled is None else self._compiled.report
 
     def _per_token(self, kind: Kind, mapping, input_ids: torch.Tensor, **model_kwargs) -> dict[str, torch.Tensor]:
         """The forward's outputs for each token of ``input_ids`` (``assemble.per_token``).
@@ -299,7 +352,7 @@ class HFTarget:
         layout = packing.PackedLayout.build(requests).to(self.devices[0], self.device)
         mapping = self._vocab.on_device
         per_token = self._per_token(kind, mapping, layout.input_ids, position_ids=layout.position_ids,
-                                    **{packing.SEGMENTS_KWARG: layout.segments})
+                                    **{packing.SEGMENTS_KWARG: layout.bounds})
         outputs = []
         for i, (input_ids, _, loss_mask) in enumerate(requests):
             padded = {name: layout.scatter(t, i) for name, t in per_token.items()}

@@ -1,5 +1,5 @@
-"""Prometheus metrics: the broker's and each worker's, in a private registry (one per process); the
-client's, process-local."""
+"""Prometheus metrics: the broker's and each worker's, in a private registry (one per process), a worker's
+including its compiled engine's (``CompileCollector``); the client's, process-local."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ prometheus_client.disable_created_metrics()
 CLIENT_INTEGRITY_FAILURES = Counter("spec_serve_client_integrity_failures",
                                     "Replies a client discarded: digest mismatch or another target",
                                     ["service", "check"])
-
 
 class BrokerMetrics:
     """Counters the broker updates from its loop; the HTTP shim renders them."""
@@ -138,3 +137,36 @@ class _WorkerCollector(Collector):
 # What a worker's /health reports; only "serving" answers 200.
 WORKER_STATES = ("starting", "checking_broker", "loading", "probing", "disconnected", "serving", "draining",
                  "stopping", "engine_dead")
+
+
+class CompileCollector(Collector):
+    """A compiled engine's figures (``engines.compiled.CompileReport``, read when scraped, so they cost nothing
+    between scrapes): register it in the registry a worker's ``/metrics`` renders, with ``read`` returning its
+    engine's ``compile_report`` (None for an engine without ``compile``: nothing is exported)."""
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._read()
+        if report is None:
+            return
+        yield GaugeMetricFamily("spec_serve_worker_compiled", "1 while compiled decoder layers serve, 0 once a "
+                                "failed compile put them back to eager", value=float(report.active))
+        seconds = CounterMetricFamily("spec_serve_worker_compile_seconds", "Seconds spent compiling decoder layers: "
+                                      "at load (every batch class), and in forwards that met a new class",
+                                      labels=["phase"])
+        seconds.add_metric(["load"], report.seconds)
+        seconds.add_metric(["recompile"], report.recompile_seconds)
+        yield seconds
+        yield CounterMetricFamily("spec_serve_worker_compile_graphs", "Graphs compiled at load",
+                                  value=report.graphs)
+        yield CounterMetricFamily("spec_serve_worker_compile_recompiles", "Forwards after load that compiled graphs",
+                                  value=report.recompiles)
+        cache = CounterMetricFamily("spec_serve_worker_compile_cache_lookups", "Inductor FX graph cache lookups at "
+                                    "load (hits: kernels loaded, not compiled)", labels=["result"])
+        cache.add_metric(["hit"], report.cache_hits)
+        cache.add_metric(["miss"], report.cache_misses)
+        yield cache
+        yield CounterMetricFamily("spec_serve_worker_compile_fallbacks", "Compiles that failed (the engine serves "
+                                  "eager; the log says why)", value=float(report.reason is not None))

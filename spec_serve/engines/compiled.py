@@ -1,0 +1,250 @@
+"""Regional compilation of a causal LM's decoder layers (``HFTarget(compile=True)``, ``--compile``).
+
+What is compiled: the ``forward`` of every decoder layer, through one ``torch.compile``'d function per
+layer class bound to each layer. Dynamo caches compiled code per code object, and with nn.Module
+parameters traced as inputs every layer of a class matches the same entry: the first layer's compile
+serves all N layers, so start-up costs one layer's compile, not N (and a second compiled engine of the
+same model in the process compiles nothing). The engine's capture hooks sit in the module call around
+``forward``, so they stay eager and record the compiled outputs.
+
+Attention is traced with the rest: padded batches run the model's own attention function (SDPA: the
+same fused attention kernel as eager, called from the graph); packed sequences run packing's
+``rows_sdpa``, one custom op whatever the number of rows. What Inductor fuses is what lies around
+the matmuls and attention: RMSNorm, RoPE, residual adds, SiLU * up.
+
+Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and 1, which dynamo
+always specialises, and what the graph branches on (whether there is a padding mask). So a graph is
+chosen by the class of a batch (several rows or one; padding or none; padded or packed), never by the
+history of shapes. ``WARMUP`` compiles those classes at load with fixed shapes, so every process that
+compiles the same model compiles the same graphs: a compiled colocated target and a compiled worker
+compute bit-equal results (Inductor's deterministic mode, where the torch has it, keeps on-device
+benchmarking from choosing other reduction kernels in another process). A batch outside those classes
+(a sequence of one token) compiles when it first comes: a recompile, logged and
+counted.
+
+Numerics: fused kernels keep intermediates in float32 and round once, where eager rounds after each
+op; that is one or two roundings of the model dtype per fused op, the same kind and size of
+perturbation as a batch of another composition gets from its GEMM kernels. ``TOLERANCE`` states the
+bound, docs/compile.md derives it.
+
+Caches: Inductor's FX graph cache and AOTAutograd cache (on by default in torch) under
+``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``): a restarted process loads the
+kernels instead of generating and compiling them; dynamo still traces each graph (about a second).
+
+Fail soft: anything that stops compilation (no C++ compiler for CPU code, no Triton for CUDA code,
+an error while tracing or generating code, at load or on a later recompile) puts the layers back to
+eager with one WARNING naming the reason; the engine goes on serving eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spec_serve.engines import packing
+from spec_serve.telemetry.logs import event, one_line
+
+log = logging.getLogger("spec_serve.engines.compiled")
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# The batch classes compiled at load, as (rows, tokens a row, padding, packed): several rows or one, each
+# full or with padding, and a packed sequence of several rows. Sizes are fixed so that every process
+# compiles the same graphs, and large enough that Inductor's size hints describe real batches.
+WARMUP: tuple[tuple[int, int, bool, bool], ...] = ((2, 256, False, False), (2, 256, True, False),
+                                                  (1, 256, False, False), (1, 256, True, False),
+                                                  (2, 256, True, True))
+
+# Dynamo keeps at most ``recompile_limit`` (8) graphs per code object and then runs that code eagerly,
+# silently. Compiled engines of one model class in one process share the decoder layer's code object: each
+# shape of model, dtype and device adds its WARMUP classes, so the limit is raised to this (never lowered).
+RECOMPILE_LIMIT = 64
+
+# The same rounding class as packing (docs/compile.md derives why): by the model's dtype, each tensor
+# against the eager padded forward, over real positions (``packing.compare``).
+TOLERANCE = packing.TOLERANCE
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What compiling did: for logs, metrics, the bench, and callers (``HFTarget.compile_report``)."""
+
+    active: bool = False  # compiled layers serve; False: eager (``reason`` says why)
+    reason: str | None = None
+    seconds: float = 0.0  # the load-time compile: the warm-up forwards of WARMUP
+    graphs: int = 0  # graphs dynamo compiled at load (0: another engine of this process had compiled them)
+    recompiles: int = 0  # forwards after load that compiled graphs (a shape outside WARMUP)
+    recompile_seconds: float = 0.0  # what those forwards took
+    cache_hits: int = 0  # Inductor FX graph cache hits at load: kernels loaded, not generated
+    cache_misses: int = 0
+    cache_dir: str = ""
+    deterministic: bool = False  # Inductor's deterministic mode was on
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why torch.compile cannot run here (checked before trying, so the reason is clear), or None."""
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile does not support this Python ({sys.version.split()[0]}) with torch {torch.__version__}"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "Inductor's CUDA code needs Triton, which is not installed (pip install triton)"
+    elif device.type == "cpu":
+        cxx = os.environ.get("CXX") or torch._inductor.config.cpp.cxx[1] or "g++"
+        if shutil.which(cxx) is None:
+            return f"Inductor's CPU code needs a C++ compiler, and {cxx!r} is not on PATH (install g++, or set CXX)"
+    return None
+
+
+def compile_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is compilation failing (tracing, code generation, a compiler), not the forward."""
+    return isinstance(exc, torch._dynamo.exc.TorchDynamoException)
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _cache_lookups() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
+
+
+def _options() -> dict[str, Any]:
+    """Inductor options for our compile: deterministic mode where this torch has it (compile-time
+    options: they are baked into the generated kernels, and change nothing else in the process)."""
+    return {"deterministic": True} if hasattr(torch._inductor.config, "deterministic") else {}
+
+
+# Test-only fault injection (tests/test_compile.py): "load" makes every compile fail; "recompile" every
+# compile after load (the warm-up's succeed). The failure is raised in Inductor's place, so dynamo reports
+# it as it reports any backend failure, and the fall back to eager is testable at load and while serving.
+TEST_FAULT_ENV = "SPEC_SERVE_TEST_COMPILE_FAULT"
+
+
+def _backend(options: dict[str, Any], loaded: Callable[[], bool]) -> dict[str, Any]:
+    """``torch.compile`` keywords choosing the backend: Inductor with ``options``; under ``TEST_FAULT_ENV`` the
+    same Inductor behind a failure (``loaded``: whether the load-time compile is done)."""
+    fault = os.environ.get(TEST_FAULT_ENV)
+    if not fault:
+        return {"backend": "inductor", "options": options}
+    if fault not in ("load", "recompile"):
+        raise ValueError(f"{TEST_FAULT_ENV} must be load or recompile, got {fault!r}")
+    inductor = torch._TorchCompileInductorWrapper(None, options, True)  # what backend="inductor" builds
+
+    def failing(graph, example_inputs):
+        if fault == "load" or loaded():
+            raise RuntimeError(f"a compile failed at {fault} ({TEST_FAULT_ENV})")
+        return inductor(graph, example_inputs)
+
+    return {"backend": failing}
+
+
+class CompiledLayers:
+    """The decoder ``layers`` of ``model`` compiled regionally (``install``), and undone (``fall_back``).
+
+    ``warm_up(rows, tokens, padding, packed)`` runs one forward of that shape through the model (the engine's,
+    under its forward lock); ``install`` calls it for every ``WARMUP`` class and times it.
+    """
+
+    def __init__(self, model: Any, layers: Sequence[torch.nn.Module], name: str,
+                 warm_up: Callable[[int, int, bool, bool], None]):
+        self.model, self.layers, self.name, self._warm_up = model, list(layers), name, warm_up
+        self.report = CompileReport(cache_dir=os.environ.get(CACHE_ENV) or "")
+
+    # -- load ------------------------------------------------------------------------------------
+
+    def install(self, device: torch.device) -> CompileReport:
+        """Compile the layers and warm every ``WARMUP`` shape class; on failure, eager with one WARNING."""
+        reason = unavailable_reason(device)
+        if reason is not None:
+            self._fail(reason)
+            return self.report
+        options = _options()
+        self.report.deterministic = bool(options)
+        event(log, logging.INFO, "compile.start", model=self.name, layers=len(self.layers), device=device,
+              shapes=len(WARMUP), cache=self._cache_dir(), deterministic=self.report.deterministic)
+        graphs, (hits, misses), started = _graphs(), _cache_lookups(), time.monotonic()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        try:
+            backend = _backend(options, lambda: self.report.active)
+            compiled = {cls: torch.compile(cls.forward, dynamic=True, **backend)
+                        for cls in {type(layer) for layer in self.layers}}
+            for layer in self.layers:
+                layer.forward = types.MethodType(compiled[type(layer)], layer)
+            for shape in WARMUP:
+                self._warm_up(*shape)
+        except Exception as e:
+            if not compile_error(e):
+                self._undo()
+                raise
+            self._fail(one_line(e))
+            return self.report
+        now_hits, now_misses = _cache_lookups()
+        self.report = dataclasses.replace(self.report, active=True, seconds=round(time.monotonic() - started, 2),
+                                          graphs=_graphs() - graphs, cache_hits=now_hits - hits,
+                                          cache_misses=now_misses - misses, cache_dir=self._cache_dir())
+        event(log, logging.INFO, "compile.done", model=self.name, seconds=self.report.seconds,
+              graphs=self.report.graphs, cache_hits=self.report.cache_hits, cache_misses=self.report.cache_misses)
+        return self.report
+
+    @staticmethod
+    def _cache_dir() -> str:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+        except ImportError:  # an older torch: the directory is torch's default unless the environment names one
+            return os.environ.get(CACHE_ENV, "torch's default")
+        return cache_dir()
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watch(self, shape: Sequence[int]) -> Iterator[None]:
+        """Around a forward (under the engine's forward lock): count and log the graphs it compiled.
+
+        Dynamo's counters are process-wide, so a compile by another compiled model in this process at
+        the same moment would be counted here too."""
+        before, started = _graphs(), time.monotonic()
+        yield
+        compiled = _graphs() - before
+        if compiled:
+            seconds = time.monotonic() - started
+            self.report.recompiles += 1
+            self.report.recompile_seconds = round(self.report.recompile_seconds + seconds, 2)
+            event(log, logging.INFO, "compile.recompiled", model=self.name, shape=list(shape), graphs=compiled,
+                  seconds=round(seconds, 2), recompiles=self.report.recompiles)
+
+    def fall_back(self, exc: BaseException) -> None:
+        """A compiled forward failed to compile (a recompile): eager from now on, one WARNING."""
+        self._fail(one_line(exc))
+
+    # -- undo ------------------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        self._undo()
+        self.report.active, self.report.reason = False, reason
+        event(log, logging.WARNING, "compile.failed", model=self.name, serving="eager", reason=reason)
+
+    def _undo(self) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)  # the class's own forward again
+
+
+def cache_dir_from(path: str | Path | None) -> None:
+    """Point Inductor's caches at ``path`` (process-wide, as torch reads it; before the first compile)."""
+    if path is not None:
+        os.environ[CACHE_ENV] = str(Path(path).expanduser().resolve())

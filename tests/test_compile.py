@@ -1,0 +1,290 @@
+"""Compiled decoder layers (``HFTarget(compile=True)``, ``--compile``; docs/compile.md) on CPU float32.
+
+One compiled engine serves the module (a compile takes tens of seconds on a small CPU; the worker's
+later compile loads its kernels from the Inductor cache this one fills). Every compiled answer must lie
+within ``compiled.TOLERANCE`` of the eager forward, and a compiled worker's answers must equal the
+compiled colocated engine's bit for bit. Workers run with one math thread, so the colocated engines
+here do too.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from spec_serve.client.api import RemoteTargetModel
+from spec_serve.engines import compiled, packing
+from spec_serve.engines.hf import HFTarget
+from spec_serve.supervision.eagle3 import lm_head_slice
+from spec_serve.telemetry.metrics import CompileCollector
+from spec_serve.tools.bench import LLAMA_8B_CONFIG, padded_batch
+from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import sample_batch
+from spec_serve.tools.verify import expanded, mismatch
+
+FP32 = compiled.TOLERANCE[torch.float32]
+KINDS = ("eagle3", "dspark", "eagle3_compact")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(one_thread, tiny_target_dir, tiny_vocab_mapping):
+    engine = HFTarget(tiny_target_dir, compile=True)
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def eager_engine(one_thread, colocated_target):
+    return colocated_target()
+
+
+def _metrics(engine) -> CollectorRegistry:
+    """The engine's compile metrics, as a worker's /metrics renders them."""
+    registry = CollectorRegistry()
+    registry.register(CompileCollector(lambda: engine.compile_report))
+    return registry
+
+
+def _batches(target_dir):
+    """One batch of each class the load-time compile covers (several rows or one, full or padded), at
+    lengths other than the warm-up's."""
+    batches = []
+    for seed, (rows, seq, padded) in enumerate(((4, 48, True), (3, 40, False), (1, 33, False), (1, 20, True))):
+        ids, attn, loss = sample_batch(target_dir, rows, seq, seed=seed)
+        if padded:
+            attn[-1, seq // 3:] = 0
+            loss[-1, seq // 3:] = 0
+        batches.append((ids, attn, loss))
+    return batches
+
+
+class _propagating:
+    """Let the spec_serve logger reach caplog even after ``logs.setup`` (which stops its propagation)."""
+
+    def __enter__(self):
+        self.logger = logging.getLogger("spec_serve")
+        self.before, self.logger.propagate = self.logger.propagate, True
+
+    def __exit__(self, *exc):
+        self.logger.propagate = self.before
+
+
+def _row_noise(engine, batch) -> dict[str, float]:
+    """The eager forward's batch-composition noise: each row alone against the same row in its batch."""
+    ids, attn, loss = batch
+    inside = engine.generate_batch(ids, attn, loss)
+    worst: dict[str, float] = {}
+    for row, n in enumerate(attn.sum(1).tolist()):
+        alone = engine.generate_batch(ids[row:row + 1, :n], attn[row:row + 1, :n], loss[row:row + 1, :n])
+        same = {name: t[row:row + 1, :n] for name, t in inside.items()}
+        for name, measures in packing.compare(alone, same, attn[row:row + 1, :n]).items():
+            for measure, value in measures.items():
+                if measure != "mismatch":  # input_ids, loss_mask: the last position's next token differs
+                    worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
+    return worst
+
+
+def test_one_compile_serves_every_layer(compiled_engine):
+    """Each warm-up class compiled one graph for all 8 layers (8 per class if each layer compiled its own),
+    and the worker's metrics say so."""
+    report = compiled_engine.compile_report
+    assert report.active and report.reason is None, report
+    assert report.graphs == len(compiled.WARMUP), report
+    assert all("forward" in layer.__dict__ for layer in compiled_engine._layers)
+    assert report.cache_hits + report.cache_misses == report.graphs
+    exported = _metrics(compiled_engine)
+    assert exported.get_sample_value("spec_serve_worker_compile_graphs_total") == report.graphs
+    assert exported.get_sample_value("spec_serve_worker_compile_seconds_total", {"phase": "load"}) == report.seconds
+    assert exported.get_sample_value("spec_serve_worker_compiled") == 1
+    assert exported.get_sample_value("spec_serve_worker_compile_fallbacks_total") == 0
+
+
+def test_compiled_within_tolerance_of_eager(compiled_engine, eager_engine, tiny_target_dir):
+    """Every kind, every batch class: within TOLERANCE of eager, yet not eager's bits (the compiled kernels
+    ran), and no batch compiled anything new. The eager forward's own batch-composition noise on the same
+    rows is printed beside (what the tolerance is checked against: docs/compile.md)."""
+    worst: dict[str, float] = {}
+    noise: dict[str, float] = {}
+    differs = False
+    for batch in _batches(tiny_target_dir):
+        for kind in KINDS:
+            got = compiled_engine.generate_batch(*batch, kind=kind)
+            want = eager_engine.generate_batch(*batch, kind=kind)
+            report = packing.compare(got, want, batch[1])
+            assert packing.violations(report, FP32) == [], (kind, report)
+            differs |= mismatch(got, want) is not None
+            for name, measures in report.items():
+                for measure, value in measures.items():
+                    worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
+        for key, value in _row_noise(eager_engine, batch).items():
+            noise[key] = max(noise.get(key, 0.0), value)
+    assert differs
+    assert compiled_engine.compile_report.recompiles == 0
+    print("\ncompiled vs eager, float32, worst:", {k: f"{v:.2g}" for k, v in sorted(worst.items())})
+    print("eager rows alone vs in their batch, worst:", {k: f"{v:.2g}" for k, v in sorted(noise.items())})
+
+
+def test_compiled_packed_rows_within_tolerance_without_recompiling(compiled_engine, eager_engine, tiny_target_dir):
+    """Packed forwards of 1 to 7 rows run one graph (the rows go through one custom op), each request within
+    TOLERANCE of its own padded eager forward."""
+    requests = [sample_batch(tiny_target_dir, rows, seq, seed=10 + s)
+                for s, (rows, seq) in enumerate(((1, 24), (3, 40), (2, 17), (1, 64)))]
+    for group in (requests[:1], requests[1:3], requests):
+        for request, got in zip(group, compiled_engine.generate_packed(group, kind="eagle3")):
+            report = packing.compare(got, eager_engine.generate_batch(*request), request[1])
+            assert packing.violations(report, FP32) == [], report
+    assert compiled_engine.compile_report.recompiles == 0
+
+
+def test_a_new_shape_class_recompiles_once_and_is_counted(compiled_engine, eager_engine, tiny_target_dir, caplog):
+    """Sequences of one token lie outside the warm-up classes: the first compiles (logged at INFO, counted
+    in the metrics), the next of another batch size reuses that graph."""
+    before = compiled_engine.compile_report.recompiles
+    with caplog.at_level(logging.INFO, logger="spec_serve.engines.compiled"), _propagating():
+        for rows in (2, 3):
+            ids = torch.randint(4, 512, (rows, 1), generator=torch.Generator().manual_seed(rows))
+            attn = loss = torch.ones_like(ids)
+            got = compiled_engine.generate_batch(ids, attn, loss, kind="dspark")
+            assert packing.violations(packing.compare(got, eager_engine.generate_batch(ids, attn, loss, "dspark"),
+                                                      attn), FP32) == []
+    assert compiled_engine.compile_report.recompiles == before + 1
+    assert _metrics(compiled_engine).get_sample_value("spec_serve_worker_compile_recompiles_total") == before + 1
+    assert _metrics(compiled_engine).get_sample_value("spec_serve_worker_compile_seconds_total",
+                                                      {"phase": "recompile"}) > 0
+    lines = [r.getMessage() for r in caplog.records if "compile.recompiled" in r.getMessage()]
+    assert len(lines) == 1 and "shape='[2, 1]'" in lines[0], lines
+
+
+def test_no_compiler_serves_eager_with_one_warning(one_thread, tiny_target_dir, tiny_vocab_mapping, eager_engine,
+                                                   monkeypatch, caplog):
+    """Without a C++ compiler (Inductor's CPU code needs one) the engine says so once and serves eager."""
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with caplog.at_level(logging.WARNING, logger="spec_serve.engines.compiled"), _propagating():
+        engine = HFTarget(tiny_target_dir, compile=True)
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    report = engine.compile_report
+    assert not report.active and "needs a C++ compiler" in report.reason and "/nonexistent/g++" in report.reason
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compile.failed" in warnings[0].getMessage()
+    batch = _batches(tiny_target_dir)[0]
+    assert mismatch(engine.generate_batch(*batch), eager_engine.generate_batch(*batch)) is None
+
+
+@pytest.mark.parametrize("when", ["load", "recompile"])
+def test_a_failed_compile_falls_back_to_eager(when, one_thread, tiny_target_dir, tiny_vocab_mapping, eager_engine,
+                                              monkeypatch, caplog):
+    """A compile that fails (injected in Inductor's place, so dynamo reports it as it reports any backend
+    failure), at load or on a later recompile: one WARNING naming the reason, the layers back to eager,
+    and the forward that met it answered by eager (bit-equal to the eager engine)."""
+    monkeypatch.setattr(compiled, "WARMUP", compiled.WARMUP[:1])  # one class: this engine's load stays short
+    monkeypatch.setenv(compiled.TEST_FAULT_ENV, when)
+    with caplog.at_level(logging.WARNING, logger="spec_serve.engines.compiled"), _propagating():
+        engine = HFTarget(tiny_target_dir, compile=True)
+        engine.set_vocab_mapping(*tiny_vocab_mapping)
+        assert engine.compile_report.active == (when == "recompile")
+        batch = _batches(tiny_target_dir)[2]  # one row: outside the one warm-up class
+        got = engine.generate_batch(*batch)
+    report = engine.compile_report
+    assert not report.active and f"a compile failed at {when} (SPEC_SERVE_TEST_COMPILE_FAULT)" in report.reason
+    assert [r.getMessage().split()[0] for r in caplog.records if r.levelno >= logging.WARNING] == ["compile.failed"]
+    assert not any("forward" in layer.__dict__ for layer in engine._layers)
+    assert mismatch(got, eager_engine.generate_batch(*batch)) is None
+    exported = _metrics(engine)
+    assert exported.get_sample_value("spec_serve_worker_compiled") == 0
+    assert exported.get_sample_value("spec_serve_worker_compile_fallbacks_total") == 1
+
+
+def test_compiled_worker_equals_compiled_colocated_bit_for_bit(compiled_engine, tiny_target_dir, tiny_vocab_mapping,
+                                                               tmp_path):
+    """A real worker started with --packing --compile: packed requests and a padded one (left padding cannot
+    be packed) equal the compiled colocated engine's answers bit for bit, every kind; the worker logged its
+    compile at INFO and, pointed at this process's cache (--compile-cache), loaded every kernel from it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    log = _worker_matches_colocated(compiled_engine, tiny_target_dir, tiny_vocab_mapping, _batches(tiny_target_dir),
+                                    ["--device", "cpu", "--compile-cache", cache_dir()], tmp_path)
+    assert f"cache={cache_dir()}" in log, log
+    done = re.search(r"INFO \S+ compile\.done .*graphs=(\d+) cache_hits=(\d+)", log)
+    assert done and int(done.group(1)) == len(compiled.WARMUP) and int(done.group(2)) == len(compiled.WARMUP), log
+
+
+def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log_dir) -> str:
+    """Serve ``target`` from one worker with ``worker_args --packing --compile`` and check its answers to
+    ``batches`` (packed) and to a left-padded batch (served padded) against ``engine``'s, bit for bit, for
+    every kind (compact expanded on the client, as a client does); returns the worker's log."""
+    weight = lm_head_slice(engine.get_output_embeddings().weight, mapping[0])
+    left = [t.clone() for t in batches[0]]
+    left[1][0, :5] = 0
+    left[2][0, :5] = 0
+    requests = [(b, True) for b in batches] + [(tuple(left), False)]
+    with local_cluster(target, workers=1, worker_args=[*worker_args, "--packing", "--compile"], log_dir=log_dir,
+                       ready_timeout=900) as cluster:
+        with RemoteTargetModel(cluster.frontend, prefetch_depth=1, timeout=300) as client, \
+                RemoteTargetModel(cluster.frontend, prefetch_depth=1, timeout=300, compact=True) as compact:
+            for c in (client, compact):
+                c.set_vocab_mapping(*mapping)
+            for i, (batch, packed) in enumerate(requests):
+                want = {kind: (engine.generate_packed([batch], kind)[0] if packed
+                               else engine.generate_batch(*batch, kind=kind)) for kind in KINDS}
+                for kind in ("eagle3", "dspark"):
+                    assert mismatch(client.generate_batch(*batch, kind=kind), want[kind]) is None, (i, kind)
+                full = expanded(want["eagle3_compact"], weight, mapping[1], client.device)
+                assert mismatch(compact.generate_batch(*batch), full) is None, (i, "compact")
+    log = cluster.log_path("worker0").read_text()
+    assert "compile.failed" not in log and "compile.recompiled" not in log, log
+    return log
+
+
+# A Llama of mid size (GQA, head_dim 128 as at 8B), random bf16 weights built on the GPU.
+MID_CONFIG = {**LLAMA_8B_CONFIG, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000, "bos_token_id": 1,
+              "eos_token_id": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_worker_equals_compiled_colocated_and_bf16_within_tolerance(tmp_path):
+    """On the GPU in bf16: a compiled worker (--packing --compile, padded and packed requests, every kind)
+    equals the compiled colocated engine bit for bit; compiled answers lie within TOLERANCE[bfloat16] of
+    eager. Prints the compiled deviation beside eager's own batch-composition noise on the same rows."""
+    from spec_serve.supervision.vocab import build_vocab_mapping
+    from spec_serve.tools.random_target import write_random_init_target
+
+    target = write_random_init_target(tmp_path / "mid", MID_CONFIG)
+    engine = HFTarget(target, device="cuda:0", dtype="bfloat16", compile=True)
+    eager = HFTarget(target, device="cuda:0", dtype="bfloat16")
+    assert engine.compile_report.active, engine.compile_report
+    batches = []
+    for seed, lengths in enumerate(((512, 300, 77, 512), (1000, 999), (256,), (640, 12, 400))):
+        batches.append(padded_batch(list(lengths), MID_CONFIG["vocab_size"], seed))
+    mapping = build_vocab_mapping(torch.cat([b[0].flatten() for b in batches]),
+                                  torch.cat([b[2].flatten() for b in batches]), MID_CONFIG["vocab_size"], 4096)
+    for e in (engine, eager):
+        e.set_vocab_mapping(*mapping)
+    worst: dict[str, float] = {}
+    noise: dict[str, float] = {}
+    for batch in batches:
+        report = packing.compare(engine.generate_batch(*batch), eager.generate_batch(*batch), batch[1].cuda())
+        assert packing.violations(report, compiled.TOLERANCE[torch.bfloat16]) == [], report
+        for name, measures in report.items():
+            for measure, value in measures.items():
+                worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
+        for key, value in _row_noise(eager, tuple(t.cuda() for t in batch)).items():
+            noise[key] = max(noise.get(key, 0.0), value)
+    print("\nGPU compiled vs eager, bf16, worst:", {k: f"{v:.3g}" for k, v in sorted(worst.items())})
+    print("GPU eager rows alone vs in their batch, worst:", {k: f"{v:.3g}" for k, v in sorted(noise.items())})
+    print("GPU compile:", engine.compile_report)
+    _worker_matches_colocated(engine, target, mapping, batches, ["--device", "cuda:0", "--dtype", "bfloat16"],
+                              tmp_path / "logs")
