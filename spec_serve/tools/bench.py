@@ -26,6 +26,19 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       colocated compact forward expanded the same way
   samehost_1w_packed, samehost_1w_compact_packed   the packing worker through the same-host plane
   samehost_1w_packed_own_gpu, remote_1w_compact_packed_own_gpu   the client on the last device
+  colocated_compiled  HFTarget(compile=True) in this process (decoder layers compiled, docs/compile.md);
+                      every timed batch verified against the colocated eager forward within
+                      compiled.TOLERANCE
+  colocated_packed_compiled   generate_packed on the compiled engine, verified the same way
+  samehost_1w_compiled        a worker started with --compile, through the same-host plane: every
+                      batch within compiled.TOLERANCE of the colocated eager forward, and counted bit-equal
+                      to the colocated compiled forward (bit_equal_compiled=N/M; not a packing worker's,
+                      whose queued requests share packed forwards)
+  samehost_1w_packed_compiled a worker started with --packing --compile, the same way
+  compile_cold        seconds a fresh process takes to compile the target's layers (HFTarget(compile=True)
+                      with an empty Inductor cache), then compile_warm: a second process on that cache,
+                      and compile_artifacts: a process with an empty cache that first loads the cache
+                      artifacts the cold one saved (torch.compiler.save/load_cache_artifacts)
   small_unbatched     many small requests from several ranks, one worker without packing
   small_batched       the same against a worker started with --packing --max-batch-tokens, so
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
@@ -81,6 +94,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,6 +108,7 @@ import torch
 
 if TYPE_CHECKING:
     from spec_serve.engines.base import TargetEngine
+    from spec_serve.engines.compiled import CompileReport
     from spec_serve.tools.launch import Cluster
 
 # Llama-3.1-8B's shape (the GPU benchmark builds it with random bf16 weights on the device).
@@ -239,7 +254,8 @@ def _tokens(batches) -> tuple[int, int]:
 
 
 def verify_packed(engine, batches, outputs, compact_mask: torch.Tensor | None = None) -> dict[str, Any]:
-    """Each packed answer against the colocated padded forward of its batch (``packing.compare``).
+    """Each packed or compiled answer against the colocated padded eager forward of its batch
+    (``packing.compare``; ``compiled.TOLERANCE`` is the same table).
 
     ``compact_mask``: the outputs are compact replies expanded by a client (``selected_token_mask``
     given), so the reference is the colocated compact forward expanded the same way; else the
@@ -299,17 +315,21 @@ def worker_threads(device: torch.device):
 # ------------------------------------------------------------------- colocated
 
 
-def run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
+def run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bool = False,
+                  compiled: bool = False) -> dict[str, Any]:
     with worker_threads(ctx.device):
-        return _run_colocated(ctx, compact, packed, dspark)
+        return _run_colocated(ctx, compact, packed, dspark, compiled)
 
 
-def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bool = False) -> dict[str, Any]:
+def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bool = False,
+                   compiled: bool = False) -> dict[str, Any]:
     """The target's own forward, batch after batch: padded (what a trainer runs), compact, DSpark, or packed
-    (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it; verified after)."""
+    (``HFTarget.generate_packed`` on the host batch, as a packing worker gets it); ``compiled``: on the
+    compiled engine. Packed and compiled answers are verified after the clock."""
     from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
-    engine, device, warmup = ctx.engine(), ctx.device, ctx.cfg.warmup
+    engine = ctx.compiled_engine() if compiled else ctx.engine()
+    device, warmup = ctx.device, ctx.cfg.warmup
     weight = lm_head_slice(engine.get_output_embeddings().weight, ctx.mapping[0]) if compact else None
     mask = ctx.mapping[1].to(device)
     batches = ctx.batches if packed else [tuple(t.to(device) for t in b) for b in ctx.batches]
@@ -323,17 +343,21 @@ def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bo
             out = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), cast(torch.Tensor, weight), mask)
         elif packed:
             out = engine.generate_packed([b], kind="eagle3")[0]
-            outputs.append(out)
         elif dspark:
             out = engine.generate_batch(*b, kind="dspark")
         else:
             out = engine.generate_batch(*b, kind="eagle3")
+        if packed or compiled:
+            outputs.append(out)
         nbytes += _nbytes(out)
     _sync(device)
     seconds = time.perf_counter() - start
     tokens, padded = _tokens(ctx.batches[warmup:])
     name = "colocated_compact" if compact else "colocated_packed" if packed else "colocated_dspark" if dspark \
         else "colocated"
+    if compiled:
+        name += "_compiled"
+        return _figure(name, tokens, nbytes, seconds, padded, **ctx.verify_compiled(ctx.batches[warmup:], outputs))
     checked = verify_packed(engine, ctx.batches[warmup:], outputs) if packed else {}
     return _figure(name, tokens, nbytes, seconds, padded, **checked)
 
@@ -347,13 +371,15 @@ def _mark_done(done_at: dict[int, float], i: int, _future: Any) -> None:
 
 def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str, nccl: bool = False,
                own_device: bool = False, packed: bool = False, plane: bool = False,
-               dspark: bool = False) -> dict[str, Any]:
+               dspark: bool = False, compiled: bool = False) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
     flight) and the clock runs from the completion of the last warm-up batch to that of the last
     batch, so the figure excludes filling and draining the pipeline, as a long training run would.
     Every timed batch is verified once the clock has stopped: bit for bit against the colocated
     forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE.
-    ``plane``: replies through the same-host plane, else frames; ``dspark``: the DSpark kind."""
+    ``plane``: replies through the same-host plane, else frames; ``dspark``: the DSpark kind; ``compiled``: the
+    service's worker compiles its layers (within compiled.TOLERANCE, bit-equality to the colocated compiled
+    forward counted)."""
     from spec_serve.client.api import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
@@ -382,7 +408,9 @@ def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str
         stats = client.stats
     tokens, padded = _tokens(batches[warmup:])
     wire_kind = "dspark" if dspark else "eagle3_compact" if compact else "eagle3"
-    if packed:
+    if compiled:
+        checked = ctx.verify_compiled(batches[warmup:], outputs, remote=not packed)
+    elif packed:
         checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact else None)
     else:
         checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact, device=device,
@@ -688,7 +716,87 @@ def _fresh(ctx: Context) -> dict[str, Any]:
         ctx.recycle = True
 
 
+def _row_noise(engine, batch) -> dict[str, float]:
+    from spec_serve.engines import packing
+
+    ids, attn, loss = (t.to(engine.device) for t in batch)
+    inside = engine.generate_batch(ids, attn, loss, kind="eagle3")
+    worst: dict[str, float] = {}
+    for row, n in enumerate(attn.sum(1).tolist()):
+        alone = engine.generate_batch(ids[row:row + 1, :n], attn[row:row + 1, :n], loss[row:row + 1, :n],
+                                      kind="eagle3")
+        same_rows = {name: t[row:row + 1, :n] for name, t in inside.items()}
+        for name, measures in packing.compare(alone, same_rows, attn[row:row + 1, :n]).items():
+            for measure, value in measures.items():
+                if measure != "mismatch":  # input_ids, loss_mask: exact by construction
+                    worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
+    return worst
+
+
+# ---------------------------------------------------------------- compile time
+
+
+def run_compile_time(ctx: Context) -> dict[str, Any]:
+    """compile_cold, compile_warm and compile_artifacts, each a fresh process (``_compile_probe``) on the
+    target; the three figures go into the report at once (``Context.extra_figures``)."""
+    cold_dir, fresh_dir = Path(ctx.tmp) / "inductor-cold", Path(ctx.tmp) / "inductor-artifacts"
+    artifacts = Path(ctx.tmp) / "compile-artifacts.bin"
+    for d in (cold_dir, fresh_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    artifacts.unlink(missing_ok=True)
+    runs = {"compile_cold": (cold_dir, "save"), "compile_warm": (cold_dir, ""),
+            "compile_artifacts": (fresh_dir, "load")}
+    figures = {name: _compile_probe(ctx, name, cache, mode, artifacts) for name, (cache, mode) in runs.items()}
+    ctx.extra_figures.update({k: v for k, v in figures.items() if k != "compile_cold"})
+    return figures["compile_cold"]
+
+
+# The compile-time targets at the Llama-3.1-8B shape on one H200 (issue 26).
+COMPILE_TARGET_S = {"compile_cold": 30.0, "compile_warm": 5.0}
+
+
+def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: Path) -> dict[str, Any]:
+    aux = LLAMA_8B_AUX_LAYERS if ctx.cfg.gpu_8b else ""
+    args = [ctx.target, str(ctx.device), ctx.cfg.dtype or "", aux, str(cache), mode, str(artifacts)]
+    proc = subprocess.run([sys.executable, "-m", "spec_serve.tools.bench", "_compile_probe", *args],
+                          capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
+    if proc.returncode != 0:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
+        return _figure(name, 0, 0, 0.0, status="INVALID", error=tail[-500:])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _figure(name, 0, 0, report["seconds"], load_seconds=report["load_seconds"], graphs=report["graphs"],
+                   cache_hits=report["cache_hits"], cache_misses=report["cache_misses"],
+                   compiled=report["active"], h200_target_s=COMPILE_TARGET_S.get(name),
+                   **({} if report["active"] else {"status": "INVALID", "error": report["reason"]}))
+
+
+def _compile_probe_main(args: list[str]) -> None:
+    """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir (``save``: then write the
+    cache artifacts; ``load``: first load them) and print its compile report as JSON."""
+    from spec_serve.engines.hf import HFTarget
+
+    target, device, dtype, aux, cache, mode, artifacts = args
+    if mode == "load":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
+    started = time.perf_counter()
+    engine = HFTarget(target, device=device, dtype=dtype or None, compile=True, compile_cache=cache,
+                      aux_layer_ids=[int(i) for i in aux.split(",")] if aux else None)
+    load_seconds = time.perf_counter() - started
+    if mode == "save":
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(artifacts).write_bytes(saved[0])
+    report = dataclasses.asdict(cast("CompileReport", engine.compile_report))
+    print(json.dumps({**report, "load_seconds": round(load_seconds, 2)}), flush=True)
+
+
 # --------------------------------------------------------------------- context
+
+
+# Services of one worker on the first device, and the flags that worker takes besides the common ones.
+ONE_WORKER_SERVICES = {"w1": (), "nccl": (), "packed": ("--packing",), "compiled": ("--compile",),
+                       "compiled_packed": ("--packing", "--compile")}
 
 
 class Context:
@@ -720,8 +828,11 @@ class Context:
         self.reply_bytes_per_token = bytes_per_token(self.info["hidden_size"], min(cfg.draft_vocab, vocab),
                                                      dtype_bytes)
         self._engine = None
+        self._compiled = None
+        self._noise: dict[int, dict[str, float]] = {}  # batch -> the eager forward's batch-composition noise
         self.recycle = True
         self.cluster: Cluster | None = None  # started by start_cluster
+        self.extra_figures: dict[str, dict] = {}  # figures a scenario measured besides its own (compile_*)
         self._stack = contextlib.ExitStack()
 
     def engine(self):
@@ -732,6 +843,47 @@ class Context:
                                     aux_layer_ids=self._aux_ids())
             self._engine.set_vocab_mapping(*self.mapping)
         return self._engine
+
+    def compiled_engine(self):
+        """A second colocated engine, ``HFTarget(compile=True)`` (started after the workers: it loads the
+        kernels a compiling worker already put in the Inductor cache)."""
+        if self._compiled is None:
+            from spec_serve.engines.hf import HFTarget
+
+            with worker_threads(self.device):
+                self._compiled = HFTarget(self.target, device=self.device, dtype=self.cfg.dtype,
+                                          aux_layer_ids=self._aux_ids(), compile=True)
+            self._compiled.set_vocab_mapping(*self.mapping)
+        return self._compiled
+
+    def verify_compiled(self, batches, outputs, remote: bool = False) -> dict[str, Any]:
+        """Compiled answers: within ``compiled.TOLERANCE`` of the colocated eager forward (``verify_packed``),
+        next to the eager forward's own batch-composition noise on the same rows (``noise``); a ``remote``
+        worker's padded answers also counted bit-equal to the colocated compiled forward
+        (``bit_equal_compiled``; a packing worker's are not, as queued requests may share a forward)."""
+        from spec_serve.tools.verify import mismatch
+
+        with worker_threads(self.device):
+            checked = verify_packed(self.engine(), batches, outputs)
+            checked["noise"] = self.batch_noise(batches)
+            if remote:
+                engine = self.compiled_engine()
+                equal = sum(mismatch(out, engine.generate_batch(*b, kind="eagle3")) is None
+                            for b, out in zip(batches, outputs))
+                checked["bit_equal_compiled"] = f"{equal}/{len(outputs)}"
+        return checked
+
+    def batch_noise(self, batches) -> dict[str, float]:
+        """The eager forward's batch-composition noise on these rows (the yardstick compiled and packed
+        answers are held against, docs/compile.md): each row alone, as a batch of one of its real tokens,
+        against the same row inside its batch (``packing.compare``), worst per measure over all rows."""
+        worst: dict[str, float] = {}
+        for b in batches:
+            if id(b[0]) not in self._noise:
+                self._noise[id(b[0])] = _row_noise(self.engine(), b)
+            for key, value in self._noise[id(b[0])].items():
+                worst[key] = max(worst.get(key, 0.0), value)
+        return {k: float(f"{v:.3g}") for k, v in sorted(worst.items())}
 
     def verify(self, batch: tuple, got: dict, *, shards: int = 1, compact: bool = False,
                device: torch.device | None = None, kind: str = "eagle3") -> bool:
@@ -773,24 +925,19 @@ class Context:
             common += ["--aux-layer-ids", LLAMA_8B_AUX_LAYERS]
         second = cfg.devices[1] if len(cfg.devices) > 1 else cfg.devices[0]
         expected = 0
-        if "w1" in services:
-            cluster.start_worker(self.target, "--device", cfg.devices[0], *common, service="w1")
+        for service in sorted(services & ONE_WORKER_SERVICES.keys()):
+            cluster.start_worker(self.target, "--device", cfg.devices[0], *ONE_WORKER_SERVICES[service], *common,
+                                 service=service)
             expected += 1
         if "w2" in services:
             for device in (cfg.devices[0], second):
                 cluster.start_worker(self.target, "--device", device, *common, service="w2")
             expected += 2
-        if "nccl" in services:
-            cluster.start_worker(self.target, "--device", cfg.devices[0], *common, service="nccl")
-            expected += 1
         if "batch" in services:
             cluster.start_worker(self.target, "--device", cfg.devices[0], "--packing", "--max-batch-tokens",
                                  str(cfg.max_batch_tokens),
                                  *[a for a in common if a not in ("--capacity", "2")], "--capacity", "8",
                                  service="batch")
-            expected += 1
-        if "packed" in services:
-            cluster.start_worker(self.target, "--device", cfg.devices[0], "--packing", *common, service="packed")
             expected += 1
         if "null" in services:
             from spec_serve.supervision.contract import default_aux_layer_ids, default_dspark_layer_ids
@@ -833,6 +980,15 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
                                                                           "remote_1w_compact_packed_own_gpu",
                                                                           packed=True, own_device=True)),
     "colocated_dspark": (set(), lambda c: run_colocated(c, compact=False, dspark=True)),
+    # Compiled decoder layers (docs/compile.md): colocated, and workers started with --compile.
+    "colocated_compiled": (set(), lambda c: run_colocated(c, compact=False, compiled=True)),
+    "colocated_packed_compiled": (set(), lambda c: run_colocated(c, compact=False, packed=True, compiled=True)),
+    "samehost_1w_compiled": ({"compiled"}, lambda c: run_remote(c, "compiled", False, 1, "samehost_1w_compiled",
+                                                                plane=True, compiled=True)),
+    "samehost_1w_packed_compiled": ({"compiled_packed"},
+                                    lambda c: run_remote(c, "compiled_packed", False, 1, "samehost_1w_packed_compiled",
+                                                         packed=True, plane=True, compiled=True)),
+    "compile_cold": (set(), run_compile_time),
     # Replies as frames (the same-host plane off), as a client on another host gets them.
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
@@ -887,6 +1043,15 @@ RATIOS = [
      "samehost_1w_packed_own_gpu", "colocated", 1.5),
     ("remote packing worker compact, client on its own GPU / colocated padded (useful tokens/s)",
      "remote_1w_compact_packed_own_gpu", "colocated", 1.5),
+    ("compiled / eager forward, colocated", "colocated_compiled", "colocated", None),
+    ("same-host plane compiled worker / colocated eager", "samehost_1w_compiled", "colocated", 1.15),
+    ("same-host plane compiled worker / colocated compiled", "samehost_1w_compiled", "colocated_compiled", 0.95),
+    ("compiled packed / padded eager forward, colocated (useful tokens/s)", "colocated_packed_compiled", "colocated",
+     None),
+    ("same-host plane compiled packing worker / colocated padded eager (useful tokens/s)",
+     "samehost_1w_packed_compiled", "colocated", 2.0),
+    ("same-host plane compiled / eager packing worker (useful tokens/s)", "samehost_1w_packed_compiled",
+     "samehost_1w_packed", None),
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
     ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),
@@ -944,10 +1109,12 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda name: None) -
                 for name in names if r % 2 == 0 else names[::-1]:
                     progress(name if cfg.repeat == 1 else f"{name} ({r + 1}/{cfg.repeat})")
                     figures[name] = SCENARIOS[name][1](ctx)
+                    figures.update(ctx.extra_figures)
+                    ctx.extra_figures.clear()
                 rounds.append(figures)
         finally:
             ctx.close()
-        figures = {name: _median_figure([rd[name] for rd in rounds]) for name in names}
+        figures = {name: _median_figure([rd[name] for rd in rounds]) for name in rounds[0]} if rounds else {}
         ratios = [_ratio(label, a, b, goal, figures, rounds) for label, a, b, goal in RATIOS
                   if a in figures and b in figures]
         report = {
@@ -986,10 +1153,16 @@ def _ratio(label: str, a: str, b: str, goal, figures: dict, rounds: list[dict]) 
         ratio["rounds"] = [round(v, 3) for v in values]
     if any(rd[n].get("status") == "INVALID" for rd in rounds for n in (a, b)):
         ratio.update(status="invalid", value=None)
-    elif a.startswith(("remote", "samehost")) and "_packed" not in a and b.startswith("colocated") \
-            and (ratio["value"] or 0) > IMPLAUSIBLE_OVER_COLOCATED:  # (packing skips padding: it may be faster)
+    elif a.startswith(("remote", "samehost")) and b.startswith("colocated") and _forward(a) == _forward(b) \
+            and (ratio["value"] or 0) > IMPLAUSIBLE_OVER_COLOCATED:
         ratio["status"] = "implausible"
     return ratio
+
+
+def _forward(scenario: str) -> tuple[bool, bool]:
+    """Which forward a scenario runs: (packed, compiled). Packing skips padding and compiled layers fuse
+    kernels, so either may beat a colocated forward of the other kind; never one of its own kind."""
+    return "_packed" in scenario, "_compiled" in scenario
 
 
 def _rate_key(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -1020,7 +1193,7 @@ def _median_figure(figures: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     shown = ("scenario", "tokens", "bytes", "seconds", "tokens_per_s", "gb_per_s", "padded_tokens",
-             "padded_tokens_per_s", "tolerance", "worst")
+             "padded_tokens_per_s", "tolerance", "worst", "noise")
     lines = [f"{'scenario':<26}{'useful tok/s':>14}{'padded tok/s':>14}{'GB/s':>9}{'seconds':>9}  notes"]
     for name, f in report["figures"].items():
         notes = ", ".join(f"{k}={v}" for k, v in f.items() if k not in shown)
@@ -1031,6 +1204,12 @@ def format_table(report: dict[str, Any]) -> str:
         if "worst" in f:
             lines.append(f"  {name} vs colocated padded, worst over batches (bound: {f['tolerance']}): "
                          + ", ".join(f"{k}={v}" for k, v in f["worst"].items()))
+        if "noise" in f:
+            lines.append(f"  {name}: the eager forward's own noise on the same rows (alone vs in their batch): "
+                         + ", ".join(f"{k}={v}" for k, v in f["noise"].items()))
+        equal = f.get("bit_equal_compiled", "")
+        if equal and equal.split("/")[0] != equal.split("/")[1]:
+            lines.append(f"  {name}: NOT bit-equal to the colocated compiled forward ({equal} batches equal)")
     lines.append("")
     lines.append(f"{'ratio':<48}{'value':>8}{'H200 target':>13}  rounds")
     for r in report["ratios"]:
@@ -1084,7 +1263,8 @@ def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefe
 def main(argv: list[str] | None = None) -> None:
     """``python -m spec_serve.tools.bench``: the ``spec-serve bench`` command (one parser), or a helper process."""
     argv = sys.argv[1:] if argv is None else argv
-    helpers = {"_null_worker": _null_worker, "_direct_server": _direct_server, "_push_sender": _push_sender}
+    helpers = {"_null_worker": _null_worker, "_direct_server": _direct_server, "_push_sender": _push_sender,
+               "_compile_probe": _compile_probe_main}
     if argv and argv[0] in helpers:
         helpers[argv[0]](argv[1:])
         return

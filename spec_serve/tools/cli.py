@@ -781,7 +781,10 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     remote_1w_compact_own_gpu,
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
     remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
-    zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool.
+    zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool; compiled decoder layers
+    (docs/compile.md, verified within the tolerance of eager): colocated_compiled,
+    colocated_packed_compiled, samehost_1w_compiled, samehost_1w_packed_compiled, and compile_cold
+    (compile seconds with an empty cache, then warm and from saved cache artifacts).
     Progress goes to stderr: a bar on a terminal, otherwise one line per scenario.
     `python -m spec_serve.tools.bench` is this same command.
 
@@ -795,6 +798,9 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --only colocated,colocated_packed,remote_1w_packed --lengths lognormal
       spec-serve bench --gpu-8b --devices cuda:0 --lengths lognormal \
           --only colocated,colocated_packed,remote_1w_compact_packed,remote_1w_packed
+      spec-serve bench --gpu-8b --devices cuda:0 --repeat 3 \
+          --only colocated,colocated_compiled,samehost_1w,samehost_1w_compiled
+      spec-serve bench --gpu-8b --devices cuda:0 --only compile_cold      # cold / warm compile seconds
     """
     from spec_serve.tools.bench import SCENARIOS, format_table, make_config, run
 
