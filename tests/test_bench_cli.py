@@ -171,6 +171,7 @@ def test_bench_packed_scenarios_verify_every_batch(tmp_path):
     assert "verified=3/3" in result.output
 
 
+@pytest.mark.timeout(900)  # a compiling worker and engine: minutes on a loaded 2-core box
 def test_bench_compiled_scenarios_verify_every_batch(tmp_path, tiny_target_dir):
     """A compiled worker's scenario: every timed batch within compiled.TOLERANCE of the colocated eager forward,
     the eager forward's own noise on the same rows beside it, and bit-equal to the colocated compiled forward

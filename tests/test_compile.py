@@ -26,6 +26,8 @@ from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.tools.verify import expanded, mismatch
 
+# Inductor's C++ compile of the tiny target takes minutes on a loaded 2-core box (most of it g++).
+pytestmark = pytest.mark.timeout(900)
 FP32 = compiled.TOLERANCE[torch.float32]
 KINDS = ("eagle3", "dspark", "eagle3_compact")
 
