@@ -1,0 +1,72 @@
+"""What benchmarks/gpu_compile.sh measured, on one screen: ``python benchmarks/compile_summary.py OUT_DIR``.
+
+For each bench report in OUT_DIR (bench_full.json, bench_packed.json, compile_time.json): every ratio
+with its rounds and target, each compiled figure's verification (within the tolerance of eager, bit-equal
+to the colocated compiled forward) with its worst deviation beside the eager forward's own
+batch-composition noise on the same rows, and the compile times against their targets; then the GPU
+tests' last line and each step's exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# The measures the tolerance discussion turns on (docs/compile.md).
+KEY_MEASURES = ("aux_hidden_states.rel_norm", "aux_hidden_states.max_error", "target_probs.rel_norm",
+                "position_mask.flip_rate")
+
+
+def ratios(report: dict) -> list[str]:
+    lines = []
+    for r in report.get("ratios", []):
+        goal = f">= {r['h200_target']}" if r.get("h200_target") else "-"
+        met = "" if not r.get("h200_target") or r["value"] is None else \
+            ("  MET" if r["value"] >= r["h200_target"] else "  NOT MET")
+        lines.append(f"  {r['ratio']}: {r['value']} (target {goal}, rounds {r.get('rounds', '-')}, "
+                     f"{r['status']}){met}")
+    return lines
+
+
+def figures(report: dict) -> list[str]:
+    lines = []
+    for name, f in report.get("figures", {}).items():
+        if name.startswith("compile_"):
+            target = f.get("h200_target_s")
+            verdict = "" if target is None else ("  MET" if f["seconds"] <= target else "  NOT MET")
+            lines.append(f"  {name}: {f['seconds']} s (target {'<= ' + str(target) + ' s' if target else '-'}; "
+                         f"process {f.get('load_seconds')} s, "
+                         f"graphs {f.get('graphs')}, cache hits {f.get('cache_hits')}, misses "
+                         f"{f.get('cache_misses')}){verdict}{'  ' + f['error'] if 'error' in f else ''}")
+            continue
+        rate = f"{f['tokens_per_s']:,.0f} useful tok/s" if f.get("tokens_per_s") else "-"
+        checks = ", ".join(f"{k}={f[k]}" for k in ("verified", "bit_equal_compiled", "status") if k in f)
+        lines.append(f"  {name}: {rate} {checks}")
+        for label, values in (("worst vs eager", f.get("worst")), ("eager noise", f.get("noise"))):
+            if values:
+                lines.append(f"      {label}: " + ", ".join(f"{k}={values[k]}" for k in KEY_MEASURES if k in values))
+    return lines
+
+
+def main(out: Path) -> None:
+    for name in ("bench_full", "bench_packed", "compile_time"):
+        path = out / f"{name}.json"
+        if not path.exists():
+            print(f"{name}: no report (see {name}.log and status.txt)")
+            continue
+        report = json.loads(path.read_text())
+        print(f"{name} ({report['when']}, {report['machine']['gpu']}, torch {report['machine']['torch']}):")
+        print("\n".join(figures(report) + ratios(report)))
+    tests = out / "gpu_tests.log"
+    if tests.exists():
+        lines = [line for line in tests.read_text().splitlines() if line.strip()]
+        printed = [line for line in lines if line.startswith(("GPU compiled", "GPU eager", "GPU compile:"))]
+        print("gpu_tests:", *(printed + lines[-1:]), sep="\n  ")
+    status = out / "status.txt"
+    if status.exists():
+        print("steps:", *status.read_text().splitlines(), sep="\n  ")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "gpu-out"))
