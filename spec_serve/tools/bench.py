@@ -1183,12 +1183,23 @@ def _median_figure(figures: list[dict[str, Any]]) -> dict[str, Any]:
     ranked = sorted(figures, key=lambda f: f[key] or 0)
     median = dict(ranked[(len(ranked) - 1) // 2], rounds=[f[key] for f in figures])
     if "verified" in median:  # every round's batches count, not the median round's alone
-        passed, total = (sum(int(f["verified"].split("/")[i]) for f in figures) for i in (0, 1))
+        passed, total = _count_over_rounds(figures, "verified")
         median["verified"] = f"{passed}/{total}"
         median.pop("status", None)
         if passed != total:
             median["status"] = "INVALID"
+    if "bit_equal_compiled" in median:
+        median["bit_equal_compiled"] = "{}/{}".format(*_count_over_rounds(figures, "bit_equal_compiled"))
+    for key in ("worst", "noise"):  # the worst of every round
+        if key in median:
+            median[key] = {k: max(f[key].get(k, 0.0) for f in figures) for k in median[key]}
     return median
+
+
+def _count_over_rounds(figures: list[dict[str, Any]], key: str) -> tuple[int, int]:
+    """An "N/M" count summed over every round's figure."""
+    passed = sum(int(f[key].split("/")[0]) for f in figures)
+    return passed, sum(int(f[key].split("/")[1]) for f in figures)
 
 
 def format_table(report: dict[str, Any]) -> str:
