@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import re
+import urllib.request
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import compiled, packing
@@ -22,7 +24,7 @@ from spec_serve.engines.hf import HFTarget
 from spec_serve.supervision.eagle3 import lm_head_slice
 from spec_serve.telemetry.metrics import CompileCollector
 from spec_serve.tools.bench import LLAMA_8B_CONFIG, padded_batch
-from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.launch import free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.tools.verify import expanded, mismatch
 
@@ -215,24 +217,30 @@ def test_compiled_worker_equals_compiled_colocated_bit_for_bit(compiled_engine, 
     compile at INFO and, pointed at this process's cache (--compile-cache), loaded every kernel from it."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    log = _worker_matches_colocated(compiled_engine, tiny_target_dir, tiny_vocab_mapping, _batches(tiny_target_dir),
-                                    ["--device", "cpu", "--compile-cache", cache_dir()], tmp_path)
+    args = ["--device", "cpu", "--compile-cache", cache_dir()]
+    log, metrics = _worker_matches_colocated(compiled_engine, tiny_target_dir, tiny_vocab_mapping,
+                                             _batches(tiny_target_dir), args, tmp_path)
     assert f"cache={cache_dir()}" in log, log
     done = re.search(r"INFO \S+ compile\.done .*graphs=(\d+) cache_hits=(\d+)", log)
     assert done and int(done.group(1)) == len(compiled.WARMUP) and int(done.group(2)) == len(compiled.WARMUP), log
+    assert metrics["spec_serve_worker_compiled"] == 1 and metrics["spec_serve_worker_compile_recompiles_total"] == 0
+    assert metrics["spec_serve_worker_compile_graphs_total"] == len(compiled.WARMUP)
+    assert metrics['spec_serve_worker_compile_cache_lookups_total{result="hit"}'] == len(compiled.WARMUP)
 
 
-def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log_dir) -> str:
+def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log_dir) -> tuple[str, dict]:
     """Serve ``target`` from one worker with ``worker_args --packing --compile`` and check its answers to
     ``batches`` (packed) and to a left-padded batch (served padded) against ``engine``'s, bit for bit, for
-    every kind (compact expanded on the client, as a client does); returns the worker's log."""
+    every kind (compact expanded on the client, as a client does); returns the worker's log and the compile
+    samples of its /metrics ({'name{label="value"}': value})."""
     weight = lm_head_slice(engine.get_output_embeddings().weight, mapping[0])
     left = [t.clone() for t in batches[0]]
     left[1][0, :5] = 0
     left[2][0, :5] = 0
     requests = [(b, True) for b in batches] + [(tuple(left), False)]
-    with local_cluster(target, workers=1, worker_args=[*worker_args, "--packing", "--compile"], log_dir=log_dir,
-                       ready_timeout=900) as cluster:
+    port = free_port()
+    args = [*worker_args, "--packing", "--compile", "--http-port", str(port)]
+    with local_cluster(target, workers=1, worker_args=args, log_dir=log_dir, ready_timeout=900) as cluster:
         with RemoteTargetModel(cluster.frontend, prefetch_depth=1, timeout=300) as client, \
                 RemoteTargetModel(cluster.frontend, prefetch_depth=1, timeout=300, compact=True) as compact:
             for c in (client, compact):
@@ -244,9 +252,14 @@ def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log
                     assert mismatch(client.generate_batch(*batch, kind=kind), want[kind]) is None, (i, kind)
                 full = expanded(want["eagle3_compact"], weight, mapping[1], client.device)
                 assert mismatch(compact.generate_batch(*batch), full) is None, (i, "compact")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
     log = cluster.log_path("worker0").read_text()
     assert "compile.failed" not in log and "compile.recompiled" not in log, log
-    return log
+    metrics = {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
+               s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name.startswith("spec_serve_worker_compile")}
+    return log, metrics
 
 
 # A Llama of mid size (GQA, head_dim 128 as at 8B), random bf16 weights built on the GPU.
@@ -288,5 +301,6 @@ def test_gpu_compiled_worker_equals_compiled_colocated_and_bf16_within_tolerance
     print("\nGPU compiled vs eager, bf16, worst:", {k: f"{v:.3g}" for k, v in sorted(worst.items())})
     print("GPU eager rows alone vs in their batch, worst:", {k: f"{v:.3g}" for k, v in sorted(noise.items())})
     print("GPU compile:", engine.compile_report)
-    _worker_matches_colocated(engine, target, mapping, batches, ["--device", "cuda:0", "--dtype", "bfloat16"],
-                              tmp_path / "logs")
+    _, metrics = _worker_matches_colocated(engine, target, mapping, batches,
+                                           ["--device", "cuda:0", "--dtype", "bfloat16"], tmp_path / "logs")
+    assert metrics["spec_serve_worker_compiled"] == 1, metrics

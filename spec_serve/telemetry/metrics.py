@@ -84,12 +84,14 @@ class WorkerMetrics:
     by the compute thread; everything else is read from the worker when scraped (``read`` returns the
     plain figures: see ``_WorkerCollector``), so serving costs nothing while nobody scrapes."""
 
-    def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], Mapping[str, Any]], compile_report: Callable[[], Any] | None = None) -> None:
         self.registry = r = CollectorRegistry()
         self.forward_seconds = Histogram("spec_serve_worker_forward_seconds",
                                          "Wall time of each forward on the engine (a packed group counts once)",
                                          registry=r, buckets=FORWARD_BUCKETS)
         r.register(_WorkerCollector(read))
+        if compile_report is not None:  # the engine's, when it compiled its layers (CompileCollector)
+            r.register(CompileCollector(compile_report))
 
 
 class _WorkerCollector(Collector):

@@ -166,7 +166,7 @@ class Worker:
         self.outbox = Outbox(self.data_sockets, self._done)
         self._counts_lock = threading.Lock()  # the I/O thread counts DONEs; the HTTP thread reads them
         self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<plane>"
-        self.metrics = WorkerMetrics(self.figures)
+        self.metrics = WorkerMetrics(self.figures, compile_report=lambda: getattr(self.engine, "compile_report", None))
         self.compute.on_forward = self.metrics.forward_seconds.observe
         # run() owns the same-host plane: it creates the shared-memory segments and closes them on the way
         # out, so a Worker that is built but never run holds none.
