@@ -45,6 +45,24 @@ FORGIVING_ENV = {**FAST_ENV, "SPEC_SERVE_HEARTBEAT_LIVENESS": "15"}
 FORGIVING_CLIENT_KW = {"timeout": 60, "heartbeat_interval": HEARTBEAT_INTERVAL, "liveness": 15}
 
 
+def network_address() -> str | None:
+    """An IPv4 address of one of this host's interfaces other than loopback (other hosts could reach a
+    listener there), or None on a host with loopback only. Protected-mode tests bind it."""
+    import fcntl
+    import ipaddress
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address, or down
+        address = socket.inet_ntoa(packed[20:24])
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
+
+
 def rss_kib(pid: int) -> int:
     """Resident set size of a process in KiB, from /proc."""
     with open(f"/proc/{pid}/status") as f:

@@ -47,6 +47,7 @@ def test_every_option_is_read_from_its_variable():
               "SPEC_SERVE_NUM_SHARDS": ("4", 4), "SPEC_SERVE_COMPACT": ("ON", True),
               "SPEC_SERVE_ENABLE_NCCL": ("yes", True), "SPEC_SERVE_NCCL_TIMEOUT": ("5", 5.0),
               "SPEC_SERVE_NCCL_RETRY_S": ("6", 6.0), "SPEC_SERVE_SAME_HOST_PLANE": ("0", False),
+              "SPEC_SERVE_INSECURE_NETWORK": ("1", True),
               "SPEC_SERVE_VERIFY": ("sampled", "sampled"), "SPEC_SERVE_CONNECT_TIMEOUT": ("2", 2.0),
               "SPEC_SERVE_HEARTBEAT_INTERVAL": ("0.5", 0.5), "SPEC_SERVE_HEARTBEAT_LIVENESS": ("9", 9),
               "SPEC_SERVE_MAX_MESSAGE_BYTES": ("1024", 1024), "SPEC_SERVE_ADVERTISE_HOST": ("10.0.0.7", "10.0.0.7")}

@@ -23,10 +23,12 @@ from cluster_util import (
     FORGIVING_ENV,
     assert_equal_batches,
     listening_addresses,
+    network_address,
     wait_until,
     workers,
 )
 from spec_serve.client.api import RemoteTargetModel
+from spec_serve.protocol.commands import ClientCommand
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 
@@ -266,3 +268,34 @@ def test_rendezvous_listens_only_on_the_advertised_address(cluster, tiny_target_
     print(f"\nlistening while bound: workers {at_worker}, client {at_client} ({loopback} = 127.0.0.1)")
     assert at_worker and at_worker <= {loopback}
     assert at_client <= {loopback}
+
+
+def test_rendezvous_beyond_loopback_needs_insecure_network(cluster, tiny_target_dir, reference):
+    """Protected mode for the NCCL rendezvous, which nothing authenticates: on an address other hosts
+    reach, a client refuses enable_nccl and a worker refuses a binding unless told insecure_network; with
+    it, both bind there (gloo here), equal to colocated, and the worker warns."""
+    net = network_address()
+    if net is None:
+        pytest.skip("this host has a loopback interface only")
+    with pytest.raises(ValueError, match="insecure_network=True") as client_refused:
+        RemoteTargetModel(cluster.frontend, advertise_host=net, **NCCL_KW)
+    first = len(cluster.workers)
+    cluster.start_worker(tiny_target_dir, "--advertise-host", net, service="exposed")
+    cluster.start_worker(tiny_target_dir, "--advertise-host", net, "--insecure-network", service="exposed-ok")
+    cluster.wait_workers(1, service="exposed")
+    with RemoteTargetModel(cluster.frontend, service="exposed", advertise_host=net, **CLIENT_KW) as client:
+        client.target_info()
+        header = {"reply_to": client._io.data_endpoint, "timeout": 10, "device_type": "cpu"}
+        with pytest.raises(Exception, match="protected mode") as worker_refused:
+            client._io.submit(ClientCommand.BIND, "exposed", header, (), 10, max_retries=0).result(30)
+    cluster.wait_workers(1, service="exposed-ok")
+    with RemoteTargetModel(cluster.frontend, service="exposed-ok", advertise_host=net, insecure_network=True,
+                           **NCCL_KW) as client:
+        check(client, reference, tiny_target_dir, 12, "dspark")
+        bound = client.bound_worker
+        at_worker = listening_addresses(cluster.workers[first + 1].pid)
+    log = (cluster.log_dir / f"worker{first + 1}.log").read_text()
+    print(f"\nclient without insecure_network: {str(client_refused.value)[:90]}...\nworker without "
+          f"--insecure-network: {str(worker_refused.value)[-150:]}\nwith it: bound {bound}, listening {at_worker}")
+    assert bound is not None and "security.insecure_network" in log
+    assert at_worker and "0100007F" not in at_worker  # the store and gloo on the advertised address only

@@ -157,8 +157,10 @@ def test_cut_worker_link_loses_nothing_and_worker_rejoins(net, tiny_target_dir, 
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("broker", "w0", "w1")}
     procs = []
     try:
+        # No CURVE between namespaces: protected mode needs the explicit flag.
         procs.append(_spawn(net["b"], ["-m", "spec_serve.tools.cli", "broker", "--frontend", "tcp://*:5555",
-                                       "--backend", "tcp://*:5556", "--http-port", "0"], logs["broker"]))
+                                       "--backend", "tcp://*:5556", "--http-port", "0", "--insecure-network"],
+                            logs["broker"]))
         # w0 is slow (1.5 s a forward) so it certainly holds requests when its link is cut.
         procs.append(_spawn(net["w0"], [str(HERE / "cluster_util.py"), "slow-worker", "--delay", "1.5",
                                         "--target", str(tiny_target_dir), "--broker", f"{broker_url}:5556"],

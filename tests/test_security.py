@@ -11,7 +11,10 @@ CURVE server socket has its own ZAP policy, whatever else shares its ZeroMQ cont
 from __future__ import annotations
 
 import re
-import shutil
+import shlex
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -21,44 +24,71 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from cluster_util import CLIENT_KW, FAST_ENV, Reference, same, wait_until, workers
+from cluster_util import (
+    CLIENT_KW,
+    FAST_ENV,
+    Reference,
+    listening_addresses,
+    network_address,
+    same,
+    wait_until,
+    workers,
+)
 from spec_serve.broker.server import Broker
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, Status, control, data_message
 from spec_serve.tools.cli import main
-from spec_serve.tools.launch import Cluster, free_port, local_cluster
-from spec_serve.transport.sockets import Security, keygen, make_socket
+from spec_serve.tools.launch import Cluster, free_port
+from spec_serve.transport.sockets import ExposureError, Security, check_exposure, is_loopback, keygen, make_socket
 
 PACKAGE = Path(__file__).resolve().parent.parent / "spec_serve"
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    """Keypairs (public, secret) by name; "clients" and "workers": the public keys the broker admits."""
-    root = tmp_path_factory.mktemp("curve")
-    out = {}
-    for name in ("broker", "worker", "client", "stranger"):
-        out[name] = keygen(root / name, name)
-    for group, member in (("clients", "client"), ("workers", "worker")):
-        (root / group).mkdir()
-        shutil.copy(out[member][0], root / group / f"{member}.key")
-        out[group] = root / group
+    """The set `spec-serve keygen DIR` writes, with the flags it prints; plus a stranger's keypair.
+    Keypairs (public, secret) by name; "clients" and "workers": the public keys the broker admits."""
+    root = tmp_path_factory.mktemp("curve") / "keys"
+    printed = CliRunner().invoke(main, ["keygen", str(root)])
+    assert printed.exit_code == 0, printed.output
+    out = {name: (root / f"{name}.key", root / f"{name}.key_secret") for name in ("broker", "worker", "client")}
+    out["stranger"] = keygen(root.parent / "stranger", "stranger")
+    out["clients"], out["workers"] = root / "clients", root / "workers"
+    out["printed"] = printed.output
     return out
+
+
+def printed_flags(keys, command: str) -> list[str]:
+    """The flags `spec-serve keygen` printed for ``command`` (broker, worker, status), without the
+    placeholders a user fills in (--target MODEL, --broker tcp://BROKER:PORT)."""
+    (line,) = [ln for ln in keys["printed"].splitlines() if ln.strip().startswith(f"spec-serve {command} ")]
+    words = shlex.split(line)[2:]
+    return [w for i, w in enumerate(words) if "BROKER" not in w and "MODEL" not in w
+            and not (i + 1 < len(words) and ("BROKER" in words[i + 1] or "MODEL" in words[i + 1]))]
 
 
 def client_security(keys, name="client", server="broker") -> Security:
     return Security(keys[name][1], server_key_file=keys[server][0], worker_keys_dir=keys["workers"])
 
 
+# A non-loopback address of this host (other hosts could connect there); every interface without one.
+NETWORK = network_address() or "0.0.0.0"
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_target_dir, keys, tmp_path_factory):
+    """A CURVE broker listening beyond loopback (allowed without --insecure-network: CURVE admits only its
+    keys) and one worker, both started with exactly the flags `spec-serve keygen` printed."""
     log_dir = tmp_path_factory.mktemp("security-logs")
-    broker_args = ["--curve-secret-key", str(keys["broker"][1]), "--curve-client-keys-dir", str(keys["clients"]),
-                   "--curve-worker-keys-dir", str(keys["workers"])]
-    worker_args = ["--curve-secret-key", str(keys["worker"][1]), "--curve-server-key", str(keys["broker"][0])]
-    with local_cluster(tiny_target_dir, workers=1, broker_args=broker_args, worker_args=worker_args,
-                       env=dict(FAST_ENV), log_dir=log_dir) as c:
+    c = Cluster(f"tcp://{NETWORK}:{free_port()}", f"tcp://{NETWORK}:{free_port()}", free_port(), env=dict(FAST_ENV),
+                log_dir=log_dir)
+    try:
+        c.start_broker(*printed_flags(keys, "broker"))
+        c.start_worker(tiny_target_dir, *printed_flags(keys, "worker"))
+        c.wait_workers(1)
         yield c
+    finally:
+        c.stop()
 
 
 def test_authenticated_client_gets_correct_results(cluster, keys, tiny_target_dir, tiny_vocab_mapping):
@@ -200,6 +230,115 @@ def test_http_shim_binds_loopback_by_default(tiny_target_dir, tmp_path):
         assert listening == {"0100007F"}
     finally:
         c.stop()
+
+
+# ------------------------------------------------------------------ protected mode
+
+
+def _listens_beyond_loopback(pid: int) -> set[str]:
+    """Non-loopback listening addresses of a process (hex, as /proc/net/tcp writes them)."""
+    return {a for a in listening_addresses(pid) if a not in ("0100007F", "00000000000000000000000001000000")}
+
+
+def test_curve_broker_listens_beyond_loopback_and_the_printed_client_works(cluster, keys):
+    """`spec-serve keygen` is a copy-paste: the cluster above runs its printed broker and worker flags,
+    listening beyond loopback with no --insecure-network (CURVE admits only the keys), and the printed
+    Python lines make a client that is served."""
+    addresses = _listens_beyond_loopback(cluster.broker.pid)
+    python = [ln.strip() for ln in keys["printed"].splitlines()
+              if ln.strip().startswith(("from spec_serve", "RemoteTargetModel("))]
+    frontend = cluster.frontend.rpartition(":")
+    code = "\n".join(python).replace("tcp://BROKER:5555", cluster.frontend).replace(
+        "RemoteTargetModel(", "client = RemoteTargetModel(", 1)
+    scope: dict = {}
+    exec(code, scope)  # the lines as printed, the broker's address filled in
+    try:
+        status = scope["client"].status()
+    finally:
+        scope["client"].close()
+    log = (cluster.log_dir / "broker.log").read_text()
+    print(f"\nkeygen's flags: broker listens on {addresses} ({frontend[0]}), {len(status['workers'])} worker(s); "
+          f"client from the printed lines: {python[-1][:60]}...")
+    assert addresses and len(status["workers"]) == 1
+    assert "security.insecure_network" not in log
+
+
+def _broker_args(front: str, back: str, http_host: str = "127.0.0.1", *extra: str) -> list[str]:
+    return [sys.executable, "-m", "spec_serve.tools.cli", "broker", "--frontend", front, "--backend", back,
+            "--http-host", http_host, "--http-port", str(free_port()), *extra]
+
+
+@pytest.mark.parametrize("listener", ["--frontend tcp://*", "--backend on a network address", "--http-host 0.0.0.0"])
+def test_protected_mode_refuses_a_network_bind_without_keys(listener):
+    """No CURVE keys: a bind other hosts could reach is refused at start, with one line naming the fixes."""
+    front, back, http_host = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", "127.0.0.1"
+    if listener.startswith("--frontend"):
+        front = f"tcp://*:{free_port()}"
+    elif listener.startswith("--backend"):
+        back = f"tcp://{NETWORK}:{free_port()}"
+    else:
+        http_host = "0.0.0.0"
+    done = subprocess.run(_broker_args(front, back, http_host), capture_output=True, text=True, timeout=120)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("Error:")]
+    print(f"\n{listener}: exit {done.returncode}: {errors}")
+    assert done.returncode == 2 and len(errors) == 1
+    assert "protected mode" in errors[0] and "CURVE" in errors[0] and "--insecure-network" in errors[0]
+
+
+def test_insecure_network_listens_beyond_loopback_with_a_warning(tmp_path):
+    """--insecure-network: the broker listens on the network address, serves a client that reaches it
+    there, and logs one WARNING per exposed listener at start."""
+    c = Cluster(f"tcp://{NETWORK}:{free_port()}", f"tcp://{NETWORK}:{free_port()}", free_port(), env=dict(FAST_ENV),
+                log_dir=tmp_path)
+    try:
+        c.start_broker("--insecure-network")
+        with RemoteTargetModel(c.frontend, timeout=30, **CLIENT_KW) as client:
+            status = client.status()
+        addresses = _listens_beyond_loopback(c.broker.pid)
+    finally:
+        c.stop()
+    warnings = [ln for ln in (tmp_path / "broker.log").read_text().splitlines() if "security.insecure_network" in ln]
+    print(f"\n--insecure-network: listens on {addresses}; {len(warnings)} warnings: {warnings[0][-120:]}")
+    assert addresses and status["workers"] == []
+    assert len(warnings) == 2 and all("WARNING" in w for w in warnings)
+
+
+def test_default_binds_follow_protected_mode(keys, tmp_path):
+    """With no --frontend/--backend the broker takes the default ports on loopback only; with CURVE keys on
+    every interface (what the README's multi-host commands rely on)."""
+    for port in (5555, 5556):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port} is in use here")
+    seen = {}
+    for mode, extra in (("no keys", []), ("CURVE", printed_flags(keys, "broker"))):
+        proc = subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "broker", "--http-port", "0", *extra],
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            banner = proc.stderr.readline()  # "broker: clients ..., workers ..." once bound
+            seen[mode] = (banner.strip(), listening_addresses(proc.pid))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(f"\ndefault binds: {seen}")
+    assert seen["no keys"][1] == {"0100007F"} and "this host only" in seen["no keys"][0]
+    assert seen["CURVE"][1] == {"00000000"}
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.0.5", True), ("::1", True), ("[::1]", True), ("localhost", True), ("lo", True),
+    ("*", False), ("0.0.0.0", False), ("::", False), ("", False), ("eth0", False), ("192.0.2.2", False),
+    ("fd00::2", False),
+])
+def test_exposure_check_knows_loopback(host, loopback):
+    """The one check every listener uses (broker ports, HTTP shims, the NCCL rendezvous)."""
+    assert is_loopback(host) is loopback
+    check_exposure(host, "x", authenticated=True, insecure_network=False)  # CURVE: always allowed
+    if loopback:
+        check_exposure(host, "x", authenticated=False, insecure_network=False)
+    else:
+        with pytest.raises(ExposureError, match="protected mode"):
+            check_exposure(host, "x", authenticated=False, insecure_network=False)
 
 
 def test_no_pickle_on_any_socket_path():

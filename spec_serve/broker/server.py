@@ -46,6 +46,8 @@ from spec_serve.transport.sockets import (
     KeyPolicy,
     Security,
     bound_endpoint,
+    check_exposure,
+    endpoint_host,
     make_socket,
 )
 
@@ -95,10 +97,11 @@ class Broker:
 
     def __init__(
         self,
-        frontend: str = "tcp://*:5555",
-        backend: str = "tcp://*:5556",
+        frontend: str = "tcp://127.0.0.1:5555",
+        backend: str = "tcp://127.0.0.1:5556",
         *,
         security: Security | None = None,
+        insecure_network: bool = False,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -116,6 +119,12 @@ class Broker:
         # (an admitted client key must not register as a worker).
         if security is not None and (security.client_keys_dir is None or security.worker_keys_dir is None):
             raise ValueError("a CURVE broker needs client_keys_dir and worker_keys_dir (separate key sets)")
+        # Protected mode: a port other hosts reach admits only CURVE keys, unless the user said otherwise.
+        for flag, endpoint in (("--frontend", frontend), ("--backend", backend)):
+            host = endpoint_host(endpoint)
+            if host is not None:
+                check_exposure(host, f"the broker's {flag} {endpoint}", authenticated=security is not None,
+                               insecure_network=insecure_network)
         self._open(frontend, backend, security, max_held_bytes)
         self.frontend_endpoint = bound_endpoint(self.frontend)
         self.backend_endpoint = bound_endpoint(self.backend)

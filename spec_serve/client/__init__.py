@@ -9,6 +9,7 @@ package's public surface. A request's path: ``api`` (RemoteTargetModel prepares 
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
 from spec_serve.client.stats import ClientStats
+from spec_serve.transport.sockets import Security
 
-__all__ = ["BrokerUnreachable", "ClientStats", "IntegrityError", "RemoteError", "RemoteTargetModel",
+__all__ = ["BrokerUnreachable", "ClientStats", "IntegrityError", "RemoteError", "RemoteTargetModel", "Security",
            "TargetChangedError"]

@@ -35,7 +35,7 @@ from spec_serve.supervision.contract import (
     weight_specs,
 )
 from spec_serve.transport.binding import ClientBinding
-from spec_serve.transport.sockets import Security
+from spec_serve.transport.sockets import Security, check_exposure
 
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).
 __all__ = ["BrokerUnreachable", "ClientStats", "IntegrityError", "RemoteError", "RemoteTargetModel",
@@ -75,6 +75,7 @@ class RemoteTargetModel:
         same_host_plane: bool | None = None,
         verify: str | None = None,
         connect_timeout: float | None = None,
+        insecure_network: bool | None = None,
     ):
         """An argument left None comes from its ``SPEC_SERVE_*`` variable, else its default: the table
         in spec_serve/client/options.py (docs/client-options.md); a bad value fails with one line."""
@@ -84,7 +85,8 @@ class RemoteTargetModel:
             "security": security, "advertise_host": advertise_host, "heartbeat_interval": heartbeat_interval,
             "liveness": liveness, "max_message_bytes": max_message_bytes, "compact": compact,
             "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout, "nccl_retry_s": nccl_retry_s,
-            "same_host_plane": same_host_plane, "verify": verify, "connect_timeout": connect_timeout})
+            "same_host_plane": same_host_plane, "verify": verify, "connect_timeout": connect_timeout,
+            "insecure_network": insecure_network})
         # End-to-end check of reply bytes (spec_serve/protocol/digest.py): "all" (default), "sampled", "off".
         self._sampler = digest.Sampler(o["verify"])
         self.service = o["service"]
@@ -99,10 +101,20 @@ class RemoteTargetModel:
                             same_host_plane=o["same_host_plane"], connect_timeout=o["connect_timeout"])
         self._io.start()
         try:
+            if o["enable_nccl"]:
+                self._check_rendezvous_exposure(o["insecure_network"])
             self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"])
         except BaseException:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
+
+    def _check_rendezvous_exposure(self, insecure_network: bool) -> None:
+        """Protected mode: the NCCL rendezvous (gloo/NCCL connections) cannot be authenticated, so it listens
+        beyond loopback only when told ``insecure_network`` (or SPEC_SERVE_INSECURE_NETWORK)."""
+        check_exposure(self._io.local_host, "enable_nccl=True: this client's NCCL rendezvous (gloo/NCCL "
+                       "connections)", authenticated=False, insecure_network=insecure_network,
+                       fix="insecure_network=True (env SPEC_SERVE_INSECURE_NETWORK=1), or use frames "
+                           "(enable_nccl=False)")
 
     def _setup(self, compact: bool, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float) -> None:
         self._vocab_digest: str | None = None

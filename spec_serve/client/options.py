@@ -167,6 +167,8 @@ TABLE: tuple[Option, ...] = (
            "bound on binding, group formation and each transfer"),
     Option("nccl_retry_s", "SPEC_SERVE_NCCL_RETRY_S", POSITIVE, 30.0, _section("nccl_retry_s"),
            "frames this long after a failed bind before the next"),
+    Option("insecure_network", "SPEC_SERVE_INSECURE_NETWORK", SWITCH, False, _section("insecure_network"),
+           "let enable_nccl's rendezvous listen beyond loopback unauthenticated (protected mode)"),
     Option("same_host_plane", "SPEC_SERVE_SAME_HOST_PLANE", SWITCH, True, _section("same_host_plane"),
            "take replies of a same-host worker through shared memory / CUDA IPC"),
     Option("verify", digest.VERIFY_ENV, _words({m: m for m in digest.VERIFY_MODES}), "all", _section("verify"),

@@ -92,6 +92,8 @@ def _endpoint(mode: str, expect: str, default_port: int):
     def callback(ctx, param, value):
         from spec_serve.transport import sockets  # imports torch: not at `spec-serve --help`
 
+        if value is None:  # a default the command works out itself
+            return None
         check = sockets.check_bind_url if mode == "bind" else sockets.check_connect_url
         try:
             return check(value, expect, default_port)
@@ -148,15 +150,25 @@ def main() -> None:
     """
 
 
+def _insecure_network_option(listeners: str):
+    return click.option("--insecure-network", is_flag=True, envvar="SPEC_SERVE_INSECURE_NETWORK",
+                        help=f"Let {listeners} listen beyond loopback without CURVE authentication (any host "
+                             f"that reaches them is trusted), with a WARNING naming each such listener. Without "
+                             f"it (protected mode) such a bind is refused [env SPEC_SERVE_INSECURE_NETWORK=1].")
+
+
 @main.command()
-@click.option("--frontend", default=f"tcp://*:{FRONTEND_PORT}", envvar="SPEC_SERVE_FRONTEND", show_default=True,
+@click.option("--frontend", default=None, envvar="SPEC_SERVE_FRONTEND",
               callback=_endpoint("bind", "the port clients connect to", FRONTEND_PORT),
-              help="Endpoint clients connect to [env SPEC_SERVE_FRONTEND].")
-@click.option("--backend", default=f"tcp://*:{BACKEND_PORT}", envvar="SPEC_SERVE_BACKEND", show_default=True,
+              help=f"Endpoint clients connect to; default tcp://127.0.0.1:{FRONTEND_PORT}, or tcp://*:{FRONTEND_PORT} "
+                   f"with CURVE keys or --insecure-network [env SPEC_SERVE_FRONTEND].")
+@click.option("--backend", default=None, envvar="SPEC_SERVE_BACKEND",
               callback=_endpoint("bind", "the port workers connect to", BACKEND_PORT),
-              help="Endpoint workers connect to [env SPEC_SERVE_BACKEND].")
+              help=f"Endpoint workers connect to; default tcp://127.0.0.1:{BACKEND_PORT}, or tcp://*:{BACKEND_PORT} "
+                   f"with CURVE keys or --insecure-network [env SPEC_SERVE_BACKEND].")
 @click.option("--http-host", default="127.0.0.1", envvar="SPEC_SERVE_HTTP_HOST", show_default=True,
-              help="HTTP shim bind address; loopback unless told otherwise [env SPEC_SERVE_HTTP_HOST].")
+              help="HTTP shim bind address; another than loopback needs CURVE keys or --insecure-network "
+                   "[env SPEC_SERVE_HTTP_HOST].")
 @click.option("--http-port", default=8080, type=int, envvar="SPEC_SERVE_HTTP_PORT", show_default=True,
               help="HTTP shim port; 0 disables the shim [env SPEC_SERVE_HTTP_PORT].")
 @click.option("--max-message-bytes", default=8 << 30, type=int, envvar="SPEC_SERVE_MAX_MESSAGE_BYTES",
@@ -177,18 +189,25 @@ def main() -> None:
                    "admit their replies [env SPEC_SERVE_CURVE_WORKER_KEYS_DIR].")
 @click.option("--curve-authorized-dir", envvar="SPEC_SERVE_CURVE_AUTHORIZED_DIR", hidden=True,
               help="Refused: one key set for both sockets (use the two options above).")
+@_insecure_network_option("the broker's ports and its HTTP shim")
 @log_level_option
 def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, max_held_bytes,
-           curve_secret_key, curve_client_keys_dir, curve_worker_keys_dir, curve_authorized_dir, log_level):
+           curve_secret_key, curve_client_keys_dir, curve_worker_keys_dir, curve_authorized_dir, insecure_network,
+           log_level):
     """Run the broker: clients on --frontend, workers on --backend.
+
+    Protected mode: without CURVE keys the broker listens on loopback only (one host: the broker, its
+    workers and trainers together). For other hosts, make keys with `spec-serve keygen keys` (it
+    prints every flag), or accept unauthenticated peers with --insecure-network.
 
     \b
     Examples:
-      spec-serve broker
-      spec-serve broker --frontend tcp://*:6000 --backend tcp://*:6001 --http-port 9000
-      SPEC_SERVE_HTTP_HOST=0.0.0.0 spec-serve broker      # expose /metrics to a scraper
+      spec-serve broker                                     # 127.0.0.1:5555 and :5556
+      spec-serve keygen keys                                # then, for other hosts:
       spec-serve broker --curve-secret-key keys/broker.key_secret \\
-          --curve-client-keys-dir keys/clients --curve-worker-keys-dir keys/workers
+          --curve-client-keys-dir keys/clients --curve-worker-keys-dir keys/workers   # *:5555, *:5556
+      spec-serve broker --frontend tcp://*:6000 --backend tcp://*:6001 --insecure-network   # no CURVE
+      spec-serve broker --http-port 9000 --http-host 0.0.0.0 --curve-secret-key ...        # /metrics too
     """
     logs.setup(log_level)
     from spec_serve.broker.server import BindError, Broker
@@ -200,17 +219,26 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
     if curve_secret_key and not (curve_client_keys_dir and curve_worker_keys_dir):
         raise click.UsageError("--curve-secret-key needs --curve-client-keys-dir and --curve-worker-keys-dir "
                                "(the keys each socket admits)")
+    from spec_serve.transport.sockets import ExposureError
+
+    security = _security(curve_secret_key, None, curve_client_keys_dir, curve_worker_keys_dir)
+    exposed = "*" if security is not None or insecure_network else "127.0.0.1"
     try:
-        b = Broker(frontend, backend, security=_security(curve_secret_key, None, curve_client_keys_dir,
-                                                         curve_worker_keys_dir),
+        b = Broker(frontend or f"tcp://{exposed}:{FRONTEND_PORT}", backend or f"tcp://{exposed}:{BACKEND_PORT}",
+                   security=security, insecure_network=insecure_network,
                    max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
                    max_held_bytes=max_held_bytes)
+    except ExposureError as e:
+        raise click.UsageError(str(e)) from None
     except BindError as e:
         raise click.ClickException(f"--{e.role} {e.endpoint}: {e.reason}") from None
-    shim = _start_shim(b, http_host, http_port) if http_port else None
+    shim = _start_shim(b, http_host, http_port, security is not None, insecure_network) if http_port else None
     _serve_until_signal(b.stop)
+    local = security is None and not insecure_network  # protected mode refused anything else
     click.echo(f"broker: clients {b.frontend_endpoint}, workers {b.backend_endpoint}"
-               + (f", http://{shim.host}:{shim.port}" if shim else ""), err=True)
+               + (f", http://{shim.host}:{shim.port}" if shim else "")
+               + ("; this host only (protected mode: other hosts need CURVE keys, see spec-serve keygen --help)"
+                  if local else ""), err=True)
     try:
         b.run()
     finally:
@@ -218,16 +246,20 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
             shim.close()
 
 
-def _start_shim(b, host: str, port: int):
+def _start_shim(b, host: str, port: int, authenticated: bool, insecure_network: bool):
     """The HTTP shim, or a one-line error naming the flag (the broker's sockets closed first)."""
     from spec_serve.broker.status import http_routes
     from spec_serve.transport.http_shim import HttpShim
+    from spec_serve.transport.sockets import ExposureError
 
     try:
-        return HttpShim(http_routes(b.snapshot, b.metrics.registry), host, port).start()
-    except OSError as e:
+        return HttpShim(http_routes(b.snapshot, b.metrics.registry), host, port, authenticated=authenticated,
+                        insecure_network=insecure_network).start()
+    except (OSError, ExposureError) as e:
         b.frontend.close(0)
         b.backend.close(0)
+        if isinstance(e, ExposureError):
+            raise click.UsageError(str(e)) from None
         if e.errno == errno.EADDRINUSE:
             raise click.ClickException(f"--http-port {port}: address already in use (another broker running? "
                                        f"choose a free port, or 0 for no HTTP shim)") from None
@@ -301,7 +333,8 @@ def _start_shim(b, host: str, port: int):
                    "draining or disconnected) and /metrics on this port; 0: none "
                    "[env SPEC_SERVE_WORKER_HTTP_PORT].")
 @click.option("--http-host", default="127.0.0.1", envvar="SPEC_SERVE_WORKER_HTTP_HOST", show_default=True,
-              help="Address of --http-port; loopback unless told otherwise [env SPEC_SERVE_WORKER_HTTP_HOST].")
+              help="Address of --http-port; another than loopback needs CURVE keys or --insecure-network "
+                   "[env SPEC_SERVE_WORKER_HTTP_HOST].")
 @click.option("--wait-for-broker", default=0.0, type=click.FloatRange(min=0), envvar="SPEC_SERVE_WAIT_FOR_BROKER",
               show_default=True,
               help="Before loading the model the worker checks its broker (the host resolves, the worker port "
@@ -317,12 +350,14 @@ def _start_shim(b, host: str, port: int):
               help="This worker's CURVE secret key file [env SPEC_SERVE_CURVE_SECRET_KEY].")
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
+@_insecure_network_option("this worker's --http-port and its NCCL rendezvous (a bound client's TCPStore and "
+                          "gloo/NCCL connections, on --advertise-host)")
 @_log_level_option("INFO")
 @engine_options
 def worker(engine, target, broker_url, service, device, dtype, trust_remote_code, aux_layer_ids, dspark_layer_ids,
            capacity, packing, max_batch_tokens, threads, advertise_host, host_pool, host_pool_buffers, plane_slots,
            plane_lease, http_port, http_host, wait_for_broker, drain_timeout,
-           curve_secret_key, curve_server_key, log_level, **engine_values):
+           curve_secret_key, curve_server_key, insecure_network, log_level, **engine_values):
     """Run one worker (one target replica, one GPU) for the broker.
 
     Logs its lifecycle at INFO: loading, loaded (seconds, memory), registered with the broker
@@ -366,7 +401,8 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
     security = _security(curve_secret_key, curve_server_key)
     _engine_available(engine)
     status = WorkerStatus()  # what --http-port's /health and /metrics report, from now on
-    http = _start_worker_http(status, http_host, http_port) if http_port else None
+    http = _start_worker_http(status, http_host, http_port, security is not None, insecure_network) if http_port \
+        else None
     engine_obj = None
     try:
         status.phase = "checking_broker"
@@ -379,7 +415,7 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
                       else DEFAULT_PACKED_TOKENS if packing else 0,
                       advertise_host=advertise_host, packing=packing, host_pool=host_pool,
                       host_pool_buffers=host_pool_buffers, plane_slots=plane_slots, plane_lease=plane_lease,
-                      drain_timeout=drain_timeout, security=security, threads=share)
+                      drain_timeout=drain_timeout, security=security, threads=share, insecure_network=insecure_network)
     finally:
         close = getattr(engine_obj, "close", None)
         if close is not None:
@@ -406,12 +442,16 @@ def _engine_settings(engine: str, target: str, device: str | None, dtype: str | 
     return path, {**kwargs, **extra}
 
 
-def _start_worker_http(status, host: str, port: int):
-    """The worker's /health and /metrics, or a one-line error naming the flag."""
+def _start_worker_http(status, host: str, port: int, authenticated: bool, insecure_network: bool):
+    """The worker's /health and /metrics, or a one-line error naming the flag (protected mode as the broker's:
+    beyond loopback only with CURVE keys or --insecure-network)."""
+    from spec_serve.transport.sockets import ExposureError
     from spec_serve.worker.health import start_http
 
     try:
-        return start_http(status, host, port)
+        return start_http(status, host, port, authenticated=authenticated, insecure_network=insecure_network)
+    except ExposureError as e:
+        raise click.UsageError(str(e)) from None
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise click.ClickException(f"--http-port {port}: address already in use (another worker's? give each "
@@ -673,32 +713,67 @@ def make_tiny_target_cmd(out_dir, layers, hidden, vocab, seed):
 
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--name", default="broker", show_default=True, help="Key name: NAME.key and NAME.key_secret.")
+@click.option("--name", default=None,
+              help="Write one keypair NAME.key / NAME.key_secret instead of the whole set.")
 @click.option("--authorize", "authorized_dir", default=None, type=click.Path(file_okay=False),
-              help="Also copy the public key (never the secret) into this directory: the broker's "
+              help="With --name: also copy the public key (never the secret) into this directory: the broker's "
                    "--curve-worker-keys-dir for a worker, --curve-client-keys-dir for a client.")
 def keygen(directory, name, authorized_dir):
-    """Create a CurveZMQ keypair for a broker, worker or client.
+    """Create CurveZMQ keys: by default the whole set one deployment needs, and print the flags.
 
-    Writes NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIRECTORY. Keep
-    secret keys out of the directories of admitted keys: they hold only public keys.
+    Writes broker, worker and client keypairs into DIRECTORY (NAME.key public, NAME.key_secret
+    secret, mode 0600), and the directories of admitted public keys DIRECTORY/workers and
+    DIRECTORY/clients; then prints the exact broker, worker, client and status flags. Copy each
+    host only what it needs: the broker its secret and both directories; a worker its secret and
+    broker.key; a trainer its secret, broker.key and workers/. Never overwrites keys.
 
     \b
     Examples:
-      spec-serve keygen keys --name broker
-      spec-serve keygen keys --name worker0 --authorize keys/workers   # the broker (and clients) admit it
-      spec-serve keygen keys --name trainer --authorize keys/clients   # the broker admits this client
+      spec-serve keygen keys                                        # the set, and the flags to use
+      spec-serve keygen keys --name worker1 --authorize keys/workers   # one more worker key
+      spec-serve keygen keys --name trainer2 --authorize keys/clients  # one more client key
     """
-    import shutil
-
     from spec_serve.transport.sockets import keygen as make_keys
+    from spec_serve.transport.sockets import keygen_set
 
+    if name is None:
+        if authorized_dir:
+            raise click.UsageError("--authorize admits one key: give its --name too")
+        try:
+            keys = keygen_set(Path(directory))
+        except FileExistsError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(_keyset_flags(keys))
+        return
     public, secret = make_keys(Path(directory), name)
     click.echo(f"public: {public}\nsecret: {secret}")
     if authorized_dir:
+        import shutil
+
         Path(authorized_dir).mkdir(parents=True, exist_ok=True)
         admitted = shutil.copy(public, Path(authorized_dir) / public.name)
         click.echo(f"authorized: {admitted}")
+
+
+def _keyset_flags(keys) -> str:
+    """How each process uses a key set (spec_serve.transport.sockets.KeySet), ready to paste."""
+    server = f"--curve-server-key {keys.broker_key}"
+    return "\n".join([
+        f"wrote {keys.broker_secret.parent}: broker, worker and client keys (secrets mode 0600), "
+        f"admitted public keys in {keys.workers_dir} and {keys.clients_dir}",
+        "broker (listens on every interface; clients and workers must present these keys):",
+        f"  spec-serve broker --curve-secret-key {keys.broker_secret} --curve-client-keys-dir {keys.clients_dir} "
+        f"--curve-worker-keys-dir {keys.workers_dir}",
+        "each worker:",
+        f"  spec-serve worker --target MODEL --broker tcp://BROKER:{BACKEND_PORT} "
+        f"--curve-secret-key {keys.worker_secret} {server}",
+        "each training rank (Python):",
+        "  from spec_serve.client import RemoteTargetModel, Security",
+        f"  RemoteTargetModel(\"tcp://BROKER:{FRONTEND_PORT}\", security=Security(\"{keys.client_secret}\", "
+        f"server_key_file=\"{keys.broker_key}\", worker_keys_dir=\"{keys.workers_dir}\"))",
+        "status:",
+        f"  spec-serve status --broker tcp://BROKER:{FRONTEND_PORT} --curve-secret-key {keys.client_secret} {server}",
+    ])
 
 
 @main.command()

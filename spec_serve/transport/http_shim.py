@@ -3,7 +3,8 @@ Prometheus, from one hardened server.
 
 Its owner gives it routes, each a function of the query string that reads state replaced atomically by
 the owner's loop (the broker's snapshot, a worker's counters); the shim never touches the owner's
-sockets. Binds 127.0.0.1 unless told otherwise.
+sockets. Binds 127.0.0.1 unless told otherwise; another host only when its owner runs CURVE
+or was told ``--insecure-network`` (protected mode, ``sockets.check_exposure``).
 
 One thread serves every connection without blocking (a selector), so a peer
 that opens many connections or sends a byte at a time costs a descriptor, not a
@@ -29,6 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from spec_serve.telemetry.logs import event
+from spec_serve.transport.sockets import check_exposure
 
 log = logging.getLogger("spec_serve.http")
 
@@ -64,7 +66,13 @@ class _Connection:
 class HttpShim:
     """``GET`` on ``routes`` (path -> function of the query); anything else is answered 4xx."""
 
-    def __init__(self, routes: Mapping[str, Route], host: str = "127.0.0.1", port: int = 8080):
+    def __init__(self, routes: Mapping[str, Route], host: str = "127.0.0.1", port: int = 8080, *,
+                 authenticated: bool = False, insecure_network: bool = False):
+        """``authenticated``: the owner's ZeroMQ sockets run CURVE (the shim itself is read-only and
+        unauthenticated, so it follows them onto the network, or goes there only when told
+        ``insecure_network``)."""
+        check_exposure(host, f"the HTTP port --http-host {host}", authenticated=authenticated,
+                       insecure_network=insecure_network)
         self._routes = dict(routes)
         self._listener = socket.create_server((host, port), backlog=128)
         self._listener.setblocking(False)

@@ -16,6 +16,10 @@ Options and why:
 - CurveZMQ when a Security is given: the broker's frontend admits the client
   keys, its backend the worker keys, and a client's data socket the worker keys,
   each socket with its own ZAP domain and policy (KeyPolicy).
+
+Protected mode (``check_exposure``): every listener of the project (the broker's two ports, the HTTP
+shims, the NCCL rendezvous) binds loopback only unless its process authenticates peers with CURVE or
+was told ``--insecure-network``, as Redis does without a password.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import ipaddress
+import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -39,6 +45,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from spec_serve.protocol.wire import MAX_FRAME_BYTES
+from spec_serve.telemetry.logs import event
+
+log = logging.getLogger("spec_serve.security")
 
 # A frame carries at most one codec chunk plus a little framing slack.
 DEFAULT_MAX_FRAME_BYTES = MAX_FRAME_BYTES + (1 << 20)
@@ -216,6 +225,96 @@ def keygen(directory: Path, name: str) -> tuple[Path, Path]:
         os.replace(made[0], public)
         os.replace(made[1], secret)
     return public, secret
+
+
+INSECURE_NETWORK_FIX = "--insecure-network (env SPEC_SERVE_INSECURE_NETWORK=1)"
+# Hosts that mean "every interface" when bound.
+_ANY_HOST = ("", "*", "0.0.0.0", "::")
+
+
+class ExposureError(ValueError):
+    """Protected mode refused a listener: it would be reachable from the network with no authentication."""
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host a ``tcp://host:port`` endpoint binds (``[::1]`` as ``::1``); None for ipc/inproc, which no
+    other host can reach."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """True if a listener bound to ``host`` (an address, a host name, ZeroMQ's ``lo``, or ``*`` for every
+    interface) is reachable from this host only."""
+    host = host.strip("[]")
+    if host in ("localhost", "lo"):
+        return True
+    if host in _ANY_HOST:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:  # a host name: loopback only if every address it names is
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False  # an interface name (eth0) or an unknown name: assume the network
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def check_exposure(host: str, what: str, *, authenticated: bool, insecure_network: bool,
+                   fix: str = INSECURE_NETWORK_FIX) -> None:
+    """Protected mode, the one rule for every listener: ``what`` (e.g. "--frontend tcp://*:5555") may listen
+    on ``host`` if that is loopback, or if its process authenticates peers (CURVE), or if the user accepted
+    an unauthenticated network listener (``insecure_network``: then one WARNING per listener and process).
+    Otherwise ``ExposureError``, one line naming the fixes (``fix``: how this caller spells the override)."""
+    if is_loopback(host) or authenticated:
+        return
+    where = "every interface" if host in _ANY_HOST else host
+    if insecure_network:
+        if (what, host) not in _warned:
+            _warned.add((what, host))
+            event(log, logging.WARNING, "security.insecure_network", listener=what, host=where,
+                  risk="any host that reaches it is trusted: no authentication")
+        return
+    raise ExposureError(f"{what}: protected mode refuses to listen on {where} without authentication (any host "
+                        f"that reaches it would be trusted). Bind 127.0.0.1, or give CURVE keys (`spec-serve "
+                        f"keygen DIR` writes them and prints the flags), or pass {fix} to accept the risk")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySet:
+    """One deployment's CURVE keys, as ``keygen_set`` writes them."""
+
+    broker_key: Path  # public: workers and clients name it (--curve-server-key)
+    broker_secret: Path
+    worker_secret: Path
+    client_secret: Path
+    workers_dir: Path  # public keys the broker's backend, and clients' data sockets, admit
+    clients_dir: Path  # public keys the broker's frontend admits
+
+
+def keygen_set(directory: Path) -> KeySet:
+    """Write a broker, a worker and a client keypair into ``directory``, and admit the worker's and the
+    client's public keys (``workers/``, ``clients/``); refuses to overwrite keys already there."""
+    names = ("broker", "worker", "client")
+    existing = [directory / f"{n}{ext}" for n in names for ext in (".key", ".key_secret")
+                if (directory / f"{n}{ext}").exists()]
+    if existing:
+        raise FileExistsError(f"{existing[0]} exists: keygen never replaces keys peers may already use; choose "
+                              f"another directory, or add one key with --name NAME --authorize DIR")
+    made = {name: keygen(directory, name) for name in names}
+    admitted = {}
+    for group, name in (("workers", "worker"), ("clients", "client")):
+        admitted[group] = directory / group
+        admitted[group].mkdir(exist_ok=True)
+        shutil.copy(made[name][0], admitted[group])  # public keys only: a directory of admitted keys
+    return KeySet(broker_key=made["broker"][0], broker_secret=made["broker"][1], worker_secret=made["worker"][1],
+                  client_secret=made["client"][1], workers_dir=admitted["workers"], clients_dir=admitted["clients"])
 
 
 def route_address(broker_url: str) -> str:

@@ -49,9 +49,12 @@ class WorkerStatus:
         return metrics_response(self._empty if worker is None else worker.metrics.registry)
 
 
-def start_http(status: WorkerStatus, host: str, port: int) -> HttpShim:
-    """The worker's HTTP shim on ``host:port``, serving ``/health`` and ``/metrics``."""
-    return HttpShim({"/health": status.health, "/metrics": status.metrics}, host, port).start()
+def start_http(status: WorkerStatus, host: str, port: int, *, authenticated: bool = False,
+               insecure_network: bool = False) -> HttpShim:
+    """The worker's HTTP shim on ``host:port``, serving ``/health`` and ``/metrics``; beyond loopback only
+    for a CURVE worker (``authenticated``) or when told ``insecure_network`` (protected mode)."""
+    return HttpShim({"/health": status.health, "/metrics": status.metrics}, host, port, authenticated=authenticated,
+                    insecure_network=insecure_network).start()
 
 
 def device_memory(device: torch.device) -> dict[tuple[str, str], int]:

@@ -15,7 +15,7 @@ from spec_serve.protocol.commands import ErrorCode, Status
 from spec_serve.protocol.messages import BindGrant, Rendezvous, WorkerBind
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.pairgroup import PairGroup
-from spec_serve.transport.sockets import Security, route_address
+from spec_serve.transport.sockets import ExposureError, Security, check_exposure, route_address
 from spec_serve.worker.faults import Faults
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
 
@@ -24,12 +24,13 @@ log = logging.getLogger("spec_serve.worker")
 
 class PairBinding:
     def __init__(self, worker: str, device: torch.device, broker_url: str, advertise_host: str | None,
-                 security: Security | None, faults: Faults):
+                 security: Security | None, faults: Faults, *, insecure_network: bool = False):
         self.worker = worker
         self.device = device
         self.broker_url = broker_url
         self.advertise_host = advertise_host  # where the bound client reaches our rendezvous store
         self.security = security
+        self.insecure_network = insecure_network  # the rendezvous may listen beyond loopback unauthenticated
         self.faults = faults
         self._pair: PairGroup | None = None
         self._client: str | None = None
@@ -68,13 +69,22 @@ class PairBinding:
         if bind.device_type != self.device.type:
             return (f"worker device is {self.device.type}, client device is {bind.device_type}: "
                     f"the pair group needs both on CUDA (NCCL) or both on CPU (gloo)")
+        try:
+            if self.advertise_host is None:
+                self.advertise_host = route_address(self.broker_url)
+        except OSError as e:
+            return f"could not find the address to host the rendezvous store on: {e}"
+        try:  # protected mode: the store and gloo listen on the advertised address
+            check_exposure(self.advertise_host, f"worker {self.worker}'s NCCL rendezvous (TCPStore, gloo)",
+                           authenticated=False, insecure_network=self.insecure_network)
+        except ExposureError as e:
+            return f"{e}; replies go as frames"
         return None
 
     def _bind(self, job: Job, bind: WorkerBind, timeout: float, post: Callable[[Result], None]) -> None:
         prefix = bind.prefix
+        assert self.advertise_host is not None  # resolved by _refusal
         try:
-            if self.advertise_host is None:
-                self.advertise_host = route_address(self.broker_url)
             store, port = PairGroup.host_store(self.advertise_host, 0, timeout)
         except Exception as e:
             post(error_result(job, self.worker, ErrorCode.UNAVAILABLE, f"could not host the rendezvous store: {e}"))

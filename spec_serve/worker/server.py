@@ -133,8 +133,10 @@ class Worker:
         plane_slots: int | None = None,
         plane_lease: float = samehost.DEFAULT_LEASE_S,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+        insecure_network: bool = False,
     ):
-        """Builds the parts; a constructor argument goes to the part that uses it."""
+        """Builds the parts; a constructor argument goes to the part that uses it. ``insecure_network``:
+        its listeners (the NCCL rendezvous) may bind beyond loopback without authentication."""
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if drain_timeout < 0:
@@ -150,7 +152,8 @@ class Worker:
         self.drain = Drain(drain_timeout)
         faults = Faults()
         self.vocab = VocabStore(self.name, capacity, max_message_bytes)
-        self.pair = PairBinding(self.name, device, self.broker_url, advertise_host, security, faults)
+        self.pair = PairBinding(self.name, device, self.broker_url, advertise_host, security, faults,
+                                insecure_network=insecure_network)
         self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, pair=self.pair,
                                  faults=faults, host_pool=_host_pool(device, host_pool, host_pool_buffers, capacity),
                                  device=device, max_message_bytes=max_message_bytes)
