@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 # Peer tags: protocol name + version; a peer speaking another version is refused.
-CLIENT_TAG = b"SPSC01"
+# Clients 02: a payload travels in parts (PART_BYTES).
+CLIENT_TAG = b"SPSC02"
 WORKER_TAG = b"SPSW01"
 DATA_TAG = b"SPSD01"
 
@@ -50,6 +51,22 @@ MAX_HEADER_DEPTH = 16
 # MAX_HEADER_BYTES) and the codec's header frame. Receivers allow this over their payload limit.
 CONTROL_SLACK_BYTES = 1 << 20
 REQUEST_ID_BYTES = 16
+# The largest frame the tensor codec makes (spec_serve.protocol.wire.MAX_FRAME_BYTES).
+CODEC_FRAME_BYTES = 16 << 20
+# A client message's payload is at most PART_BYTES in at most PART_FRAMES frames; a larger one goes in
+# parts (``in_parts``): the first message's header says how many ("parts") and their payload bytes
+# ("bytes"), and each later part is a PART of the same request id, which the broker joins. So no
+# message to the broker's frontend is large, and what one connection can make libzmq hold before the
+# broker sees it stays small (transport/ingress.py). That matters for frames too: libzmq keeps 64
+# bytes per frame, and an empty frame is 2 bytes on the wire.
+PART_BYTES = 256 << 10
+PART_FRAMES = 16
+# What a request can hold: at most 24 payload bytes a token (input ids, attention and loss masks of 8
+# bytes each); 64 rows of 32k tokens by default (about 48 MiB), a broker's --max-request-tokens.
+REQUEST_BYTES_PER_TOKEN = 24
+DEFAULT_MAX_REQUEST_TOKENS = 64 * 32768
+# Tensors in one reply (the contract has at most 6); bounds the frames of a reply message.
+MAX_REPLY_TENSORS = 16
 
 
 class ClientCommand(bytes, enum.Enum):
@@ -65,6 +82,7 @@ class ClientCommand(bytes, enum.Enum):
     BIND = b"\x08"  # client -> broker: take a worker for myself (NCCL data plane)
     BOUND = b"\x09"  # broker -> client: binding granted or refused
     RELEASE = b"\x0a"  # client -> broker: give my bound worker back to the pool
+    PART = b"\x0b"  # client -> broker: more payload of the REQUEST or SET_VOCAB with this request id
 
 
 class WorkerCommand(bytes, enum.Enum):
@@ -184,6 +202,57 @@ def control(tag: bytes, command: bytes, service: str = "", request_id: bytes = b
     """Frames of one control message."""
     return [tag, command, service.encode(), request_id, encode_header(header if header is not None else {}),
             *payload]
+
+
+# Commands whose messages carry a payload; every other control message has exactly CONTROL_FRAMES frames.
+_PAYLOAD_COMMANDS = {
+    CLIENT_TAG: (ClientCommand.REQUEST.value, ClientCommand.SET_VOCAB.value, ClientCommand.PART.value),
+    WORKER_TAG: (WorkerCommand.REQUEST.value, WorkerCommand.SET_VOCAB.value),
+}
+
+
+def frame_limit(head: Sequence[Any], payload_frames: int) -> int:
+    """The most frames a control message starting with ``head`` (its tag and command frames, or fewer)
+    may have: CONTROL_FRAMES, and ``payload_frames`` more for a command that carries a payload. A
+    receiver refuses a longer message before reading the rest (transport/bounded.py)."""
+    tag, command = (_bytes(f) for f in head[:2]) if len(head) >= 2 else (b"", b"")
+    return CONTROL_FRAMES + (payload_frames if command in _PAYLOAD_COMMANDS.get(tag, ()) else 0)
+
+
+def reply_frame_limit(max_reply_bytes: int) -> int:
+    """The most frames a data message (a reply) of at most ``max_reply_bytes`` payload may have: the codec's
+    header frame, and each tensor's bytes in frames of at most wire.MAX_FRAME_BYTES."""
+    return DATA_FRAMES + 1 + MAX_REPLY_TENSORS + max_reply_bytes // CODEC_FRAME_BYTES
+
+
+def request_bytes(tokens: int) -> int:
+    """The largest request payload of ``tokens`` tokens (the codec's header included)."""
+    return tokens * REQUEST_BYTES_PER_TOKEN + MAX_HEADER_BYTES
+
+
+def in_parts(frames: Sequence[Any]) -> list[list[Any]]:
+    """A client's control message as the messages it is sent in: itself, or, when its payload passes
+    PART_BYTES or PART_FRAMES, the message with the first part of the payload and a header naming the
+    parts, then one PART message per further part. Zero-copy: parts are views of the payload's frames."""
+    head, payload = list(frames[:CONTROL_FRAMES]), [memoryview(f).cast("B") for f in frames[CONTROL_FRAMES:]]
+    total = sum(len(f) for f in payload)
+    if total <= PART_BYTES and len(payload) <= PART_FRAMES:
+        return [list(frames)]
+    parts: list[list[Any]] = [[]]
+    room = PART_BYTES
+    for frame in payload:
+        while len(frame):
+            if room == 0 or len(parts[-1]) == PART_FRAMES:
+                parts.append([])
+                room = PART_BYTES
+            piece, frame = frame[:room], frame[room:]
+            parts[-1].append(piece)
+            room -= len(piece)
+    header = decode_header(head[4])
+    header.update(parts=len(parts), bytes=total)
+    tag, _, service, request_id = head[:4]
+    first = [*head[:4], encode_header(header), *parts[0]]
+    return [first, *([tag, ClientCommand.PART.value, service, request_id, b"", *part] for part in parts[1:])]
 
 
 def parse_control(frames: Sequence[Any], tag: bytes, commands: type[enum.Enum]) -> Message:

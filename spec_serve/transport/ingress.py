@@ -4,9 +4,10 @@ libzmq hands a multipart message over only once its last frame has arrived, and 
 frame only (``MAXMSGSIZE``). A peer that sends frame after frame without ending the message makes
 the receiver hold all of it, and reading frame by frame (``RCVMORE``) cannot help: nothing is
 readable before the last frame. So the bound is kept below libzmq. One watcher thread per process
-learns every TCP connection of a watched socket from the socket monitor, reads how many bytes the
-kernel has passed to libzmq on it (``TCP_INFO`` ``tcpi_bytes_received``), and subtracts what the
-socket's owner was handed from that connection (every message names its connection, ``ZMQ_SRCFD``).
+learns every TCP connection of a watched socket from the socket monitor, reads how many bytes libzmq
+has read from it (the kernel's ``TCP_INFO`` ``tcpi_bytes_received`` less its unread queue, ``FIONREAD``),
+and subtracts what the socket's owner was handed from that connection (every message names its
+connection, ``ZMQ_SRCFD``).
 A connection whose unaccounted bytes pass ``per_connection``, or the largest one when a socket's
 connections together pass ``total``, is shut down, and libzmq frees the partial message with it.
 A connection the owner is still draining (a message of it was delivered since the check before) is
@@ -19,15 +20,23 @@ Invariant, checked every ``CHECK_INTERVAL_S``: a connection that is not draining
 never delivered (ZMTP handshakes and heartbeats) are forgiven up to ``GRANT_BYTES`` each time the
 connection delivers a message. Only TCP is watched: ``ipc://`` sockets have no byte counter (their
 file mode admits only the owner's user).
+
+An owner that says when it waits in its poll (``waiting``) is not blamed on its peers: while it has
+been busy since before the last check (a long handler, a descheduled process), whole messages may
+wait unread behind it, so connections are cut only past ``STALLED_FACTOR`` times the bounds. Once it
+polls again, a connection that holds too much and delivered nothing holds part of a message.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import fcntl
 import logging
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +50,8 @@ from spec_serve.telemetry.logs import event
 log = logging.getLogger("spec_serve.ingress")
 
 CHECK_INTERVAL_S = 0.01
+# While the owner is busy, the bounds stretch this many times (it may just be slow to read whole messages).
+STALLED_FACTOR = 8
 # Unaccounted bytes (handshake, ZMTP heartbeats) forgiven per delivered message.
 GRANT_BYTES = 64 << 10
 _TCP_INFO_LEN = 136
@@ -90,6 +101,11 @@ class Ingress:
         self.bytes: dict[int, int] = {}
         self.count: dict[int, int] = {}
         self._sock = sock
+        self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str]] = collections.deque()
+        # Owner progress (``waiting``): polls entered, whether it is in one now; None: not reported.
+        self._polls: int | None = None
+        self._in_poll = False
+        self._polls_seen = 0
         self._closed = threading.Event()
         self._closed_ack = threading.Event()
         _watcher().add(self, sock.get_monitor_socket(_EVENTS))
@@ -111,6 +127,30 @@ class Ingress:
         fd = parts[-1].get(zmq.SRCFD)
         self.bytes[fd] = self.bytes.get(fd, 0) + sum(wire_bytes(len(p), self.curve) for p in parts)
         self.count[fd] = self.count.get(fd, 0) + 1
+
+    def waiting(self, now_waiting: bool) -> None:
+        """Owner thread: it enters (True) or leaves (False) the poll that waits for this socket."""
+        if now_waiting:
+            self._polls = (self._polls or 0) + 1
+        self._in_poll = now_waiting
+
+    def responsive(self) -> bool:
+        """Watcher thread, once a check: the owner waited in its poll since the check before (or is in it now),
+        so what a connection holds undelivered is not whole messages the owner had no time to read."""
+        polls = self._polls
+        if polls is None:
+            return True
+        moved, self._polls_seen = polls != self._polls_seen, polls
+        return moved or self._in_poll
+
+    def cut(self, fd: int | None, reason: str) -> None:
+        """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's next
+        check, e.g. one that sent a message the owner refused; any thread. Its peer address is taken now,
+        so a connection that takes the descriptor over later is spared."""
+        if fd is None:
+            return
+        self._cuts.append((fd, _borrow(fd, socket.socket.getpeername), reason))
+        _watcher().wake()
 
     def close(self) -> None:
         """Stop watching (owner thread, before the socket closes); returns once the monitor is closed."""
@@ -145,11 +185,17 @@ def _borrow(fd: int, use: Callable[[socket.socket], _T]) -> _T | None:
 
 
 def _received(sock: socket.socket) -> int | None:
-    """Bytes the kernel received on a TCP socket; None for any other kind."""
+    """Bytes libzmq has read from a TCP socket: what the kernel received less what still waits in its
+    receive queue (kernel memory, bounded by the socket's buffer; libzmq may lag behind a burst). None for
+    any other kind of socket."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
         return None
     info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-    return struct.unpack_from("<Q", info, _BYTES_RECEIVED_OFFSET)[0] if len(info) >= _TCP_INFO_LEN else None
+    if len(info) < _TCP_INFO_LEN:
+        return None
+    unread: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    received: int = struct.unpack_from("<Q", info, _BYTES_RECEIVED_OFFSET)[0]
+    return received - unread
 
 
 def _shutdown_if(peer: tuple[Any, ...]) -> Callable[[socket.socket], bool]:
@@ -261,7 +307,13 @@ class _Watcher(threading.Thread):
                 pass
 
     def _check(self, ingress: Ingress, conns: dict[int, _Conn], dirty: set[int], sweep: bool) -> None:
-        per_connection = ingress.limit(ingress.per_connection)
+        while ingress._cuts:
+            fd, peer, why = ingress._cuts.popleft()
+            conn = conns.get(fd)
+            if peer is not None and (conn is None or conn.peer == peer):  # None: not seen accepted yet
+                self._drop(ingress, conns, conn or _Conn(fd, peer, 0, 0), why)
+        stretch = 1 if ingress.responsive() else STALLED_FACTOR
+        per_connection = stretch * ingress.limit(ingress.per_connection)
         for fd, conn in list(conns.items()):
             count = ingress.count.get(fd, 0)
             if not (sweep or fd in dirty or count != conn.seen or conn.held < 0):
@@ -273,7 +325,7 @@ class _Watcher(threading.Thread):
             self._account(ingress, conn, received, count)
             if conn.held > per_connection and not conn.draining:
                 self._drop(ingress, conns, conn, f"more than {per_connection} bytes undelivered")
-        total = ingress.limit(ingress.total)
+        total = stretch * ingress.limit(ingress.total)
         stuck = sorted((c for c in conns.values() if not c.draining), key=lambda c: c.held)
         while stuck and sum(c.held for c in conns.values()) > total:
             self._drop(ingress, conns, stuck.pop(), f"connections together past {total} bytes")
