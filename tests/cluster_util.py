@@ -149,6 +149,23 @@ class RawZmtpPeer:
             return sent
         return sent
 
+    def many_frames(self, first_frames: list[bytes], count: int, timeout: float = 60.0) -> int:
+        """One whole message: ``first_frames``, then ``count`` empty frames (2 bytes each on the wire), the
+        last ending it. Returns the bytes sent before the receiver cut the connection (all if never)."""
+        chunk, sent, deadline = self.frame(b"", more=True) * 65536, 0, time.monotonic() + timeout
+        try:
+            for f in first_frames:
+                self.sock.sendall(self.frame(f, more=True))
+            left = count - 1
+            while left > 0 and time.monotonic() < deadline:
+                n = min(left, 65536)
+                self.sock.sendall(chunk[:2 * n])
+                sent, left = sent + 2 * n, left - n
+            self.sock.sendall(self.frame(b""))
+            return sent + 2
+        except OSError:  # the receiver shut the connection
+            return sent
+
     def close(self) -> None:
         self.sock.close()
 

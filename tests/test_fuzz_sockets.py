@@ -29,6 +29,7 @@ from spec_serve.protocol.commands import (
     Status,
     WorkerCommand,
     control,
+    in_parts,
     parse_control,
     parse_data,
 )
@@ -120,7 +121,10 @@ def test_bad_client_messages_get_error_replies(cluster, ctx):
         "timeout not a number": [*control(CLIENT_TAG, req, "default", rid(), {**hdr, "timeout": "soon"})],
         "vocab not a digest": [*control(CLIENT_TAG, req, "default", rid(), {**hdr, "vocab": [1]})],
         "unknown vocab digest": [*control(CLIENT_TAG, req, "default", rid(), {**hdr, "vocab": "ab" * 16})],
+        # Sent in parts, as a client does: refused at its first part, from the size its header declares.
         "oversized request": [*control(CLIENT_TAG, req, "default", rid(), hdr), *([b"\0" * (2 << 20)] * 3)],
+        "parts that lie": ([*control(CLIENT_TAG, req, "default", lying := rid(), {**hdr, "parts": 2, "bytes": 8}),
+                            b"\0" * 4], [*control(CLIENT_TAG, ClientCommand.PART.value, "default", lying), b"\0" * 9]),
         "set_vocab garbage": [*control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, "default", rid()), b"junk"],
         "set_vocab lying header": [*control(CLIENT_TAG, ClientCommand.SET_VOCAB.value, "default", rid()),
                                    *_lying_payload()],
@@ -132,7 +136,8 @@ def test_bad_client_messages_get_error_replies(cluster, ctx):
     sock = _dealer(ctx, cluster.frontend)
     bad_before = _metric(cluster, "spec_serve_bad_messages")
     for name, frames in cases.items():
-        sock.send_multipart(frames)
+        for message in frames if isinstance(frames, tuple) else in_parts(frames):
+            sock.send_multipart(message)
         reply = _recv(sock)
         assert reply is not None, f"{name}: no reply"
         msg = parse_control(reply, CLIENT_TAG, ClientCommand)

@@ -44,6 +44,7 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
     data_message,
+    in_parts,
     parse_control,
 )
 from spec_serve.tools.launch import local_cluster
@@ -98,6 +99,70 @@ def test_never_ending_message_to_the_broker_is_cut_off(cluster, side):
         assert client.status()["workers"], "the broker lost its worker"
 
 
+def _metric(cluster, name: str) -> float:
+    """The sum of a broker metric's samples whose line starts with ``name`` (labels included)."""
+    _, text = cluster.get("/metrics")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+# Empty frames in one whole message: a count the receiver refuses unread (its bytes, 2 a frame, are under the
+# broker's per-connection bounds, so it arrives whole), and one the ingress watcher cuts off before it is whole.
+FRAMES_WHOLE = 60_000
+FRAMES_CUT = 4_000_000
+
+
+def _flood_while_asking(client, endpoint: str, first: list[bytes], count: int, done) -> tuple[int, float]:
+    """Send one message of ``count`` empty frames from a raw peer while ``client`` asks STATUS again and again,
+    until the flood is sent, ``done()``, and 2 s more (the broker may still be reading it); (bytes sent before
+    a cut, the slowest STATUS answer)."""
+    peer, sent = RawZmtpPeer(endpoint), []
+    flood = threading.Thread(target=lambda: sent.append(peer.many_frames(first, count)), daemon=True)
+    slowest, deadline, settled = 0.0, time.monotonic() + 60, float("inf")
+    flood.start()
+    try:
+        while time.monotonic() < min(deadline, settled):
+            if settled == float("inf") and not flood.is_alive() and done():
+                settled = time.monotonic() + 2.0
+            start = time.monotonic()
+            client.status()
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.02)
+    finally:
+        flood.join(60)
+        peer.close()
+    return sent[0], slowest
+
+
+@pytest.mark.parametrize("side", ["frontend", "backend"])
+def test_message_of_many_frames_holds_up_nothing(cluster, side):
+    """One message of very many empty frames (no credentials, never registered): the broker refuses it by
+    its frame count without building the frames (or cuts it off before it is whole), every STATUS asked
+    meanwhile is answered promptly, no worker misses a heartbeat, and broker memory stays flat."""
+    endpoint, first = (cluster.frontend, [CLIENT_TAG, ClientCommand.REQUEST.value, b"default", uuid.uuid4().bytes,
+                                          b'{"reply_to":"tcp://127.0.0.1:9"}']) if side == "frontend" else \
+        (cluster.backend, [WORKER_TAG, WorkerCommand.HEARTBEAT.value, b"", b"", b"{}"])
+    pid, served_by = cluster.broker.pid, sorted(w["id"] for w in workers(cluster, "default"))
+    refused_metric = f'spec_serve_refused_messages_total{{socket="{side}"}}'
+    deaths, refused = _metric(cluster, "spec_serve_worker_deaths_total"), _metric(cluster, refused_metric)
+    reset_peak_rss(pid)
+    before = peak_rss_kib(pid) << 10
+    with RemoteTargetModel(cluster.frontend, timeout=30, **CLIENT_KW) as client:
+        client.status()
+        whole = _flood_while_asking(client, endpoint, first, FRAMES_WHOLE,
+                                    lambda: _metric(cluster, refused_metric) > refused)
+        cut = _flood_while_asking(client, endpoint, first, FRAMES_CUT, lambda: True)
+    grew = (peak_rss_kib(pid) << 10) - before
+    refused = _metric(cluster, refused_metric) - refused
+    print(f"\n{side}: {FRAMES_WHOLE} frames refused unread ({refused:g}), slowest STATUS meanwhile {whole[1]:.2f}s; "
+          f"{FRAMES_CUT} frames cut after {cut[0] >> 10} KiB, slowest STATUS {cut[1]:.2f}s; broker peak RSS "
+          f"+{grew >> 20} MiB")
+    assert refused >= 1 and cut[0] < 2 * FRAMES_CUT
+    assert max(whole[1], cut[1]) < 5.0  # before: minutes (the whole message built frame object by frame object)
+    assert _metric(cluster, "spec_serve_worker_deaths_total") == deaths
+    assert sorted(w["id"] for w in workers(cluster, "default")) == served_by
+    assert grew < 64 << 20
+
+
 def test_never_ending_message_to_a_client_data_socket_is_cut_off(cluster, tiny_target_dir):
     """A client's data socket takes at most the replies it waits for: a stranger pushing one endless
     message is cut off, the client's memory stays flat, and its next batch is served."""
@@ -121,37 +186,132 @@ def test_never_ending_message_to_a_client_data_socket_is_cut_off(cluster, tiny_t
     assert after["shape"][:2] == [2, 16] and after["dropped"] >= 1
 
 
-def test_broker_holds_at_most_max_held_bytes(tiny_target_dir, tmp_path):
-    """Complete requests that queue (no worker serves them yet) stop being taken once the broker holds
-    --max-held-bytes of them: the rest are told to back off, and broker memory stays near the limit."""
-    held, size, count = 64 << 20, 30 << 20, 10
-    # A long liveness: the raw client sends no heartbeats, and its queued requests must stay.
-    env = {**FAST_ENV, "SPEC_SERVE_HEARTBEAT_LIVENESS": "600", "SPEC_SERVE_MAX_MESSAGE_BYTES": str(32 << 20),
-           "SPEC_SERVE_MAX_HELD_BYTES": str(held)}
+def test_reply_of_many_frames_is_refused_by_the_client(cluster, tiny_target_dir):
+    """A stranger pushes a client's data socket one whole message of 60,000 empty frames (a reply has a
+    handful): the client refuses it by its frame count without building them, cuts that connection, its
+    memory stays flat, and its next batches are served."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "idle-client", cluster.frontend,
+                             str(tiny_target_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **cluster.env})
+    try:
+        data = json.loads(proc.stdout.readline())["data"]
+        reset_peak_rss(proc.pid)
+        before = peak_rss_kib(proc.pid) << 10
+        peer = RawZmtpPeer(data, b"PUSH")
+        try:
+            peer.many_frames([DATA_TAG, Status.OK.value, uuid.uuid4().bytes, b"{}"], FRAMES_WHOLE)
+            for _ in range(20):  # batches until the refusal is counted (the I/O thread reads in its own time)
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                after = json.loads(proc.stdout.readline())
+                if after["refused_messages"]:
+                    break
+        finally:
+            peer.close()
+        grew = (peak_rss_kib(proc.pid) << 10) - before
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    print(f"\nclient data socket: {FRAMES_WHOLE} frames refused unread ({after['refused_messages']}), connections "
+          f"cut {after['dropped']}; next batch {after['shape']}; client peak RSS +{grew >> 20} MiB")
+    assert after["refused_messages"] == 1 and after["dropped"] >= 1
+    assert after["shape"][:2] == [2, 16] and grew < 32 << 20
+
+
+def test_broker_message_of_many_frames_is_refused_by_the_worker(tiny_target_dir, tmp_path):
+    """A worker hears only its broker; one that sends it a message of 60,000 empty frames (its messages have
+    5 and a payload's parts) is refused unread: the worker logs it, cuts that connection, keeps its memory
+    flat, and registers again."""
+    ctx = zmq.Context()
+    broker = ctx.socket(zmq.ROUTER)
+    broker.setsockopt(zmq.LINGER, 0)
+    port = broker.bind_to_random_port("tcp://127.0.0.1")
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "worker", "--target",
+                                   str(tiny_target_dir), "--device", "cpu", "--broker", f"tcp://127.0.0.1:{port}"],
+                                  env={**os.environ, **FAST_ENV, "OMP_NUM_THREADS": "1"}, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        def ready():  # the worker's next READY (its registration)
+            while broker.poll(120_000):
+                frames = broker.recv_multipart()
+                if frames[2] == WorkerCommand.READY.value:
+                    return frames[0]
+            raise TimeoutError("the worker never sent READY")
+
+        identity = ready()
+        reset_peak_rss(worker.pid)
+        before = peak_rss_kib(worker.pid) << 10
+        broker.send_multipart([identity, *control(WORKER_TAG, WorkerCommand.HEARTBEAT.value),
+                               *([b""] * FRAMES_WHOLE)])
+        wait_until(lambda: "worker.refused_message" in log.read_text(), 60, what="the worker refusing it")
+        again = ready()  # cut off, it connects again and registers anew
+        grew = (peak_rss_kib(worker.pid) << 10) - before
+    finally:
+        worker.terminate()
+        worker.wait(30)
+        ctx.destroy(0)
+    line = next(ln for ln in log.read_text().splitlines() if "worker.refused_message" in ln)
+    print(f"\nworker: {line.split('WARNING', 1)[-1].strip()[:150]}; registered again: {again == identity}; "
+          f"worker peak RSS +{grew >> 20} MiB")
+    assert again == identity and grew < 32 << 20
+
+
+def _refusal(sock, size: int, service: str = "nobody-yet") -> str | None:
+    """Send one DSpark request of ``size`` payload bytes the way a client does (in parts); the error it got
+    (code: message), or None: the broker holds it (it waits for a worker). A STATUS sent after it is answered
+    only once the broker handled the request (one connection is read in order)."""
+    header = {"op": "generate", "kind": "dspark", "timeout": 60, "reply_to": "tcp://127.0.0.1:9"}
+    payload = [bytes(memoryview(f)) for f in wire.encode({"input_ids": torch.zeros(size // 8, dtype=torch.int64)})]
+    for part in in_parts(control(CLIENT_TAG, ClientCommand.REQUEST.value, service, uuid.uuid4().bytes, header,
+                                 payload)):
+        sock.send_multipart(part)
+    sock.send_multipart(control(CLIENT_TAG, ClientCommand.STATUS.value, service, uuid.uuid4().bytes))
+    error = None
+    while sock.poll(30_000):
+        frames = sock.recv_multipart()
+        if frames[1] == ClientCommand.ERROR.value:
+            answer = json.loads(frames[4])
+            error = f"{answer['code']}: {answer['error']}"
+        elif frames[1] == ClientCommand.STATUS.value:
+            return error
+    raise TimeoutError("the broker did not answer STATUS")
+
+
+def test_one_connection_holds_at_most_its_share(tiny_target_dir, tmp_path):
+    """Requests that queue (no worker serves them yet): one connection holds at most its share of
+    --max-held-bytes and is told to back off past it, while others still get theirs held up to the total;
+    a request over --max-request-tokens is refused at its first part, naming the limit. Broker memory stays
+    near what it holds."""
+    # --client-held-share 0.25: 16 MiB, four requests a connection (each a little under 4 MiB with its header)
+    held, size = 64 << 20, (4 << 20) - 4096
+    # A long liveness: raw clients send no heartbeats, and their queued requests must stay.
+    env = {**FAST_ENV, "SPEC_SERVE_HEARTBEAT_LIVENESS": "600", "SPEC_SERVE_MAX_HELD_BYTES": str(held),
+           "SPEC_SERVE_MAX_REQUEST_TOKENS": str(256 << 10)}  # 6 MiB of ids and masks
     with local_cluster(None, workers=0, env=env, log_dir=tmp_path) as c:
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(c.frontend)
-        reset_peak_rss(c.broker.pid)
-        before = peak_rss_kib(c.broker.pid) << 10
-        payload = [bytes(memoryview(f)) for f in wire.encode({"input_ids": torch.zeros(size // 8, dtype=torch.int64)})]
-        refused = 0
-        for _ in range(count):
-            header = {"op": "generate", "kind": "dspark", "timeout": 60, "reply_to": "tcp://127.0.0.1:9"}
-            sock.send_multipart(control(CLIENT_TAG, ClientCommand.REQUEST.value, "nobody-yet", uuid.uuid4().bytes,
-                                        header, payload))
-            deadline = time.monotonic() + 0.5  # an accepted request gets no answer (it waits for a worker)
-            while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-                frames = sock.recv_multipart()
-                if frames[1] == ClientCommand.ERROR.value:
-                    refused += b"unavailable" in frames[4]
-                    break
-        grew = (peak_rss_kib(c.broker.pid) << 10) - before
-        ctx.destroy(0)
-    print(f"\nheld bytes: {count} requests of {size >> 20} MiB, {refused} told to back off; "
-          f"broker peak RSS +{grew >> 20} MiB (limit {held >> 20} MiB)")
-    assert refused >= count - held // size
+        try:
+            socks = [ctx.socket(zmq.DEALER) for _ in range(5)]
+            for sock in socks:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(c.frontend)
+            reset_peak_rss(c.broker.pid)
+            before = peak_rss_kib(c.broker.pid) << 10
+            greedy = [_refusal(socks[0], size) for _ in range(6)]
+            others = [_refusal(sock, size) for sock in socks[1:4] for _ in range(4)]
+            late = _refusal(socks[4], size)
+            oversized = _refusal(socks[4], 8 << 20)
+            grew = (peak_rss_kib(c.broker.pid) << 10) - before
+        finally:
+            ctx.destroy(0)  # closes the sockets: a context collected with open sockets blocks forever
+    print(f"\none connection, 6 requests of {size >> 20} MiB: {[r and r[:60] for r in greedy]}\nthree others, 4 "
+          f"each: {sum(r is None for r in others)} held; a fifth: {late and late[:90]}\nover the token limit: "
+          f"{oversized and oversized[:90]}\nbroker peak RSS +{grew >> 20} MiB (holding {held >> 20} MiB)")
+    assert greedy[:4] == [None] * 4 and all(r and r.startswith("unavailable") and "share" in r for r in greedy[4:])
+    assert others == [None] * 12
+    assert late and late.startswith("unavailable") and "--max-held-bytes" in late
+    assert oversized and oversized.startswith("bad_request") and "exceeds the limit" in oversized
     assert grew < held + PEAK_BOUND
 
 

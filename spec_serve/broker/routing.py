@@ -65,6 +65,9 @@ MAX_KILLER_IDS = 1024
 # Request and vocab-mapping payload bytes the broker holds at once (queued, in flight, stored);
 # past it a new request is told to back off (unavailable, retried), a larger one is refused.
 DEFAULT_MAX_HELD_BYTES = 1 << 30
+# The share of --max-held-bytes one client (one connection) may hold, so that one peer cannot make the
+# broker refuse everyone else; at least one request of the largest size.
+DEFAULT_CLIENT_HELD_SHARE = 0.25
 # Requests one worker may hold at once, whatever it claims: a claim of 10^6 must not draw the queue.
 MAX_WORKER_CAPACITY = 64
 
@@ -91,6 +94,7 @@ class Router:
         max_message_bytes: int,
         max_request_deaths: int = 2,
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+        client_held_share: float = DEFAULT_CLIENT_HELD_SHARE,
         metrics: BrokerMetrics | None = None,
     ):
         if max_request_deaths < 1:
@@ -103,6 +107,10 @@ class Router:
         # A request must fit what the broker may hold.
         self.max_message_bytes = min(max_message_bytes, max_held_bytes)
         self.max_held_bytes = max_held_bytes
+        self.max_client_bytes = max(int(max_held_bytes * client_held_share), self.max_message_bytes)
+        # Payload bytes promised to messages still arriving in parts (the broker's broker.parts.Parts), held
+        # as much as stored ones: of one client identity, or of everyone for None.
+        self.reserved: Callable[[bytes | None], int] = lambda identity: 0
         # A request on this many workers as they died fails (killed_workers) instead of going to another.
         self.max_request_deaths = max_request_deaths
         self.metrics = metrics or BrokerMetrics()
@@ -249,13 +257,25 @@ class Router:
 
     def _can_hold(self, client: ClientState, request_id: bytes, size: int) -> bool:
         """Room for ``size`` more payload bytes; if not, the client is told to back off (it retries)."""
-        held = self.requests.held + self.vocab.held_bytes
-        if held + size <= self.max_held_bytes:
-            return True
-        self.send_error(client.identity, request_id, ErrorCode.UNAVAILABLE,
-                        f"the broker holds {held} bytes of requests; {size} more would pass its limit of "
-                        f"{self.max_held_bytes} (--max-held-bytes)")
-        return False
+        why = self.room(client.identity, size)
+        if why is not None:
+            self.send_error(client.identity, request_id, ErrorCode.UNAVAILABLE, why)
+        return why is None
+
+    def room(self, identity: bytes, size: int) -> str | None:
+        """Why ``size`` more payload bytes from the client ``identity`` cannot be held now (None: they can):
+        all clients together hold at most --max-held-bytes, one at most its share of it."""
+        held = self.requests.held + self.vocab.held_bytes + self.reserved(None)
+        if held + size > self.max_held_bytes:
+            return (f"the broker holds {held} bytes of requests; {size} more would pass its limit of "
+                    f"{self.max_held_bytes} (--max-held-bytes)")
+        client = self.clients.get(identity)
+        mine = self.reserved(identity) + sum(self.requests[r].size for r in (client.requests if client else ())
+                                             if r in self.requests)
+        if mine + size > self.max_client_bytes:
+            return (f"this client already has {mine} bytes of requests at the broker; {size} more would pass its "
+                    f"share of {self.max_client_bytes} (--client-held-share of --max-held-bytes)")
+        return None
 
     def pin_target(self, client: ClientState, msg: Message, fingerprint: str | None) -> bool:
         """Note the target ``fingerprint`` a client's message names (the one it set up with); False, after

@@ -19,15 +19,19 @@ from typing import Any
 
 import zmq
 
-from spec_serve.broker.routing import DEFAULT_MAX_HELD_BYTES, Peer, Router
+from spec_serve.broker.parts import Parts
+from spec_serve.broker.routing import DEFAULT_CLIENT_HELD_SHARE, DEFAULT_MAX_HELD_BYTES, Peer, Router
 from spec_serve.broker.state import ClientState, WorkerState
 from spec_serve.broker.status import full_status, status_page
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
-    CONTROL_SLACK_BYTES,
+    DEFAULT_MAX_REQUEST_TOKENS,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
     MAX_HEADER_BYTES,
+    PART_BYTES,
+    PART_FRAMES,
+    REQUEST_ID_BYTES,
     WORKER_TAG,
     ClientCommand,
     ErrorCode,
@@ -35,13 +39,15 @@ from spec_serve.protocol.commands import (
     ProtocolError,
     WorkerCommand,
     control,
+    frame_limit,
     parse_control,
+    request_bytes,
 )
 from spec_serve.protocol.messages import BrokerError, BrokerHeartbeat, Disconnect, Refused, StatusQuery
 from spec_serve.telemetry.logs import Throttle, event
+from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
-    DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     KeyPolicy,
     Security,
@@ -57,8 +63,14 @@ log = logging.getLogger("spec_serve.broker")
 DRAIN_BATCH = 64
 # Workers send the broker control messages only: no frame above a header, little per connection.
 BACKEND_FRAME_BYTES = MAX_HEADER_BYTES + 4096
-BACKEND_CONNECTION_BYTES = 1 << 20
-BACKEND_TOTAL_BYTES = 64 << 20
+BACKEND_CONNECTION_BYTES = 2 * MAX_HEADER_BYTES
+BACKEND_TOTAL_BYTES = 8 << 20
+# Clients send payloads in parts (protocol.commands.in_parts): no message above a part and a header.
+# Bytes on the wire that libzmq holds before a message is whole, per connection and for all together;
+# libzmq keeps up to 32 times that for a message of empty frames (64 bytes a frame, 2 on the wire).
+FRONTEND_FRAME_BYTES = max(PART_BYTES, MAX_HEADER_BYTES) + 4096
+FRONTEND_CONNECTION_BYTES = PART_BYTES + 2 * MAX_HEADER_BYTES
+FRONTEND_TOTAL_BYTES = 16 << 20
 # A peer on the wrong port is answered every time, but logged once per this many seconds.
 WRONG_PORT_LOG_INTERVAL_S = 60.0
 # How long a stopping broker lets its last words to clients and workers leave before it closes.
@@ -105,13 +117,19 @@ class Broker:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         liveness: int = HEARTBEAT_LIVENESS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
         max_request_deaths: int = 2,
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+        client_held_share: float = DEFAULT_CLIENT_HELD_SHARE,
         context: zmq.Context | None = None,
     ):
+        # A request holds at most what max_request_tokens tokens need, whatever max_message_bytes allows.
         self.router = Router(self._send_to, heartbeat_interval=heartbeat_interval, liveness=liveness,
-                             max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
-                             max_held_bytes=max_held_bytes)
+                             max_message_bytes=min(max_message_bytes, request_bytes(max_request_tokens)),
+                             max_request_deaths=max_request_deaths, max_held_bytes=max_held_bytes,
+                             client_held_share=client_held_share)
+        self.parts = Parts(self.router.max_message_bytes, self.router.room, self.router.send_error)
+        self.router.reserved = self.parts.reserved_by
         self.metrics = self.router.metrics
         self.heartbeat_interval = heartbeat_interval
         self.ctx = context or zmq.Context.instance()
@@ -125,7 +143,7 @@ class Broker:
             if host is not None:
                 check_exposure(host, f"the broker's {flag} {endpoint}", authenticated=security is not None,
                                insecure_network=insecure_network)
-        self._open(frontend, backend, security, max_held_bytes)
+        self._open(frontend, backend, security)
         self.frontend_endpoint = bound_endpoint(self.frontend)
         self.backend_endpoint = bound_endpoint(self.backend)
         self._client_handlers: dict[ClientCommand, ClientHandler] = {
@@ -143,31 +161,33 @@ class Broker:
             WorkerCommand.HEARTBEAT: _ignore,
             WorkerCommand.LEAVE: self.router.worker_left,
         }
+        # Messages are read frame by frame; one with more frames than its kind has is refused unread.
+        self.readers = {self.frontend: BoundedReader(self.frontend, lambda head: frame_limit(head, PART_FRAMES),
+                                                     router=True),
+                        self.backend: BoundedReader(self.backend, lambda head: frame_limit(head, 0), router=True)}
+        self._refusal_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
+        self._stalled = False  # a refused message was being discarded at the last tick
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._wrong_port_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
 
-    def _open(self, frontend: str, backend: str, security: Security | None, max_held_bytes: int) -> None:
+    def _open(self, frontend: str, backend: str, security: Security | None) -> None:
         """Create and bind both sockets, each watched by an Ingress (what a peer can make libzmq hold
-        before a message is whole; the sockets bind once watched). A request up to twice the limit
-        still gets its error reply."""
-        max_message_bytes = self.router.max_message_bytes
+        before a message is whole; the sockets bind once watched)."""
         # Held for the broker's life: a socket admits nobody once its KeyPolicy is gone.
         self.client_keys = KeyPolicy(security.client_keys_dir) if security else None
         self.worker_keys = KeyPolicy(security.worker_keys_dir) if security else None
         # libzmq drops a peer that sends a frame over this, before allocating it.
-        frame_limit = min(DEFAULT_MAX_FRAME_BYTES, max_message_bytes + (1 << 16))
         self.frontend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.client_keys,
-                                    max_frame_bytes=frame_limit)
+                                    max_frame_bytes=FRONTEND_FRAME_BYTES)
         self.backend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.worker_keys,
                                    max_frame_bytes=BACKEND_FRAME_BYTES)
         front = None
         try:
             with _binding("frontend", frontend):
                 front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
-                                per_connection=2 * max_message_bytes + CONTROL_SLACK_BYTES,
-                                total=max_held_bytes + CONTROL_SLACK_BYTES)
+                                per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES)
             with _binding("backend", backend):
                 back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
                                per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES)
@@ -195,16 +215,14 @@ class Broker:
         self.update_snapshot()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(int(tick * 1000)))
+                events = self._poll(poller, tick)
                 if self.backend in events:
                     self._drain(self.backend, self.process_worker)
                 if self.frontend in events:
                     self._drain(self.frontend, self.process_client)
                 now = time.monotonic()
                 if now >= next_tick:
-                    self.router.purge(now)
-                    self.router.heartbeat(now)
-                    self.router.status_stale = True
+                    self._tick(now)
                     next_tick = now + self.heartbeat_interval
                 # rebuilt once per loop turn, not once per message (O(workers) each)
                 if self.router.status_stale:
@@ -217,6 +235,35 @@ class Broker:
             self.frontend.close(linger)
             self.backend.close(linger)
             event(log, logging.INFO, "broker.stop")
+
+    def _poll(self, poller: zmq.Poller, timeout_s: float) -> dict:
+        """Wait for either socket; the ingress watchers know we are waiting (not too busy to read)."""
+        for ingress in self.ingress.values():
+            ingress.waiting(True)
+        try:
+            return dict(poller.poll(int(timeout_s * 1000)))
+        finally:
+            for ingress in self.ingress.values():
+                ingress.waiting(False)
+
+    def _tick(self, now: float) -> None:
+        """Once a heartbeat interval: expire what is overdue and heartbeat every peer. While a refused message
+        is being discarded, the messages queued behind it on its socket cannot be read, so nobody expires;
+        once it is gone every peer gets a fresh liveness window (a peer that died meanwhile is noticed one
+        window later)."""
+        if any(reader.discarding for reader in self.readers.values()):
+            self._stalled = True
+        else:
+            if self._stalled:
+                self._stalled = False
+                for identity in list(self.router.workers):
+                    self.router.worker_seen(identity, now)
+                for identity in list(self.router.clients):
+                    self.router.client_seen(identity, now)
+            self.parts.expire(now, self.router.clients.__contains__)
+            self.router.purge(now)
+        self.router.heartbeat(now)
+        self.router.status_stale = True
 
     def stop(self) -> None:
         """Stop (thread- and signal-safe): the loop tells its clients and workers, then ends."""
@@ -241,11 +288,13 @@ class Broker:
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[bytes, list], None]) -> None:
         for _ in range(DRAIN_BATCH):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = self.readers[sock].read()
+            if frames is None:  # nothing more now, or a refused message still being thrown away
                 return
-            self.ingress[sock].delivered(frames)
+            self.ingress[sock].delivered(frames.frames if isinstance(frames, Overlong) else frames)
+            if isinstance(frames, Overlong):
+                self._refuse(sock, frames)
+                continue
             identity, body = frames[0].bytes, frames[1:]
             if self._wrong_port(sock, identity, body):
                 continue
@@ -259,6 +308,23 @@ class Broker:
             except Exception as e:  # a bug must not take the broker down
                 self.metrics.bad_messages.inc()
                 log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
+
+    def _refuse(self, sock: zmq.Socket, refused: Overlong) -> None:
+        """A message with more frames than its kind may have: count it, cut its connection (a client would
+        never send it), and tell a client why; its remaining frames are being discarded unread."""
+        side = "frontend" if sock is self.frontend else "backend"
+        self.metrics.refused_messages.labels(socket=side).inc()
+        why = f"a message of more than {refused.limit} frames, more than its kind has"
+        self.ingress[sock].cut(refused.source_fd, why)
+        identity = refused.frames[0].bytes
+        held = self._refusal_log.ready(side, time.monotonic())
+        if held is not None:
+            event(log, logging.WARNING, "broker.refused_message", socket=side, peer=identity.hex()[:12],
+                  reason=why, similar_since_last=held)
+        if sock is self.frontend:
+            request_id = refused.frames[4].bytes if len(refused.frames) > 4 else b""
+            self.router.send_error(identity, request_id if len(request_id) == REQUEST_ID_BYTES else b"",
+                                   ErrorCode.BAD_REQUEST, f"refused unread: {why}")
 
     def _wrong_port(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
         """A client on the workers' port, or a worker on the clients' port: tell it which port it
@@ -289,9 +355,12 @@ class Broker:
     # ------------------------------------------------------------------ commands
 
     def process_client(self, identity: bytes, frames: list) -> None:
-        msg = parse_control(frames, CLIENT_TAG, ClientCommand)
+        received = parse_control(frames, CLIENT_TAG, ClientCommand)
         now = time.monotonic()
         client = self.router.client_seen(identity, now)
+        msg = self.parts.take(identity, received, now)  # a payload sent in parts is joined first
+        if msg is None:
+            return
         command = ClientCommand(msg.command)
         try:
             handler = self._client_handlers.get(command)

@@ -249,9 +249,10 @@ class RemoteTargetModel:
         self.target_info()  # learns the limit
         size = sum(len(memoryview(f)) for f in payload)
         if self._max_request_bytes is not None and size > self._max_request_bytes:
-            raise ValueError(f"{what} is {size} bytes, over the max message size of {self._max_request_bytes} "
-                             f"bytes of service {self.service!r} (broker --max-message-bytes, or its workers'): "
-                             f"send fewer rows per request (num_shards) or raise the limit")
+            raise ValueError(f"{what} is {size} bytes, over the largest request of {self._max_request_bytes} "
+                             f"bytes that service {self.service!r} takes (the broker's --max-request-tokens at 24 "
+                             f"bytes a token, or --max-message-bytes, or its workers'): send fewer rows per request "
+                             f"(num_shards) or raise the limit")
 
     def _prepare(self, header: dict) -> dict:
         """``header`` with what every request carries: where to reply, the vocab mapping, the target we set

@@ -40,8 +40,11 @@ from spec_serve.protocol.commands import (
     ErrorCode,
     ProtocolError,
     control,
+    frame_limit,
+    in_parts,
     new_request_id,
     parse_control,
+    reply_frame_limit,
 )
 from spec_serve.protocol.messages import (
     Bound,
@@ -53,9 +56,10 @@ from spec_serve.protocol.messages import (
     WireMessage,
 )
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes
-from spec_serve.telemetry.logs import event
+from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.transport import samehost
 from spec_serve.transport.binding import ClientBinding
+from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.hostpool import RecyclingAllocator
 from spec_serve.transport.ingress import Ingress
@@ -118,6 +122,9 @@ class ClientIO(threading.Thread):
         self.data: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.data_ingress: Ingress | None = None
+        # Each socket's messages are read frame by frame; one with more frames than its kind is refused.
+        self._readers: dict[zmq.Socket, BoundedReader] = {}
+        self._refusal_log = Throttle(60.0)
         # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
         self.plane = samehost.ClientPlane.start(device, same_host_plane)
         self.replies = WorkerReplies(self.requests, self.stats, self.plane, max_message_bytes, self.call,
@@ -143,6 +150,7 @@ class ClientIO(threading.Thread):
         self.data = make_socket(self.ctx, zmq.PULL, security=security, admit=self.data_keys)
         # Workers may push at most the replies we wait for (and one late duplicate) before we see them whole.
         self.data_ingress = Ingress(self.data, "client.data", total=self._reply_room, bind=data_bind)
+        self._readers[self.data] = BoundedReader(self.data, lambda head: reply_frame_limit(self.max_message_bytes))
         self.data_endpoint = bound_endpoint(self.data)
         if data_bind.startswith("ipc://"):
             self._ipc_files.append(data_bind[len("ipc://"):])
@@ -167,7 +175,13 @@ class ClientIO(threading.Thread):
                 os.unlink(path)
 
     def _connect(self) -> zmq.Socket:
-        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security)
+        # No send high-water mark: a large request goes as many parts (protocol.commands.in_parts), all
+        # queued at once; they are views of payloads this client holds anyway (credits bound those).
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security, hwm=0)
+        sock.setsockopt(zmq.RCVHWM, 64)
+        # Only the broker sends here, control messages only.
+        self._readers = {s: r for s, r in self._readers.items() if s is self.data}
+        self._readers[sock] = BoundedReader(sock, lambda head: frame_limit(head, 0))
         if self._heard:  # reached once: what went wrong since is a lost broker, not a wrong address
             sock.connect(self.broker_url)
             self._watch = None
@@ -271,7 +285,7 @@ class ClientIO(threading.Thread):
         self._broker_expiry = time.monotonic() + self.heartbeat_interval * self.liveness
         try:
             while not self._closing.is_set():
-                events = dict(self._poller.poll(int(min(self.heartbeat_interval, 0.1) * 1000)))
+                events = self._poll()
                 now = time.monotonic()
                 self._run_calls(events)
                 self._read_sockets(events, now)
@@ -280,6 +294,16 @@ class ClientIO(threading.Thread):
                 self.requests.check_timers(now)
         finally:
             self._shut_down()
+
+    def _poll(self) -> dict:
+        """Wait for a socket or a call; the data socket's ingress watcher knows we are waiting (so replies
+        that wait while we are busy are not taken for a peer that never ends its message)."""
+        assert self.data_ingress is not None  # opened in __init__
+        self.data_ingress.waiting(True)
+        try:
+            return dict(self._poller.poll(int(min(self.heartbeat_interval, 0.1) * 1000)))
+        finally:
+            self.data_ingress.waiting(False)
 
     def _run_calls(self, events: dict) -> None:
         """What user threads handed us (``call``)."""
@@ -325,13 +349,15 @@ class ClientIO(threading.Thread):
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[list], None]) -> None:
         for _ in range(64):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = self._readers[sock].read()
+            if frames is None:  # nothing more now, or a refused message still being thrown away
                 return
             if sock is self.data:
                 assert self.data_ingress is not None  # opened with the data socket
-                self.data_ingress.delivered(frames)
+                self.data_ingress.delivered(frames.frames if isinstance(frames, Overlong) else frames)
+            if isinstance(frames, Overlong):
+                self._refuse(sock, frames)
+                continue
             try:
                 handler(frames)
             except (ProtocolError, wire.WireError) as e:
@@ -339,10 +365,24 @@ class ClientIO(threading.Thread):
             except Exception as e:  # whatever a peer sends, the I/O thread must live on
                 log.exception("client.handler_failed error=%s", e)
 
+    def _refuse(self, sock: zmq.Socket, overlong: Overlong) -> None:
+        """A message with more frames than its kind has (a reply, or a broker message): count it, and cut the
+        connection it came from if that was one to the data socket (a stranger's; workers never send it)."""
+        self.stats.refused_messages += 1
+        why = f"a message of more than {overlong.limit} frames, more than its kind has"
+        if sock is self.data and self.data_ingress is not None:
+            self.data_ingress.cut(overlong.source_fd, why)
+        side = "data" if sock is self.data else "broker"
+        held = self._refusal_log.ready(side, time.monotonic())
+        if held is not None:
+            event(log, logging.WARNING, "client.refused_message", socket=side, reason=why, similar_since_last=held)
+
     def _send(self, frames: list) -> None:
+        """Send a control message to the broker (a large payload in parts, protocol.commands.in_parts)."""
         assert self.dealer is not None  # opened in __init__
         try:
-            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            for part in in_parts(frames):
+                self.dealer.send_multipart(part, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             pass  # not connected or saturated: timeouts and heartbeats recover
 

@@ -24,3 +24,4 @@ class ClientStats:
     digest_checks: int = 0  # replies whose landed bytes were checked against the worker's digests (verify=)
     digest_mismatches: int = 0  # of those, replies that differed: never returned, retried once on another worker
     target_mismatches: int = 0  # replies (or broker refusals) from another target than we set up with: failed
+    refused_messages: int = 0  # messages with more frames than their kind has: refused unread, their sender cut off

@@ -53,6 +53,9 @@ class BrokerMetrics:
         self.duplicate_requests = Counter("spec_serve_duplicate_requests", "Retries of requests still held",
                                           registry=r)
         self.bad_messages = Counter("spec_serve_bad_messages", "Malformed messages dropped or refused", registry=r)
+        self.refused_messages = Counter("spec_serve_refused_messages",
+                                        "Messages refused unread at ingress: more frames than their kind has "
+                                        "(the sender's connection is cut)", ["socket"], registry=r)
         self.errors = Counter("spec_serve_errors", "Error replies sent by the broker", ["code"], registry=r)
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],

@@ -20,7 +20,13 @@ from pathlib import Path
 import click
 
 from spec_serve.engines.options import SectionedCommand, engine_kwargs, engine_options
-from spec_serve.protocol.commands import BACKEND_PORT, CLIENT_PORT_HINT, FRONTEND_PORT, WORKER_PORT_HINT
+from spec_serve.protocol.commands import (
+    BACKEND_PORT,
+    CLIENT_PORT_HINT,
+    DEFAULT_MAX_REQUEST_TOKENS,
+    FRONTEND_PORT,
+    WORKER_PORT_HINT,
+)
 from spec_serve.telemetry import logs
 from spec_serve.tools.cli_config import ConfigGroup
 
@@ -141,10 +147,14 @@ def main() -> None:
     \b
     Quick start on one machine (the built-in tiny target, CPU):
       spec-serve demo
-    A real deployment:
-      spec-serve broker --frontend tcp://*:5555 --backend tcp://*:5556
-      spec-serve worker --target /models/llama --broker tcp://BROKER:5556 --device cuda:0
-      # in training: RemoteTargetModel("tcp://BROKER:5555")
+    A real deployment over several hosts (CURVE; keygen prints every flag, paths filled in):
+      spec-serve keygen keys
+      spec-serve broker --curve-secret-key keys/broker.key_secret --curve-client-keys-dir keys/clients \\
+          --curve-worker-keys-dir keys/workers
+      spec-serve worker --target /models/llama --broker tcp://BROKER:5556 --device cuda:0 \\
+          --curve-secret-key keys/worker.key_secret --curve-server-key keys/broker.key
+      # in training: RemoteTargetModel("tcp://BROKER:5555", security=Security(...)) as keygen prints
+    On one host, no keys: `spec-serve broker` listens on 127.0.0.1 only (protected mode).
     Any command's flags can come from a YAML file (command-line flags win):
       spec-serve worker --config worker.yaml --device cuda:1
     """
@@ -176,9 +186,18 @@ def _insecure_network_option(listeners: str):
 @click.option("--max-request-deaths", default=2, type=click.IntRange(min=1), envvar="SPEC_SERVE_MAX_REQUEST_DEATHS",
               show_default=True, help="A request that was on this many workers as they died fails (killed_workers) "
                                       "instead of going to another [env SPEC_SERVE_MAX_REQUEST_DEATHS].")
+@click.option("--max-request-tokens", default=DEFAULT_MAX_REQUEST_TOKENS, type=click.IntRange(min=1),
+              envvar="SPEC_SERVE_MAX_REQUEST_TOKENS", show_default=True,
+              help="Tokens one request may carry (rows x sequence length; 24 bytes of ids and masks a token, so "
+                   "the default 64 x 32k is about 48 MiB); a larger request is refused with its size "
+                   "[env SPEC_SERVE_MAX_REQUEST_TOKENS].")
 @click.option("--max-held-bytes", default=1 << 30, type=int, envvar="SPEC_SERVE_MAX_HELD_BYTES", show_default=True,
-              help="Request and vocab-mapping bytes the broker holds at once (queued, in flight, and what peers "
-                   "have half sent); past it clients are told to back off [env SPEC_SERVE_MAX_HELD_BYTES].")
+              help="Request and vocab-mapping bytes the broker holds at once (queued, in flight, and arriving); "
+                   "past it clients are told to back off [env SPEC_SERVE_MAX_HELD_BYTES].")
+@click.option("--client-held-share", default=0.25, type=click.FloatRange(min=0, max=1, min_open=True),
+              envvar="SPEC_SERVE_CLIENT_HELD_SHARE", show_default=True,
+              help="The share of --max-held-bytes one client connection may hold (at least one largest "
+                   "request); past it that client is told to back off [env SPEC_SERVE_CLIENT_HELD_SHARE].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="Broker's CURVE secret key file (from keygen): turns authentication on "
                    "[env SPEC_SERVE_CURVE_SECRET_KEY].")
@@ -191,9 +210,9 @@ def _insecure_network_option(listeners: str):
               help="Refused: one key set for both sockets (use the two options above).")
 @_insecure_network_option("the broker's ports and its HTTP shim")
 @log_level_option
-def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, max_held_bytes,
-           curve_secret_key, curve_client_keys_dir, curve_worker_keys_dir, curve_authorized_dir, insecure_network,
-           log_level):
+def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, max_request_tokens,
+           max_held_bytes, client_held_share, curve_secret_key, curve_client_keys_dir, curve_worker_keys_dir,
+           curve_authorized_dir, insecure_network, log_level):
     """Run the broker: clients on --frontend, workers on --backend.
 
     Protected mode: without CURVE keys the broker listens on loopback only (one host: the broker, its
@@ -226,8 +245,9 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
     try:
         b = Broker(frontend or f"tcp://{exposed}:{FRONTEND_PORT}", backend or f"tcp://{exposed}:{BACKEND_PORT}",
                    security=security, insecure_network=insecure_network,
-                   max_message_bytes=max_message_bytes, max_request_deaths=max_request_deaths,
-                   max_held_bytes=max_held_bytes)
+                   max_message_bytes=max_message_bytes, max_request_tokens=max_request_tokens,
+                   max_request_deaths=max_request_deaths, max_held_bytes=max_held_bytes,
+                   client_held_share=client_held_share)
     except ExposureError as e:
         raise click.UsageError(str(e)) from None
     except BindError as e:

@@ -16,17 +16,21 @@ import zmq
 from spec_serve.protocol.commands import (
     CONNECT_TIMEOUT,
     CONTROL_SLACK_BYTES,
+    PART_BYTES,
+    PART_FRAMES,
     WORKER_PORT_HINT,
     WORKER_TAG,
     Message,
     ProtocolError,
     WorkerCommand,
     control,
+    frame_limit,
     parse_control,
 )
 from spec_serve.protocol.messages import Disconnect, Done, Leave, Ready, Refused
 from spec_serve.supervision.contract import TargetInfo
-from spec_serve.telemetry.logs import event
+from spec_serve.telemetry.logs import Throttle, event
+from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import Security, make_socket
@@ -58,6 +62,11 @@ class BrokerSession:
         # Set by open(), which comes before every other use.
         self.sock: zmq.Socket
         self._ingress: Ingress
+        self._reader: BoundedReader
+        # A request's payload reaches the broker in parts and comes on in the parts' frames.
+        self._payload_frames = PART_FRAMES * (max_message_bytes // PART_BYTES + 2)
+        self.refused_messages = 0  # messages with more frames than their kind has: refused unread
+        self._refusal_log = Throttle(60.0)
         self._poller: zmq.Poller
         self._next_beat = self._expiry = 0.0
         self._started = time.monotonic()
@@ -84,6 +93,7 @@ class BrokerSession:
         self._ingress = Ingress(sock, "worker.broker", connect=self.broker_url,
                                 total=(self.capacity + 1) * (self.max_message_bytes + CONTROL_SLACK_BYTES))
         self.sock = sock
+        self._reader = BoundedReader(sock, lambda head: frame_limit(head, self._payload_frames))
         self._poller.register(sock, zmq.POLLIN)
         self._send_ready()
 
@@ -91,11 +101,13 @@ class BrokerSession:
         """Handle what the broker sent; any valid message proves it alive until ``liveness`` beats from now."""
         heard = False
         while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = self._reader.read()
+            if frames is None:  # nothing more now, or a refused message still being thrown away
                 break
-            self._ingress.delivered(frames)
+            self._ingress.delivered(frames.frames if isinstance(frames, Overlong) else frames)
+            if isinstance(frames, Overlong):
+                self._refuse(frames)
+                continue
             try:
                 msg = parse_control(frames, WORKER_TAG, WorkerCommand)
             except ProtocolError as e:
@@ -113,6 +125,17 @@ class BrokerSession:
     def registered(self) -> bool:
         """The broker answered our latest READY and has not gone silent or stopped since."""
         return self._registered
+
+    def _refuse(self, overlong: Overlong) -> None:
+        """A message with more frames than its kind has: never one a broker sends. Cut that connection (the
+        socket reconnects) and count it."""
+        self.refused_messages += 1
+        why = f"a message of more than {overlong.limit} frames, more than its kind has"
+        self._ingress.cut(overlong.source_fd, why)
+        held = self._refusal_log.ready("broker", time.monotonic())
+        if held is not None:
+            event(log, logging.WARNING, "worker.refused_message", broker=self.broker_url, reason=why,
+                  similar_since_last=held)
 
     def _dispatch(self, msg: Message) -> bool:
         """Handle one broker message; True if we must register again."""
@@ -163,9 +186,12 @@ class BrokerSession:
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
         deadline = time.monotonic() + timeout
         while self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            frames = self._reader.read()
+            if frames is None or isinstance(frames, Overlong):
+                continue
             try:
-                msg = parse_control(self.sock.recv_multipart(zmq.NOBLOCK), WORKER_TAG, WorkerCommand)
-            except (zmq.Again, ProtocolError):
+                msg = parse_control(frames, WORKER_TAG, WorkerCommand)
+            except ProtocolError:
                 continue
             if msg.command == WorkerCommand.DISCONNECT.value:
                 return True
@@ -256,6 +282,7 @@ def check_broker(ctx: zmq.Context, url: str, security: Security | None, timeout:
 def _await_broker(sock: zmq.Socket, watch: ConnectWatch, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     sent = False
+    reader = BoundedReader(sock, lambda head: frame_limit(head, 0))  # a broker answers with control messages
     while (left := deadline - time.monotonic()) > 0:
         if not sent:  # the heartbeat waits in the socket's queue until the connection is up
             try:
@@ -263,10 +290,14 @@ def _await_broker(sock: zmq.Socket, watch: ConnectWatch, timeout: float) -> None
                 sent = True
             except zmq.Again:
                 pass
-        if not sock.poll(int(min(left, 0.1) * 1000)):
+        frames = reader.read() if sock.poll(int(min(left, 0.1) * 1000)) else None
+        if frames is None:
             continue
+        if isinstance(frames, Overlong):
+            raise BrokerCheckFailed(f"the peer there sent a message of more than {frames.limit} frames: not a "
+                                    f"spec-serve broker's worker port", transient=False)
         try:
-            msg = parse_control(sock.recv_multipart(), WORKER_TAG, WorkerCommand)
+            msg = parse_control(frames, WORKER_TAG, WorkerCommand)
         except ProtocolError as e:
             raise BrokerCheckFailed(f"the peer there answered, but not in the spec-serve worker protocol: {e}",
                                     transient=False) from None
