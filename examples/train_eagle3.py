@@ -4,6 +4,9 @@ Every rank shares the same workers through ``RemoteTargetModel``; the draft is w
 
     # against a running broker (see examples/gpu_cluster.md), on CPU with gloo:
     torchrun --standalone --nproc-per-node 2 examples/train_eagle3.py --broker tcp://127.0.0.1:5555 --target DIR
+    # a CURVE broker on another host: the client lines `spec-serve keygen keys` printed, as flags
+    torchrun ... examples/train_eagle3.py --broker tcp://BROKER:5555 --target DIR --curve-secret-key \
+        keys/client.key_secret --curve-server-key keys/broker.key --curve-worker-keys-dir keys/workers
     # everything on this machine: tiny target, broker + 2 workers, then the torchrun above
     python examples/train_eagle3.py --demo
 """
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from spec_serve.client import RemoteTargetModel
+from spec_serve.client import RemoteTargetModel, Security
 from spec_serve.engines.checkpoint import fingerprint
 from spec_serve.supervision.vocab import build_vocab_mapping, mask_from_selected
 from spec_serve.tools.tiny import sample_batch
@@ -77,7 +80,11 @@ def train(args) -> int:  # noqa: PLR0915
     config = json.loads((Path(args.target) / "config.json").read_text())
     vocab = config["vocab_size"]
 
-    target = RemoteTargetModel(args.broker, prefetch_depth=2, timeout=60)
+    # A CURVE broker on another host (`spec-serve keygen keys` prints these three paths): this rank's secret,
+    # the broker's public key, and the workers' public keys (replies are admitted from them only).
+    security = Security(args.curve_secret_key, server_key_file=args.curve_server_key,
+                        worker_keys_dir=args.curve_worker_keys_dir) if args.curve_secret_key else None
+    target = RemoteTargetModel(args.broker, prefetch_depth=2, timeout=60, security=security)
     # Fail at setup, naming the worker, if the workers serve another model than the one we tokenize for.
     target.check_target_info({"vocab_size": vocab, "hidden_size": config["hidden_size"],
                               "num_hidden_layers": config["num_hidden_layers"],
@@ -162,6 +169,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", help="broker frontend endpoint, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--target", help="the target's model directory (its tokenizer and config are read here)")
+    p.add_argument("--curve-secret-key", default=os.environ.get("SPEC_SERVE_CURVE_SECRET_KEY"),
+                   help="this rank's CURVE secret key, for a CURVE broker [env SPEC_SERVE_CURVE_SECRET_KEY]")
+    p.add_argument("--curve-server-key", default=os.environ.get("SPEC_SERVE_CURVE_SERVER_KEY"),
+                   help="the broker's public key [env SPEC_SERVE_CURVE_SERVER_KEY]")
+    p.add_argument("--curve-worker-keys-dir", default=os.environ.get("SPEC_SERVE_CURVE_WORKER_KEYS_DIR"),
+                   help="the workers' public keys [env SPEC_SERVE_CURVE_WORKER_KEYS_DIR]")
     p.add_argument("--demo", action="store_true", help="run a local tiny cluster and 2 ranks against it")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=4, help="rows per rank and step")
