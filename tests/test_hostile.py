@@ -233,11 +233,13 @@ def test_broker_message_of_many_frames_is_refused_by_the_worker(tiny_target_dir,
                                   env={**os.environ, **FAST_ENV, "OMP_NUM_THREADS": "1"}, stdout=out,
                                   stderr=subprocess.STDOUT)
     try:
-        def ready():  # the worker's next READY (its registration)
+        def ready():  # the worker's next READY (its registration); its broker check (a heartbeat) answered
             while broker.poll(120_000):
                 frames = broker.recv_multipart()
                 if frames[2] == WorkerCommand.READY.value:
                     return frames[0]
+                if frames[2] == WorkerCommand.HEARTBEAT.value:  # as a broker that does not know it: register
+                    broker.send_multipart([frames[0], *control(WORKER_TAG, WorkerCommand.DISCONNECT.value)])
             raise TimeoutError("the worker never sent READY")
 
         identity = ready()

@@ -27,10 +27,12 @@ from spec_serve.client.api import RemoteError, RemoteTargetModel
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
+    PART_BYTES,
     WORKER_TAG,
     ClientCommand,
     WorkerCommand,
     control,
+    in_parts,
     new_request_id,
     parse_control,
 )
@@ -234,6 +236,19 @@ def test_oversize_request_fails_at_once_naming_the_limit(cluster, tiny_target_di
         inputs = sample_batch(tiny_target_dir, batch=2, seq=16, seed=41)
         assert_equal_batches(client.generate_batch(*inputs, kind="dspark"),
                              engine.generate_batch(*inputs, kind="dspark"))
+
+
+def test_a_request_over_a_part_travels_in_parts_and_is_served_bit_equal(cluster, tiny_target_dir, engine):
+    """A shard whose payload passes PART_BYTES goes to the broker in parts (no message to the broker is
+    large, docs/protocol.md), is joined there, reaches the worker whole, and comes back bit-equal."""
+    inputs = sample_batch(tiny_target_dir, batch=4, seq=3000, seed=43)
+    parts = in_parts(control(CLIENT_TAG, ClientCommand.REQUEST.value, "default", b"", {}, wire.encode(
+        {"input_ids": inputs[0], "attention_mask": inputs[1], "loss_mask": inputs[2]})))
+    with _client(cluster) as client:
+        got = client.generate_batch(*inputs, kind="dspark")
+    print(f"\n4 x 3000 tokens: one request in {len(parts)} parts of at most {PART_BYTES >> 10} KiB, served bit-equal")
+    assert len(parts) >= 2
+    assert_equal_batches(got, engine.generate_batch(*inputs, kind="dspark"))
 
 
 def test_reply_over_the_client_limit_fails_once_naming_both_sizes(cluster, tiny_target_dir):

@@ -268,17 +268,22 @@ def _broker_args(front: str, back: str, http_host: str = "127.0.0.1", *extra: st
             "--http-host", http_host, "--http-port", str(free_port()), *extra]
 
 
-@pytest.mark.parametrize("listener", ["--frontend tcp://*", "--backend on a network address", "--http-host 0.0.0.0"])
-def test_protected_mode_refuses_a_network_bind_without_keys(listener):
+@pytest.mark.parametrize("listener", ["--frontend tcp://*", "--backend on a network address", "--http-host 0.0.0.0",
+                                      "a worker's --http-host on a network address"])
+def test_protected_mode_refuses_a_network_bind_without_keys(listener, tiny_target_dir):
     """No CURVE keys: a bind other hosts could reach is refused at start, with one line naming the fixes."""
     front, back, http_host = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", "127.0.0.1"
     if listener.startswith("--frontend"):
         front = f"tcp://*:{free_port()}"
     elif listener.startswith("--backend"):
         back = f"tcp://{NETWORK}:{free_port()}"
-    else:
+    elif listener.startswith("--http-host"):
         http_host = "0.0.0.0"
-    done = subprocess.run(_broker_args(front, back, http_host), capture_output=True, text=True, timeout=120)
+    args = _broker_args(front, back, http_host)
+    if listener.startswith("a worker's"):  # refused before the broker check and the model load
+        args = [sys.executable, "-m", "spec_serve.tools.cli", "worker", "--target", str(tiny_target_dir), "--device",
+                "cpu", "--broker", back, "--http-host", NETWORK, "--http-port", str(free_port())]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("Error:")]
     print(f"\n{listener}: exit {done.returncode}: {errors}")
     assert done.returncode == 2 and len(errors) == 1
