@@ -15,8 +15,8 @@ import torch
 from spec_serve.client.assembly import assemble
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received
+from spec_serve.paths.frames.hostpool import RecyclingAllocator
 from spec_serve.protocol import wire
-from spec_serve.transport.hostpool import RecyclingAllocator
 
 
 def _reply(tensors: dict[str, torch.Tensor]) -> Received:

@@ -1,4 +1,5 @@
-"""The same-host data plane (spec_serve/transport/samehost.py) on CPU: shared-memory slots lent between real processes.
+"""The same-host data plane (spec_serve/paths/plane/samehost.py) on CPU: shared-memory slots lent between real
+processes.
 
 Cluster tests run real broker, worker and (where they are killed) client processes, and compare
 every batch with the colocated target bit for bit. That replies came through the plane is shown,
@@ -24,10 +25,10 @@ import torch
 from cluster_util import CLIENT_KW, FAST_ENV, HERE, Reference, assert_equal_batches, kill, rss_kib, wait_until
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines.hf import HFTarget
+from spec_serve.paths.plane import samehost, shm
 from spec_serve.protocol import wire
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.transport import samehost, shm
 from spec_serve.transport.sockets import local_host_key
 from spec_serve.worker.server import Worker
 

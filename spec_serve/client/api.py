@@ -17,11 +17,12 @@ import torch
 
 from spec_serve.client import options
 from spec_serve.client.assembly import assemble, expand_later, shard_bounds
-from spec_serve.client.binding_port import BindingPort
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.nccl.binding import ClientBinding
+from spec_serve.paths.nccl.binding_port import BindingPort
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ClientCommand, Op
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
@@ -34,7 +35,6 @@ from spec_serve.supervision.contract import (
     validate_vocab_mapping,
     weight_specs,
 )
-from spec_serve.transport.binding import ClientBinding
 from spec_serve.transport.sockets import Security
 
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).

@@ -13,8 +13,8 @@ import torch
 
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received, ReceivedTensor
+from spec_serve.paths.plane import samehost
 from spec_serve.supervision.eagle3 import expand_compact
-from spec_serve.transport import samehost
 
 # check(k, reply, landed) -> None (accept shard k), a future of its retry, or raises (fail the batch).
 ShardCheck = Callable[[int, Received, Mapping[str, torch.Tensor]], "concurrent.futures.Future | None"]

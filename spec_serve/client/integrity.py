@@ -13,12 +13,12 @@ import torch
 from spec_serve.client.errors import IntegrityError
 from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.nccl.binding import ClientBinding
 from spec_serve.protocol import digest
 from spec_serve.protocol.messages import Reply, SupervisionRequest
 from spec_serve.supervision.contract import ReplySpecs
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
-from spec_serve.transport.binding import ClientBinding
 
 log = logging.getLogger("spec_serve.client")
 

@@ -29,6 +29,9 @@ from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
 from spec_serve.client.vocab import VocabRegistrations
 from spec_serve.client.worker_replies import WorkerReplies
+from spec_serve.paths.frames.hostpool import RecyclingAllocator
+from spec_serve.paths.nccl.binding import ClientBinding
+from spec_serve.paths.plane import samehost
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_PORT_HINT,
@@ -54,10 +57,7 @@ from spec_serve.protocol.messages import (
 )
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes
 from spec_serve.telemetry.logs import event
-from spec_serve.transport import samehost
-from spec_serve.transport.binding import ClientBinding
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
-from spec_serve.transport.hostpool import RecyclingAllocator
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
     KeyPolicy,
@@ -181,7 +181,7 @@ class ClientIO(threading.Thread):
         return table.expected + table.largest + CONTROL_SLACK_BYTES * (1 + len(table))
 
     def use_binding(self, binding: ClientBinding) -> None:
-        """The NCCL data plane's client side (transport/binding.py) this client routes bound replies to."""
+        """The NCCL data plane's client side (paths/nccl/binding.py) this client routes bound replies to."""
         self.replies.binding = binding
 
     # ------------------------------------------------------ user-side entry

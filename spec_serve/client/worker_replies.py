@@ -13,14 +13,14 @@ from spec_serve.client.errors import RemoteError, TargetChangedError
 from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
 from spec_serve.client.received import Received, ReceivedTensor
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.nccl.binding import ClientBinding
+from spec_serve.paths.plane import samehost
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
 from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
 from spec_serve.supervision.contract import validate_reply
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
-from spec_serve.transport import samehost
-from spec_serve.transport.binding import ClientBinding
 
 log = logging.getLogger("spec_serve.client")
 

@@ -577,8 +577,8 @@ def _spawn_helper(kind: str, *args: object) -> subprocess.Popen:
 def run_push(ctx: Context, mode: str, transport: str = "tcp") -> dict[str, Any]:
     import zmq
 
+    from spec_serve.paths.frames.hostpool import RecyclingAllocator
     from spec_serve.protocol import wire
-    from spec_serve.transport.hostpool import RecyclingAllocator
     from spec_serve.transport.sockets import make_socket
 
     cfg = ctx.cfg

@@ -17,10 +17,10 @@ from collections.abc import Callable
 import zmq
 
 from spec_serve.engines import packing
+from spec_serve.paths.nccl.pair_binding import PairBinding
 from spec_serve.protocol import wire
 from spec_serve.worker.executor import Executor
 from spec_serve.worker.jobs import Job, RequestError, Result
-from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.threads import ThreadShare
 
 

@@ -13,17 +13,17 @@ import torch
 
 from spec_serve.engines import engine_dead, packing
 from spec_serve.engines.base import PackingEngine, TargetEngine
+from spec_serve.paths.frames.hostpool import HostBufferPool, to_host
+from spec_serve.paths.nccl.binding import encode_specs
+from spec_serve.paths.nccl.pair_binding import PairBinding
+from spec_serve.paths.plane import samehost
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
-from spec_serve.transport import samehost
-from spec_serve.transport.binding import encode_specs
-from spec_serve.transport.hostpool import HostBufferPool, to_host
 from spec_serve.worker.faults import Faults
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
-from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.vocab_store import VocabStore
 
 log = logging.getLogger("spec_serve.worker")

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from spec_serve.transport import samehost
+from spec_serve.paths.plane import samehost
 from spec_serve.worker.jobs import Job
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from spec_serve.paths.frames.hostpool import Lease
+from spec_serve.paths.plane import samehost
 from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
 from spec_serve.protocol.messages import (
     BindGrant,
@@ -18,8 +20,6 @@ from spec_serve.protocol.messages import (
     WireMessage,
     WorkerBind,
 )
-from spec_serve.transport import samehost
-from spec_serve.transport.hostpool import Lease
 
 
 class RequestError(Exception):

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import zmq
 
+from spec_serve.paths.frames.hostpool import Lease
 from spec_serve.protocol.commands import data_message
 from spec_serve.protocol.messages import Done
 from spec_serve.telemetry.logs import event
-from spec_serve.transport.hostpool import Lease
 from spec_serve.transport.sockets import Security, make_socket, send_lent
 from spec_serve.worker.jobs import Result, done_status
 

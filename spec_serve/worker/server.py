@@ -26,6 +26,9 @@ import torch
 import zmq
 
 from spec_serve.engines.base import PackingEngine, TargetEngine
+from spec_serve.paths.frames.hostpool import HostBufferPool
+from spec_serve.paths.nccl.pair_binding import PairBinding
+from spec_serve.paths.plane import samehost
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
     HEARTBEAT_INTERVAL,
@@ -39,8 +42,6 @@ from spec_serve.protocol.messages import Done, Release
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import WorkerMetrics
-from spec_serve.transport import samehost
-from spec_serve.transport.hostpool import HostBufferPool
 from spec_serve.transport.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, check_connect_url
 from spec_serve.worker.compute import ComputeLoop
 from spec_serve.worker.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
@@ -48,7 +49,6 @@ from spec_serve.worker.executor import Executor
 from spec_serve.worker.faults import Faults
 from spec_serve.worker.health import device_memory
 from spec_serve.worker.jobs import Job, Result
-from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.replies import DataSockets, Outbox
 from spec_serve.worker.session import BrokerSession, WorkerRefused
 from spec_serve.worker.threads import ThreadShare

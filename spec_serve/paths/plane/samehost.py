@@ -45,9 +45,9 @@ from typing import Any, cast
 
 import torch
 
+from spec_serve.paths.plane import cuda_ipc, shm
 from spec_serve.protocol import wire
 from spec_serve.telemetry.logs import event
-from spec_serve.transport import cuda_ipc, shm
 from spec_serve.transport.sockets import local_host_key
 
 log = logging.getLogger("spec_serve.samehost")

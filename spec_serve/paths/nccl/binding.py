@@ -40,7 +40,7 @@ from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_re
 from spec_serve.telemetry.logs import event
 
 if TYPE_CHECKING:
-    from spec_serve.transport.pairgroup import PairGroup
+    from spec_serve.paths.nccl.pairgroup import PairGroup
 
 log = logging.getLogger("spec_serve.client")
 
@@ -147,7 +147,7 @@ class ClientBinding:
             return None
         prefix, worker = grant.bind.prefix, grant.bind.worker
         try:
-            from spec_serve.transport.pairgroup import PairGroup
+            from spec_serve.paths.nccl.pairgroup import PairGroup
 
             pair = self._pair_thread.submit(
                 PairGroup.create, grant.bind.store_host, grant.bind.store_port, 1, device=self.device,
