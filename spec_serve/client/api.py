@@ -20,9 +20,12 @@ from spec_serve.client.assembly import assemble, expand_later, shard_bounds
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
+from spec_serve.client.path_port import PathPort
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.base import ClientSetup
 from spec_serve.paths.nccl.binding import ClientBinding
 from spec_serve.paths.nccl.binding_port import BindingPort
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ClientCommand, Op
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
@@ -121,6 +124,8 @@ class RemoteTargetModel:
         self._expander = _expand_executor(self.device) if self.compact else None
         # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
         # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
+        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device, {}))
+        self._io.use_paths(self._paths)
         self._binding: ClientBinding | None = None
         if enable_nccl:
             self._binding = ClientBinding(BindingPort(self._io), self.service, self.device, float(nccl_timeout),
@@ -392,6 +397,7 @@ class RemoteTargetModel:
             self._closed = True
             if self._binding is not None:
                 self._binding.close()  # RELEASE goes out before the DISCONNECT
+            self._paths.close()
             self._io.close()
             if self._expander is not None:
                 self._expander.shutdown(wait=False)

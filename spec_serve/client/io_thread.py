@@ -32,6 +32,7 @@ from spec_serve.client.worker_replies import WorkerReplies
 from spec_serve.paths.frames.hostpool import RecyclingAllocator
 from spec_serve.paths.nccl.binding import ClientBinding
 from spec_serve.paths.plane import samehost
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_PORT_HINT,
@@ -120,6 +121,7 @@ class ClientIO(threading.Thread):
         self.data_ingress: Ingress | None = None
         # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
         self.plane = samehost.ClientPlane.start(device, same_host_plane)
+        self.paths: ClientPaths | None = None  # set by use_paths before any request
         self.replies = WorkerReplies(self.requests, self.stats, self.plane, max_message_bytes, self.call,
                                      self._send_new)
         self._wake_r, self._wake_w = os.pipe()
@@ -179,6 +181,10 @@ class ClientIO(threading.Thread):
         """Bytes the data socket may hold undelivered (read by the ingress watcher thread)."""
         table = self.requests.table
         return table.expected + table.largest + CONTROL_SLACK_BYTES * (1 + len(table))
+
+    def use_paths(self, paths: ClientPaths) -> None:
+        """The reply paths (spec_serve/paths/registry.py) this client's requests offer and its replies come by."""
+        self.paths = self.replies.paths = paths
 
     def use_binding(self, binding: ClientBinding) -> None:
         """The NCCL data plane's client side (paths/nccl/binding.py) this client routes bound replies to."""
@@ -306,6 +312,8 @@ class ClientIO(threading.Thread):
             self._next_beat = now + self.heartbeat_interval
             if self.plane is not None:
                 self.plane.tick()
+            if self.paths is not None:
+                self.paths.tick()
         if now > self._broker_expiry:
             self._broker_expiry = now + self.heartbeat_interval * self.liveness
             if self._heard:  # never reached: libzmq keeps retrying the same socket
@@ -322,6 +330,8 @@ class ClientIO(threading.Thread):
         self._unlink_ipc_files()
         if self.plane is not None:
             self.plane.close()
+        if self.paths is not None:
+            self.paths.stop()
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[list], None]) -> None:
         for _ in range(64):

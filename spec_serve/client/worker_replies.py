@@ -13,9 +13,10 @@ from spec_serve.client.errors import RemoteError, TargetChangedError
 from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
 from spec_serve.client.received import Received, ReceivedTensor
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.base import Arrival, ClientSide
 from spec_serve.paths.nccl.binding import ClientBinding
 from spec_serve.paths.plane import samehost
-from spec_serve.protocol import wire
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
 from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
 from spec_serve.supervision.contract import validate_reply
@@ -39,6 +40,7 @@ class WorkerReplies:
         self.plane = plane
         self.max_message_bytes = max_message_bytes
         self.binding: ClientBinding | None = None  # set when the client uses the NCCL data plane
+        self.paths: ClientPaths  # the client's reply paths (set by ClientIO.use_paths before any request)
         self._call = call
         self._send_new = send_new
 
@@ -89,17 +91,22 @@ class WorkerReplies:
                 f"max_message_bytes of {self.max_message_bytes}"))
             return
         tensors: Mapping[str, ReceivedTensor] | None
+        path = self.paths.carrying(reply)
         if lent is not None:
             tensors = self._open_lent(pending, reply, header, payload)
-            if tensors is None:
-                return
-        else:  # checked here; the bytes stay in the frames until copied to where the caller wants them (assembly)
-            tensors = wire.parse(payload, max_bytes=self.max_message_bytes)[0]
-        if not self._meets_contract(pending, reply.worker, tensors):
+        else:  # checked by the path; the bytes stay where they arrived until copied to the caller's tensors
+            tensors = path.accept(self._arrival(pending, path, reply, header, payload))
+            if tensors is not None:
+                self.stats.replies[path.name] += 1
+        if tensors is None or not self._meets_contract(pending, reply.worker, tensors):
             return
         if reply.batched is not None and reply.batched > 1:
             self.stats.batched += 1
         self.requests.resolve(pending, Received(pending.request_id, reply, tensors))
+
+    def _arrival(self, pending: Pending, path: ClientSide, reply: Reply, header: dict, payload: list) -> Arrival:
+        return Arrival(pending.request_id, reply, header, payload, pending.expect, self.max_message_bytes,
+                       lambda reason: self._ask_again(pending, path, reason))
 
     def _meets_contract(self, pending: Pending, worker: str, tensors: Mapping[str, ReceivedTensor]) -> bool:
         """Whether the reply holds what the request expects, checked before anything is allocated for it;
@@ -154,7 +161,7 @@ class WorkerReplies:
                 self.plane.failed(e)
             self._plane_fallback(pending, str(e))
             return None
-        self.stats.plane_replies += 1
+        self.stats.replies["plane"] += 1
         return tensors
 
     def _give_back(self, lent) -> None:
@@ -183,8 +190,52 @@ class WorkerReplies:
         return again.future
 
     def _count_fallback(self, pending: Pending, reason: str) -> None:
-        self.stats.plane_fallbacks += 1
+        self.stats.fallbacks["plane"] += 1
         event(log, logging.INFO, "client.plane_fallback", request=pending.short_id, reason=reason)
+
+    # ------------------------------------------------------ any reply path
+
+    def _ask_again(self, pending: Pending, path: ClientSide, reason: str) -> concurrent.futures.Future:
+        """Any thread: the request once more without ``path`` under a new id (its reply was answered, but its
+        bytes turned out unusable); the future of its answer."""
+        request = pending.request
+        header = path.without(request) if request is not None else pending.header
+        again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
+                                    header=header, attempts=0, sent_at=0.0, resend_at=None)
+
+        def send_again() -> None:
+            self._count_path_fallback(again, path.name, reason)
+            self._send_new(again)
+
+        self._call(send_again)
+        return again.future
+
+    def fallback(self, request_id: bytes, path: str, reason: str) -> None:
+        """The request again without the path named ``path`` (no attempt used)."""
+        pending = self.requests.table.get(request_id)
+        request = pending.request if pending is not None else None
+        side = self.paths.named(path)
+        if pending is None or request is None or side is None:
+            return
+        pending.header = side.without(request)
+        self._count_path_fallback(pending, path, reason)
+        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
+
+    def resolve_followed(self, request_id: bytes, reply: Reply, tensors: dict, path: str) -> None:
+        """Tensors that followed a reply's header on another channel (``ClientSide.tensors_follow``) arrived."""
+        pending = self.requests.table.get(request_id)
+        if pending is None or pending.future.done():
+            self.requests.table.remove(request_id)
+            self.requests.count_stray(request_id)
+            return
+        if not self.same_target(pending, reply):
+            return
+        self.stats.replies[path] += 1
+        self.requests.resolve(pending, Received(request_id, reply, tensors))
+
+    def _count_path_fallback(self, pending: Pending, path: str, reason: str) -> None:
+        self.stats.fallbacks[path] += 1
+        event(log, logging.INFO, "client.path_fallback", path=path, request=pending.short_id, reason=reason)
 
     # ------------------------------------------- NCCL data plane (binding.py)
 
@@ -206,7 +257,7 @@ class WorkerReplies:
             return
         if not self.same_target(pending, reply):
             return
-        self.stats.nccl_batches += 1
+        self.stats.replies["nccl"] += 1
         self.requests.resolve(pending, Received(request_id, reply, tensors))
 
     def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
@@ -218,7 +269,7 @@ class WorkerReplies:
         if pending is None or request is None or (request.bound is None and not request.nccl):
             return
         pending.header = request.unbound()
-        self.stats.nccl_fallbacks += 1
+        self.stats.fallbacks["nccl"] += 1
         event(log, logging.INFO, "client.nccl_request_fallback", request=pending.short_id, reason=reason)
         self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
 

@@ -13,16 +13,17 @@ import torch
 
 from spec_serve.engines import engine_dead, packing
 from spec_serve.engines.base import PackingEngine, TargetEngine
-from spec_serve.paths.frames.hostpool import HostBufferPool, to_host
+from spec_serve.paths.base import Delivery
+from spec_serve.paths.faults import Faults
 from spec_serve.paths.nccl.binding import encode_specs
 from spec_serve.paths.nccl.pair_binding import PairBinding
 from spec_serve.paths.plane import samehost
+from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
-from spec_serve.worker.faults import Faults
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
 from spec_serve.worker.vocab_store import VocabStore
 
@@ -31,7 +32,7 @@ log = logging.getLogger("spec_serve.worker")
 
 class Executor:
     def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding,
-                 faults: Faults, host_pool: HostBufferPool | None, device: torch.device, max_message_bytes: int):
+                 faults: Faults, paths: WorkerPaths, copy_stream: torch.cuda.Stream | None, max_message_bytes: int):
         self.engine = engine
         self.name = name
         # Packing (docs/packing.md): each generate request runs without its padding. Off: every request
@@ -40,11 +41,9 @@ class Executor:
         self.vocab = vocab
         self.pair = pair
         self.faults = faults
-        self.host_pool = host_pool
         self.max_message_bytes = max_message_bytes
-        # The device->host copy of a reply runs on its own stream, so the next forward starts at once
-        # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copy_stream = copy_stream
+        self.paths = paths  # where replies go: the first path of the order (paths/registry.py) that takes each
         # Same-host clients get GENERATE replies through slots of memory they map; None: frames only.
         # Worker.run sets it for as long as it serves.
         self.plane: samehost.WorkerPlane | None = None
@@ -86,21 +85,15 @@ class Executor:
             return Result(job, Status.OK, reply, [], tokens, send=self.faults.corrupt_tensors(tensors))
         export = self._lend(job, tensors)
         if export is not None:  # same-host client: the bytes wait in a slot it maps
-            self.faults.corrupt_lent(export)
+            self.faults.corrupt_lent(export.data, export.ready)
             reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), plane=export.descriptor,
                           **integrity)
             return self._within_client_limit(Result(job, Status.OK, reply, export.frames, tokens,
-                                                    ready=export.ready, export=export))
-        host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
-        try:
-            frames = wire.encode(host)
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        self.faults.corrupt_frames(job, frames, ready)
+                                                    ready=export.ready, via=export.descriptor["kind"], export=export))
         reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), **integrity)
-        return self._within_client_limit(Result(job, Status.OK, reply, frames, tokens, lease, ready))
+        route = self.paths.route(job.request)
+        outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
+        return self._within_client_limit(Result.delivered(job, outgoing, tokens))
 
     def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
         op = job.request.operation
@@ -175,37 +168,32 @@ class Executor:
 
     def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], base: Reply) -> list[Result]:
         """One reply per job of a packed forward: each same-host job's outputs lent in a slot of its own, the
-        others' encoded from one host slab for all of them (released once per reply)."""
+        others through their reply paths (frames: one host slab for all of them, released once per reply)."""
         integrity = self._integrity(jobs, outs)
         exports: list = []
-        lease = None
         try:
             for job, out in zip(jobs, outs):
                 exports.append(self._lend(job, out))
-            framed = [i for i, export in enumerate(exports) if export is None]
-            host, lease, ready = to_host({(i, k): v for i in framed for k, v in outs[i].items()}, self.host_pool,
-                                         self._copy_stream) if framed else ({}, None, None)
-            results = []
-            for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
-                tokens = int(part["attention_mask"].sum())
-                if export is not None:
-                    reply = dataclasses.replace(base, plane=export.descriptor, **checks)
-                    results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready,
-                                          export=export))
-                else:
-                    frames = wire.encode({k: host[(i, k)] for k in outs[i]})
-                    reply = dataclasses.replace(base, **checks)
-                    results.append(Result(job, Status.OK, reply, frames, tokens, lease, ready))
-            if lease is not None:
-                lease.retain(len(framed) - 1)  # one release per reply sent
-            return results
+            routed = [i for i, export in enumerate(exports) if export is None]
+            outgoing = dict(zip(routed, self.paths.deliver(
+                [self.paths.route(jobs[i].request) for i in routed],
+                [Delivery(jobs[i].request_id, jobs[i].request, outs[i], dataclasses.replace(base, **integrity[i]))
+                 for i in routed])))
         except BaseException:
-            if lease is not None:
-                lease.release()
             for export in exports:
                 if export is not None:
                     export.cancel()
             raise
+        results = []
+        for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
+            tokens = int(part["attention_mask"].sum())
+            if export is not None:
+                reply = dataclasses.replace(base, plane=export.descriptor, **checks)
+                results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready,
+                                      via=export.descriptor["kind"], export=export))
+            else:
+                results.append(Result.delivered(job, outgoing[i], tokens))
+        return results
 
     # ------------------------------------------------------------ replies
 

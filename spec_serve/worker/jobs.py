@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from spec_serve.paths.frames.hostpool import Lease
+from spec_serve.paths.base import Loan, Outgoing
 from spec_serve.paths.plane import samehost
 from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
 from spec_serve.protocol.messages import (
@@ -89,10 +89,17 @@ class Result:
     reply: Reply | BindGrant | ErrorReply  # the data message's header
     frames: list
     tokens: int = 0
-    lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
     ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
+    loan: Loan | None = None  # memory the frames borrow (a pooled host slab): its ``left`` once sent
+    via: str = "frames"  # the reply path, for DONE
     send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
     export: samehost.Export | None = None  # a slot lent through the same-host plane; cancelled if undeliverable
+
+    @classmethod
+    def delivered(cls, job: Job, outgoing: Outgoing, tokens: int) -> Result:
+        """The result of ``job`` as a reply path handed it over."""
+        return cls(job, Status.OK, outgoing.reply, outgoing.frames, tokens, outgoing.ready, outgoing.loan,
+                   outgoing.via)
 
     @property
     def header(self) -> dict[str, Any]:
@@ -106,8 +113,8 @@ class Result:
 
     def drop(self) -> None:
         """The reply will not be sent: what it borrowed goes back now."""
-        if self.lease is not None:
-            self.lease.release()
+        if self.loan is not None:
+            self.loan.dropped()
         if self.export is not None:
             self.export.cancel()
 

@@ -26,9 +26,12 @@ import torch
 import zmq
 
 from spec_serve.engines.base import PackingEngine, TargetEngine
+from spec_serve.paths.base import WorkerSetup
+from spec_serve.paths.faults import Faults
 from spec_serve.paths.frames.hostpool import HostBufferPool
 from spec_serve.paths.nccl.pair_binding import PairBinding
 from spec_serve.paths.plane import samehost
+from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
     HEARTBEAT_INTERVAL,
@@ -46,7 +49,6 @@ from spec_serve.transport.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, ch
 from spec_serve.worker.compute import ComputeLoop
 from spec_serve.worker.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from spec_serve.worker.executor import Executor
-from spec_serve.worker.faults import Faults
 from spec_serve.worker.health import device_memory
 from spec_serve.worker.jobs import Job, Result
 from spec_serve.worker.replies import DataSockets, Outbox
@@ -151,9 +153,15 @@ class Worker:
         faults = Faults()
         self.vocab = VocabStore(self.name, capacity, max_message_bytes)
         self.pair = PairBinding(self.name, device, self.broker_url, advertise_host, security, faults)
+        # The device->host copy of a reply runs on its own stream, so the next forward starts at once
+        # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_pool = _host_pool(device, host_pool, host_pool_buffers, capacity)
+        self.paths = WorkerPaths(WorkerSetup(self.name, device, self.broker_url, advertise_host, security, faults,
+                                             self.host_pool, copy_stream, plane_slots or capacity + 2, plane_lease))
         self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, pair=self.pair,
-                                 faults=faults, host_pool=_host_pool(device, host_pool, host_pool_buffers, capacity),
-                                 device=device, max_message_bytes=max_message_bytes)
+                                 faults=faults, paths=self.paths, copy_stream=copy_stream,
+                                 max_message_bytes=max_message_bytes)
         self.compute = ComputeLoop(self.ctx, f"inproc://spec-serve-worker-{self.name}", self.executor, self.pair,
                                    packing=bool(packing), max_batch_tokens=int(max_batch_tokens), threads=threads)
         self.data_sockets = DataSockets(self.ctx, security, reply_timeout)
@@ -193,10 +201,6 @@ class Worker:
         return self.executor.plane
 
     @property
-    def host_pool(self) -> HostBufferPool | None:
-        return self.executor.host_pool
-
-    @property
     def max_batch_tokens(self) -> int:
         return self.compute.max_batch_tokens
 
@@ -217,6 +221,7 @@ class Worker:
     def run(self) -> None:
         """Serve until ``stop()``, the end of a drain (``begin_drain``), or (once the engine died) its last answers."""
         self.executor.plane = samehost.WorkerPlane.start(self.device, *self._plane_shape)
+        self.paths.start()
         wake = self.ctx.socket(zmq.PAIR)
         wake.bind(self.compute.wake_endpoint)
         self.compute.start()
@@ -371,8 +376,10 @@ class Worker:
         if self.executor.plane is not None:
             self.executor.plane.close()
             self.executor.plane = None
-        event(log, logging.INFO, "worker.stop", served=self.outbox.served, replies_plane=self.outbox.replies_plane,
-              replies_frames=self.outbox.replies_frames, handed_back=self.drain.handed_back,
+        self.paths.close()
+        event(log, logging.INFO, "worker.stop", served=self.outbox.served,
+              replies=",".join(f"{via}:{n}" for via, n in sorted(self.outbox.replies.items())) or "0",
+              handed_back=self.drain.handed_back,
               outcome=self.drain.outcome or ("stopped at once" if self._stop.is_set() else "left"),
               abandoned_forward=int(computing))
 

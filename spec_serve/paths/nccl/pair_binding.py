@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import torch
 
+from spec_serve.paths.faults import Faults
 from spec_serve.paths.nccl.pairgroup import PairGroup
 from spec_serve.protocol.commands import ErrorCode, Status
 from spec_serve.protocol.messages import BindGrant, Rendezvous, WorkerBind
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.sockets import Security, route_address
-from spec_serve.worker.faults import Faults
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
 
 log = logging.getLogger("spec_serve.worker")
