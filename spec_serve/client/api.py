@@ -99,15 +99,16 @@ class RemoteTargetModel:
         self._io = ClientIO(o["broker_url"], security=o["security"], advertise_host=o["advertise_host"],
                             max_retries=o["max_retries"], heartbeat_interval=o["heartbeat_interval"],
                             liveness=o["liveness"], max_message_bytes=o["max_message_bytes"], device=self.device,
-                            same_host_plane=o["same_host_plane"], connect_timeout=o["connect_timeout"])
+                            connect_timeout=o["connect_timeout"])
         self._io.start()
         try:
-            self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"])
+            self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"], o["same_host_plane"])
         except BaseException:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
 
-    def _setup(self, compact: bool, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float) -> None:
+    def _setup(self, compact: bool, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float,
+               same_host_plane: bool | None) -> None:
         self._vocab_digest: str | None = None
         # The largest request payload the broker and this service's workers accept (learnt from STATUS).
         self._max_request_bytes: int | None = None
@@ -124,7 +125,10 @@ class RemoteTargetModel:
         self._expander = _expand_executor(self.device) if self.compact else None
         # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
         # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
-        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device, {}))
+        # Where replies come by (paths/registry.py): a same-host worker lends them through the plane
+        # (same_host_plane; default SPEC_SERVE_SAME_HOST_PLANE, on), others send frames.
+        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device,
+                                              {"same_host_plane": same_host_plane}))
         self._io.use_paths(self._paths)
         self._binding: ClientBinding | None = None
         if enable_nccl:
@@ -210,8 +214,8 @@ class RemoteTargetModel:
                   "tokens": int(attention_mask[lo:hi].sum())}
         if bound is not None:  # every shard to our bound worker; tensors over the pair group
             header.update(bound=bound, nccl=True)
-        elif self._io.plane is not None and (offer := self._io.plane.offer()) is not None:
-            header["plane"] = offer  # a worker of our host may lend the reply's bytes (samehost.py)
+        else:  # e.g. a worker of our host may lend the reply's bytes (paths/plane)
+            header.update(self._paths.offer(Op.GENERATE.value))
         return SupervisionRequest.from_json(self._prepare(header)), payload
 
     def lm_head_slice(self) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received, ReceivedTensor
-from spec_serve.paths.plane import samehost
+from spec_serve.paths.base import release, settle
 from spec_serve.supervision.eagle3 import expand_compact
 
 # check(k, reply, landed) -> None (accept shard k), a future of its retry, or raises (fail the batch).
@@ -73,7 +73,7 @@ class _Batch:
     def _accept(self, k: int, reply: Received) -> concurrent.futures.Future | None:
         """Land shard ``k``; the future of its retry if its bytes cannot be used, else None."""
         landed = self._land(k, reply.tensors)
-        retry = samehost.settle(reply.tensors)  # a lent reply's slot back; a retry if it was reused meanwhile
+        retry = settle(reply.tensors)  # a lent reply's memory back; a retry if it was reused meanwhile
         if retry is None and self.check is not None:
             retry = self.check(k, reply, landed)
         if retry is None:
@@ -94,7 +94,7 @@ class _Batch:
 
 def _release_unsettled(future: concurrent.futures.Future) -> None:
     if future.done() and not future.cancelled() and future.exception() is None:
-        samehost.release_reply(future.result().tensors)
+        release(future.result().tensors)
 
 
 def materialize(tensors: Mapping[str, ReceivedTensor], device: torch.device,

@@ -31,7 +31,6 @@ from spec_serve.client.vocab import VocabRegistrations
 from spec_serve.client.worker_replies import WorkerReplies
 from spec_serve.paths.frames.hostpool import RecyclingAllocator
 from spec_serve.paths.nccl.binding import ClientBinding
-from spec_serve.paths.plane import samehost
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
@@ -87,7 +86,7 @@ class ClientIO(threading.Thread):
 
     def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
                  max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
-                 device: torch.device, same_host_plane: bool | None = None,
+                 device: torch.device,
                  connect_timeout: float = CONNECT_TIMEOUT):
         super().__init__(name="spec-serve-client-io", daemon=True)
         self.broker_url = check_connect_url(broker_url, CLIENT_PORT_HINT, FRONTEND_PORT)
@@ -119,10 +118,8 @@ class ClientIO(threading.Thread):
         self.data: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.data_ingress: Ingress | None = None
-        # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
-        self.plane = samehost.ClientPlane.start(device, same_host_plane)
         self.paths: ClientPaths | None = None  # set by use_paths before any request
-        self.replies = WorkerReplies(self.requests, self.stats, self.plane, max_message_bytes, self.call,
+        self.replies = WorkerReplies(self.requests, self.stats, max_message_bytes, self.call,
                                      self._send_new)
         self._wake_r, self._wake_w = os.pipe()
         try:
@@ -310,8 +307,6 @@ class ClientIO(threading.Thread):
         if now >= self._next_beat and not self._misdirected:
             self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
             self._next_beat = now + self.heartbeat_interval
-            if self.plane is not None:
-                self.plane.tick()
             if self.paths is not None:
                 self.paths.tick()
         if now > self._broker_expiry:
@@ -328,8 +323,6 @@ class ClientIO(threading.Thread):
         self.data_ingress.close()
         self.data.close(0)
         self._unlink_ipc_files()
-        if self.plane is not None:
-            self.plane.close()
         if self.paths is not None:
             self.paths.stop()
 

@@ -13,12 +13,11 @@ from spec_serve.client.errors import RemoteError, TargetChangedError
 from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
 from spec_serve.client.received import Received, ReceivedTensor
 from spec_serve.client.stats import ClientStats
-from spec_serve.paths.base import Arrival, ClientSide
+from spec_serve.paths.base import Arrival, ClientSide, release
 from spec_serve.paths.nccl.binding import ClientBinding
-from spec_serve.paths.plane import samehost
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
-from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
+from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply
 from spec_serve.supervision.contract import validate_reply
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
@@ -32,12 +31,10 @@ class WorkerReplies:
     ``call`` runs a function on the I/O thread from any thread; ``send_new`` sends a new request (there).
     """
 
-    def __init__(self, requests: Requests, stats: ClientStats, plane: samehost.ClientPlane | None,
-                 max_message_bytes: int, call: Callable[[Callable[[], None]], None],
-                 send_new: Callable[[Pending], None]):
+    def __init__(self, requests: Requests, stats: ClientStats, max_message_bytes: int,
+                 call: Callable[[Callable[[], None]], None], send_new: Callable[[Pending], None]):
         self.requests = requests
         self.stats = stats
-        self.plane = plane
         self.max_message_bytes = max_message_bytes
         self.binding: ClientBinding | None = None  # set when the client uses the NCCL data plane
         self.paths: ClientPaths  # the client's reply paths (set by ClientIO.use_paths before any request)
@@ -63,12 +60,13 @@ class WorkerReplies:
         if reply.nccl:
             self._on_nccl_metadata(request_id, reply, pending)
             return
+        path = self.paths.carrying(reply)
         if pending is None or not self.same_target(pending, reply):
             if pending is None:
                 self.requests.count_stray(request_id)
-            self._give_back(reply.plane)  # answered already, or not ours to use: the slot goes back unread
+            path.discard(reply)  # answered already, or not ours to use: what it lends goes back unread
             return
-        self._on_tensors(pending, reply, header, payload)
+        self._on_tensors(pending, path, reply, header, payload)
 
     def _on_error(self, pending: Pending, failure: ErrorReply) -> None:
         code, error = failure.code, f"worker {failure.worker}: {failure.error}"
@@ -80,26 +78,20 @@ class WorkerReplies:
         else:
             self.requests.retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
 
-    def _on_tensors(self, pending: Pending, reply: Reply, header: dict, payload: list) -> None:
-        """``header``: the data message's as received (the plane reads its slot from it)."""
-        lent = reply.plane
-        size = sum(len(memoryview(f)) for f in payload) + samehost.lent_bytes(lent)
+    def _on_tensors(self, pending: Pending, path: ClientSide, reply: Reply, header: dict, payload: list) -> None:
+        """``header``: the data message's as received (a path may read more of it than ``reply`` holds)."""
+        size = sum(len(memoryview(f)) for f in payload) + path.lent_bytes(reply)
         if size > self.max_message_bytes:  # an honest worker refuses this itself (max_reply_bytes)
-            self._give_back(lent)
+            path.discard(reply)
             self.requests.fail(pending, ValueError(
                 f"reply of {size} bytes from worker {reply.worker} exceeds this client's "
                 f"max_message_bytes of {self.max_message_bytes}"))
             return
-        tensors: Mapping[str, ReceivedTensor] | None
-        path = self.paths.carrying(reply)
-        if lent is not None:
-            tensors = self._open_lent(pending, reply, header, payload)
-        else:  # checked by the path; the bytes stay where they arrived until copied to the caller's tensors
-            tensors = path.accept(self._arrival(pending, path, reply, header, payload))
-            if tensors is not None:
-                self.stats.replies[path.name] += 1
+        # Checked by the path; the bytes stay where they arrived until copied to the caller's tensors (assembly).
+        tensors = path.accept(self._arrival(pending, path, reply, header, payload))
         if tensors is None or not self._meets_contract(pending, reply.worker, tensors):
             return
+        self.stats.replies[path.name] += 1
         if reply.batched is not None and reply.batched > 1:
             self.stats.batched += 1
         self.requests.resolve(pending, Received(pending.request_id, reply, tensors))
@@ -116,7 +108,7 @@ class WorkerReplies:
         try:
             validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()}, pending.expect)
         except ValueError as e:
-            samehost.release_reply(tensors)
+            release(tensors)
             self.stats.contract_violations += 1
             event(log, logging.WARNING, "client.bad_reply", worker=worker, error=e)
             self.requests.retry(pending, time.monotonic(), f"worker {worker}: {e}",
@@ -143,55 +135,6 @@ class WorkerReplies:
         CLIENT_INTEGRITY_FAILURES.labels(service=pending.service, check="fingerprint").inc()
         event(log, logging.ERROR, "client.target_changed", request=pending.short_id, worker=worker, error=message)
         self.requests.fail(pending, TargetChangedError(message))
-
-    # ------------------------------------------------------ same-host plane
-
-    def _open_lent(self, pending: Pending, reply: Reply, header: dict,
-                   payload: list) -> samehost.PlaneReply | None:
-        """A reply whose bytes a same-host worker lent, as the slot's spans (assembly copies them out, then
-        settles); None if the plane cannot deliver it here, and it was asked for again as frames."""
-        try:
-            if self.plane is None:
-                raise samehost.PlaneError("this client does not use the same-host plane")
-            tensors = self.plane.open(header, payload, pending.request_id,
-                                      lambda reason: self._resend_as_frames(pending, reason))
-        except samehost.PlaneError as e:
-            self._give_back(reply.plane)
-            if self.plane is not None:
-                self.plane.failed(e)
-            self._plane_fallback(pending, str(e))
-            return None
-        self.stats.replies["plane"] += 1
-        return tensors
-
-    def _give_back(self, lent) -> None:
-        """A lent reply that will not be read: its slot goes back to the worker now."""
-        if lent is not None and self.plane is not None:
-            self.plane.release(lent)
-
-    def _plane_fallback(self, pending: Pending, reason: str) -> None:
-        """Send a request again, as frames (not the request's fault: no attempt used)."""
-        self._count_fallback(pending, reason)
-        pending.header = _without_plane(pending.header)
-        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
-
-    def _resend_as_frames(self, pending: Pending, reason: str) -> concurrent.futures.Future:
-        """Any thread: a lent reply's bytes were overwritten while we copied them: the request again, as
-        frames, under a new id (the old one was answered)."""
-        again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
-                                    header=_without_plane(pending.header),
-                                    attempts=0, sent_at=0.0, resend_at=None)
-
-        def send_again() -> None:
-            self._count_fallback(again, reason)
-            self._send_new(again)
-
-        self._call(send_again)
-        return again.future
-
-    def _count_fallback(self, pending: Pending, reason: str) -> None:
-        self.stats.fallbacks["plane"] += 1
-        event(log, logging.INFO, "client.plane_fallback", request=pending.short_id, reason=reason)
 
     # ------------------------------------------------------ any reply path
 
@@ -272,8 +215,3 @@ class WorkerReplies:
         self.stats.fallbacks["nccl"] += 1
         event(log, logging.INFO, "client.nccl_request_fallback", request=pending.short_id, reason=reason)
         self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
-
-
-def _without_plane(header: WireMessage) -> WireMessage:
-    """A request's header to send it again as frames: without its same-host offer."""
-    return dataclasses.replace(header, plane=None) if isinstance(header, SupervisionRequest) else header

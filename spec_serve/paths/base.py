@@ -125,6 +125,10 @@ class WorkerSide:
     def start(self) -> None:
         """The worker starts serving: take what the path needs (shared memory, ...)."""
 
+    def lent_out(self) -> int:
+        """Replies whose memory a client still holds (a stopping worker waits for them before ``close``)."""
+        return 0
+
     def close(self) -> None:
         """Give back everything the path holds (idempotent; after the compute thread stopped)."""
 

@@ -22,12 +22,13 @@ from spec_serve.paths.base import (
     WorkerSide,
 )
 from spec_serve.paths.frames import FramesPath
+from spec_serve.paths.plane import PlanePath
 from spec_serve.protocol.commands import Message, WorkerCommand
 from spec_serve.protocol.messages import Reply, SupervisionRequest, WireMessage
 
 # Every reply path, in the order each reply tries them: the first that takes a reply carries it, and one
 # that cannot deliver it after all hands it on to the next that takes it. Frames take every reply: last.
-PATHS: tuple[type[ReplyPath], ...] = (FramesPath,)
+PATHS: tuple[type[ReplyPath], ...] = (PlanePath, FramesPath)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,10 @@ class WorkerPaths:
     def start(self) -> None:
         for side in self.sides:
             side.start()
+
+    def lent_out(self) -> int:
+        """Replies whose memory clients still hold, over every path (the plane's slots lent out)."""
+        return sum(side.lent_out() for side in self.sides)
 
     def close(self) -> None:
         """Give back everything every path holds: the NCCL pair group closed, same-host plane segments and

@@ -1,6 +1,6 @@
 """Jobs to results on the engine, on the compute thread: run a request (alone, or several in one packed
-forward), take the reply's integrity fields, and put the outputs where the reply will carry them: the
-NCCL pair, a same-host plane slot, or frames in a pooled host slab. Every failure becomes an error reply."""
+forward), take the reply's integrity fields, and hand the outputs to the reply path that carries them
+(paths/registry.py). Every failure becomes an error reply."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from spec_serve.paths.base import Delivery
 from spec_serve.paths.faults import Faults
 from spec_serve.paths.nccl.binding import encode_specs
 from spec_serve.paths.nccl.pair_binding import PairBinding
-from spec_serve.paths.plane import samehost
 from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
@@ -32,7 +31,7 @@ log = logging.getLogger("spec_serve.worker")
 
 class Executor:
     def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding,
-                 faults: Faults, paths: WorkerPaths, copy_stream: torch.cuda.Stream | None, max_message_bytes: int):
+                 faults: Faults, paths: WorkerPaths, max_message_bytes: int):
         self.engine = engine
         self.name = name
         # Packing (docs/packing.md): each generate request runs without its padding. Off: every request
@@ -42,11 +41,7 @@ class Executor:
         self.pair = pair
         self.faults = faults
         self.max_message_bytes = max_message_bytes
-        self._copy_stream = copy_stream
         self.paths = paths  # where replies go: the first path of the order (paths/registry.py) that takes each
-        # Same-host clients get GENERATE replies through slots of memory they map; None: frames only.
-        # Worker.run sets it for as long as it serves.
-        self.plane: samehost.WorkerPlane | None = None
         # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
         self.engine_error: str | None = None
         self.batches = 0  # packed forwards run for several requests
@@ -77,21 +72,14 @@ class Executor:
         nccl = job.request.nccl and job.request.is_generate
         if nccl:
             self.pair.check(job)
+        route = self.paths.route(job.request)
         tensors, tokens = self._execute(job)
         integrity = self._integrity([job], [tensors])[0]
         if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
             reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), nccl=True,
                           pair=self.pair.prefix, specs=encode_specs(tensors), **integrity)
             return Result(job, Status.OK, reply, [], tokens, send=self.faults.corrupt_tensors(tensors))
-        export = self._lend(job, tensors)
-        if export is not None:  # same-host client: the bytes wait in a slot it maps
-            self.faults.corrupt_lent(export.data, export.ready)
-            reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), plane=export.descriptor,
-                          **integrity)
-            return self._within_client_limit(Result(job, Status.OK, reply, export.frames, tokens,
-                                                    ready=export.ready, via=export.descriptor["kind"], export=export))
         reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), **integrity)
-        route = self.paths.route(job.request)
         outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
         return self._within_client_limit(Result.delivered(job, outgoing, tokens))
 
@@ -167,41 +155,16 @@ class Executor:
             return [self.serve(job) for job in jobs]
 
     def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], base: Reply) -> list[Result]:
-        """One reply per job of a packed forward: each same-host job's outputs lent in a slot of its own, the
-        others through their reply paths (frames: one host slab for all of them, released once per reply)."""
+        """One reply per job of a packed forward, each through its path (frames: one host slab for all of
+        them, released once per reply; the same-host plane: a slot each)."""
         integrity = self._integrity(jobs, outs)
-        exports: list = []
-        try:
-            for job, out in zip(jobs, outs):
-                exports.append(self._lend(job, out))
-            routed = [i for i, export in enumerate(exports) if export is None]
-            outgoing = dict(zip(routed, self.paths.deliver(
-                [self.paths.route(jobs[i].request) for i in routed],
-                [Delivery(jobs[i].request_id, jobs[i].request, outs[i], dataclasses.replace(base, **integrity[i]))
-                 for i in routed])))
-        except BaseException:
-            for export in exports:
-                if export is not None:
-                    export.cancel()
-            raise
-        results = []
-        for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
-            tokens = int(part["attention_mask"].sum())
-            if export is not None:
-                reply = dataclasses.replace(base, plane=export.descriptor, **checks)
-                results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready,
-                                      via=export.descriptor["kind"], export=export))
-            else:
-                results.append(Result.delivered(job, outgoing[i], tokens))
-        return results
+        outgoing = self.paths.deliver([self.paths.route(job.request) for job in jobs],
+                                      [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))
+                                       for job, out, checks in zip(jobs, outs, integrity)])
+        return [Result.delivered(job, reply, int(part["attention_mask"].sum()))
+                for job, part, reply in zip(jobs, parts, outgoing)]
 
     # ------------------------------------------------------------ replies
-
-    def _lend(self, job: Job, tensors: dict[str, torch.Tensor]) -> samehost.Export | None:
-        """A GENERATE reply lent to a same-host client through the plane; None: send it as frames."""
-        if self.plane is None or not job.request.is_generate:
-            return None
-        return self.plane.export({"plane": job.request.plane}, tensors, self._copy_stream)
 
     def _integrity(self, jobs: list[Job], outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Per job, the reply fields its client checks (``Reply`` keywords): the fingerprint of the target that computed

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from spec_serve.paths.base import Loan, Outgoing
-from spec_serve.paths.plane import samehost
 from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
 from spec_serve.protocol.messages import (
     BindGrant,
@@ -90,16 +89,16 @@ class Result:
     frames: list
     tokens: int = 0
     ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
-    loan: Loan | None = None  # memory the frames borrow (a pooled host slab): its ``left`` once sent
+    loan: Loan | None = None  # memory the reply borrows (a host slab, a plane slot): ``left`` once sent
     via: str = "frames"  # the reply path, for DONE
+    lent_bytes: int = 0  # bytes lent outside the frames (a plane slot)
     send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
-    export: samehost.Export | None = None  # a slot lent through the same-host plane; cancelled if undeliverable
 
     @classmethod
     def delivered(cls, job: Job, outgoing: Outgoing, tokens: int) -> Result:
         """The result of ``job`` as a reply path handed it over."""
         return cls(job, Status.OK, outgoing.reply, outgoing.frames, tokens, outgoing.ready, outgoing.loan,
-                   outgoing.via)
+                   outgoing.via, outgoing.lent_bytes)
 
     @property
     def header(self) -> dict[str, Any]:
@@ -108,15 +107,13 @@ class Result:
 
     @property
     def nbytes(self) -> int:
-        """The reply's payload: its frames, plus the bytes it lends through the same-host plane."""
-        return sum(len(memoryview(f)) for f in self.frames) + (self.export.nbytes if self.export else 0)
+        """The reply's payload: its frames, plus the bytes it lends outside them (a same-host plane slot)."""
+        return sum(len(memoryview(f)) for f in self.frames) + self.lent_bytes
 
     def drop(self) -> None:
         """The reply will not be sent: what it borrowed goes back now."""
         if self.loan is not None:
             self.loan.dropped()
-        if self.export is not None:
-            self.export.cancel()
 
 
 def done_status(result: Result) -> str:

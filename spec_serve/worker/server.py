@@ -31,6 +31,7 @@ from spec_serve.paths.faults import Faults
 from spec_serve.paths.frames.hostpool import HostBufferPool
 from spec_serve.paths.nccl.pair_binding import PairBinding
 from spec_serve.paths.plane import samehost
+from spec_serve.paths.plane.worker import PlaneWorker
 from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
@@ -160,8 +161,7 @@ class Worker:
         self.paths = WorkerPaths(WorkerSetup(self.name, device, self.broker_url, advertise_host, security, faults,
                                              self.host_pool, copy_stream, plane_slots or capacity + 2, plane_lease))
         self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, pair=self.pair,
-                                 faults=faults, paths=self.paths, copy_stream=copy_stream,
-                                 max_message_bytes=max_message_bytes)
+                                 faults=faults, paths=self.paths, max_message_bytes=max_message_bytes)
         self.compute = ComputeLoop(self.ctx, f"inproc://spec-serve-worker-{self.name}", self.executor, self.pair,
                                    packing=bool(packing), max_batch_tokens=int(max_batch_tokens), threads=threads)
         self.data_sockets = DataSockets(self.ctx, security, reply_timeout)
@@ -176,9 +176,8 @@ class Worker:
         self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<plane>"
         self.metrics = WorkerMetrics(self.figures, compile_report=lambda: getattr(self.engine, "compile_report", None))
         self.compute.on_forward = self.metrics.forward_seconds.observe
-        # run() owns the same-host plane: it creates the shared-memory segments and closes them on the way
-        # out, so a Worker that is built but never run holds none.
-        self._plane_shape = (plane_slots or capacity + 2, plane_lease)
+        # run() starts the paths (the same-host plane creates its shared-memory segments) and closes them on
+        # the way out, so a Worker that is built but never run holds none.
         self._heartbeat_interval = heartbeat_interval
 
     # ------------------------------------------------- what callers read and set
@@ -198,7 +197,9 @@ class Worker:
 
     @property
     def plane(self) -> samehost.WorkerPlane | None:
-        return self.executor.plane
+        """The same-host plane's slots while the worker runs (None: not running, or the plane is off)."""
+        side = self.paths.named("plane")
+        return side.plane if isinstance(side, PlaneWorker) else None
 
     @property
     def max_batch_tokens(self) -> int:
@@ -220,7 +221,6 @@ class Worker:
 
     def run(self) -> None:
         """Serve until ``stop()``, the end of a drain (``begin_drain``), or (once the engine died) its last answers."""
-        self.executor.plane = samehost.WorkerPlane.start(self.device, *self._plane_shape)
         self.paths.start()
         wake = self.ctx.socket(zmq.PAIR)
         wake.bind(self.compute.wake_endpoint)
@@ -350,7 +350,7 @@ class Worker:
                 and self._lent_out() == 0)
 
     def _lent_out(self) -> int:
-        return 0 if self.executor.plane is None else self.executor.plane.lent_out()
+        return self.paths.lent_out()
 
     def _keep_alive(self, now: float) -> None:
         """Heartbeat the broker (closing idle data sockets at the same pace); reconnect if it went silent."""
@@ -373,9 +373,6 @@ class Worker:
         self.session.close(linger)
         wake.close(0)
         self.data_sockets.close_all(linger)
-        if self.executor.plane is not None:
-            self.executor.plane.close()
-            self.executor.plane = None
         self.paths.close()
         event(log, logging.INFO, "worker.stop", served=self.outbox.served,
               replies=",".join(f"{via}:{n}" for via, n in sorted(self.outbox.replies.items())) or "0",
