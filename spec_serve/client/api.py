@@ -23,8 +23,7 @@ from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.path_port import PathPort
 from spec_serve.client.stats import ClientStats
 from spec_serve.paths.base import ClientSetup
-from spec_serve.paths.nccl.binding import ClientBinding
-from spec_serve.paths.nccl.binding_port import BindingPort
+from spec_serve.paths.nccl.client import NcclClient
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ClientCommand, Op
@@ -123,18 +122,16 @@ class RemoteTargetModel:
         self._selected_mask: torch.Tensor | None = None
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
         self._expander = _expand_executor(self.device) if self.compact else None
-        # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
-        # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
-        # Where replies come by (paths/registry.py): a same-host worker lends them through the plane
-        # (same_host_plane; default SPEC_SERVE_SAME_HOST_PLANE, on), others send frames.
-        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device,
-                                              {"same_host_plane": same_host_plane}))
+        # Where replies come by (paths/registry.py, in its order): with enable_nccl, a worker of our own,
+        # tensors over a private 2-rank group (docs/nccl.md; bound lazily by generate calls, every failure
+        # falls back to frames); a same-host worker lends them through the plane (same_host_plane; default
+        # SPEC_SERVE_SAME_HOST_PLANE, on); any other sends frames.
+        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device, {
+            "same_host_plane": same_host_plane, "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout,
+            "nccl_retry_s": nccl_retry_s}))
         self._io.use_paths(self._paths)
-        self._binding: ClientBinding | None = None
-        if enable_nccl:
-            self._binding = ClientBinding(BindingPort(self._io), self.service, self.device, float(nccl_timeout),
-                                          float(nccl_retry_s))
-            self._io.use_binding(self._binding)
+        nccl = self._paths.named("nccl")
+        self._binding = nccl.binding if isinstance(nccl, NcclClient) else None
 
     @property
     def stats(self) -> ClientStats:
@@ -173,13 +170,13 @@ class RemoteTargetModel:
         wire_kind = Kind.EAGLE3_COMPACT if expand else kind
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
-        bound = self._binding.ensure() if self._binding is not None else None
+        offers = self._paths.offer(Op.GENERATE.value)  # binds a worker of our own first, with enable_nccl
         self._credits.acquire()
         try:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
             # The digest check may replace a shard's request with its retry (integrity.py).
             requests: list[tuple[SupervisionRequest, Sequence]] = [
-                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, bound)
+                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, offers)
                 for lo, hi in bounds]
             expects = [reply_specs(wire_kind, info, hi - lo, input_ids.shape[1], loss_mask.dtype, self._draft_vocab)
                        for lo, hi in bounds]
@@ -200,7 +197,7 @@ class RemoteTargetModel:
         return result
 
     def _shard_request(self, input_ids, attention_mask, loss_mask, lo: int, hi: int, wire_kind: Kind,
-                       bound: str | None) -> tuple[SupervisionRequest, list]:
+                       offers: Mapping[str, Any]) -> tuple[SupervisionRequest, list]:
         """The prepared header and payload of the request for rows ``lo:hi`` of a batch."""
         # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
         # after a broker restart, while the caller may already refill its input tensors.
@@ -212,10 +209,7 @@ class RemoteTargetModel:
         self._check_request_size(payload, f"request for rows {lo}:{hi}")
         header: dict[str, Any] = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                   "tokens": int(attention_mask[lo:hi].sum())}
-        if bound is not None:  # every shard to our bound worker; tensors over the pair group
-            header.update(bound=bound, nccl=True)
-        else:  # e.g. a worker of our host may lend the reply's bytes (paths/plane)
-            header.update(self._paths.offer(Op.GENERATE.value))
+        header.update(offers)  # what the first path that offers needs (our bound worker; the plane's offer)
         return SupervisionRequest.from_json(self._prepare(header)), payload
 
     def lm_head_slice(self) -> torch.Tensor:
@@ -235,6 +229,8 @@ class RemoteTargetModel:
     def _fetch(self, header: dict, expect: ReplySpecs) -> dict[str, torch.Tensor]:
         """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
         self.target_info()  # pins the target every reply must come from
+        # With a worker of our own (enable_nccl) it answers these too, as frames: the pool may have none left.
+        header = {**header, **self._paths.offer(header["op"])}
         request = SupervisionRequest.from_json(self._prepare(header))
         requests: list[tuple[SupervisionRequest, Sequence]] = [(request, [])]
         return assemble([self._submit(*requests[0], expect)], [0], self.device, None,
@@ -262,9 +258,6 @@ class RemoteTargetModel:
         header = dict(header, reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes)
         if self._fingerprint is not None:
             header["fingerprint"] = self._fingerprint
-        bound = self._binding.worker if self._binding is not None else None
-        if bound is not None:  # embeddings, lm_head slices: our own worker too (as frames), not the pool
-            header.setdefault("bound", bound)
         if self._vocab_digest is not None:
             header.setdefault("vocab", self._vocab_digest)
         if self._io.data_key:
@@ -283,7 +276,7 @@ class RemoteTargetModel:
     def _digest_check(self, requests: list[tuple[SupervisionRequest, Sequence]],
                       expects: list[ReplySpecs]) -> DigestCheck:
         """The check of one batch's landed shards against their workers' digests (integrity.py)."""
-        return DigestCheck(requests, expects, self._submit, self._io.stats, self.service, self._binding)
+        return DigestCheck(requests, expects, self._submit, self._io.stats, self.service, self._paths)
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Register the draft vocab; every later EAGLE-3 request is served with exactly it."""
@@ -399,9 +392,7 @@ class RemoteTargetModel:
         """Leave the broker; workers and other clients carry on."""
         if not self._closed:
             self._closed = True
-            if self._binding is not None:
-                self._binding.close()  # RELEASE goes out before the DISCONNECT
-            self._paths.close()
+            self._paths.close()  # what peers hold for us goes back (an NCCL RELEASE) before the DISCONNECT
             self._io.close()
             if self._expander is not None:
                 self._expander.shutdown(wait=False)

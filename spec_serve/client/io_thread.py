@@ -30,7 +30,6 @@ from spec_serve.client.stats import ClientStats
 from spec_serve.client.vocab import VocabRegistrations
 from spec_serve.client.worker_replies import WorkerReplies
 from spec_serve.paths.frames.hostpool import RecyclingAllocator
-from spec_serve.paths.nccl.binding import ClientBinding
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
@@ -111,7 +110,7 @@ class ClientIO(threading.Thread):
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._closing = threading.Event()
         self.requests = Requests(self._send, self.stats, max_retries,
-                                 leave_binding=lambda request_id, why: self.replies.nccl_fallback(request_id, why))
+                                 leave_binding=lambda request_id, why: self.replies.leave_pinned(request_id, why))
         self.vocab = VocabRegistrations()
         self._ipc_files: list[str] = []
         # Opened by _open_sockets before the constructor returns (or it raises): set whenever the thread runs.
@@ -182,10 +181,6 @@ class ClientIO(threading.Thread):
     def use_paths(self, paths: ClientPaths) -> None:
         """The reply paths (spec_serve/paths/registry.py) this client's requests offer and its replies come by."""
         self.paths = self.replies.paths = paths
-
-    def use_binding(self, binding: ClientBinding) -> None:
-        """The NCCL data plane's client side (paths/nccl/binding.py) this client routes bound replies to."""
-        self.replies.binding = binding
 
     # ------------------------------------------------------ user-side entry
 
@@ -429,10 +424,8 @@ class ClientIO(threading.Thread):
             if header.stopping:
                 self._broker_stopping()
             return
-        binding = self.replies.binding
-        if isinstance(header, Bound) and header.lost and binding is not None:
-            # The bound worker died or re-registered (a pending BIND resolves below as a refusal).
-            binding.lost(header.prefix, header.error)
+        if self.paths is not None and header is not None:
+            self.paths.on_broker(header)  # e.g. BOUND lost: our bound worker died (a pending BIND resolves below)
         pending = self.requests.table.get(msg.request_id)
         if pending is None or header is None:
             return
@@ -474,7 +467,7 @@ class ClientIO(threading.Thread):
         else:
             self.requests.fail(pending, ValueError(error))
 
-    # ---------------------------------------- for the NCCL binding (binding.py)
+    # ------------------------------------------------- for the reply paths
 
     def send_control(self, frames: list) -> None:
         self._send(frames)

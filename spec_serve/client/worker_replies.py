@@ -1,5 +1,6 @@
-"""Workers' data messages to the requests they answer: as frames, through the same-host plane, or
-as NCCL metadata whose tensors follow on the bound worker's pair group. I/O thread unless noted."""
+"""Workers' data messages to the requests they answer, whichever reply path carried them (frames, the
+same-host plane, NCCL metadata whose tensors follow on the bound worker's pair group: spec_serve/paths).
+I/O thread unless noted."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
 from spec_serve.client.received import Received, ReceivedTensor
 from spec_serve.client.stats import ClientStats
 from spec_serve.paths.base import Arrival, ClientSide, release
-from spec_serve.paths.nccl.binding import ClientBinding
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
 from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply
@@ -36,7 +36,6 @@ class WorkerReplies:
         self.requests = requests
         self.stats = stats
         self.max_message_bytes = max_message_bytes
-        self.binding: ClientBinding | None = None  # set when the client uses the NCCL data plane
         self.paths: ClientPaths  # the client's reply paths (set by ClientIO.use_paths before any request)
         self._call = call
         self._send_new = send_new
@@ -57,10 +56,12 @@ class WorkerReplies:
 
     def _on_reply(self, request_id: bytes, pending: Pending | None, reply: Reply, header: dict,
                   payload: list) -> None:
-        if reply.nccl:
-            self._on_nccl_metadata(request_id, reply, pending)
-            return
         path = self.paths.carrying(reply)
+        if path.tensors_follow:  # received even for a request already answered, or the worker's send stalls
+            expect = pending.expect if pending is not None else None
+            path.accept(Arrival(request_id, reply, header, payload, expect, self.requests.table.largest,
+                                self._no_asking_again))
+            return
         if pending is None or not self.same_target(pending, reply):
             if pending is None:
                 self.requests.count_stray(request_id)
@@ -154,15 +155,30 @@ class WorkerReplies:
         return again.future
 
     def fallback(self, request_id: bytes, path: str, reason: str) -> None:
-        """The request again without the path named ``path`` (no attempt used)."""
+        """The request again without the path named ``path`` (no attempt used); nothing if it no longer
+        uses that path (sent again without it already)."""
         pending = self.requests.table.get(request_id)
         request = pending.request if pending is not None else None
         side = self.paths.named(path)
-        if pending is None or request is None or side is None:
+        if pending is None or request is None or side is None or side.without(request) == request:
             return
         pending.header = side.without(request)
         self._count_path_fallback(pending, path, reason)
         self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
+
+    def leave_pinned(self, request_id: bytes, reason: str) -> None:
+        """A request pinned to one worker by its path (NCCL: our bound worker) failed there (timeout, error):
+        that path is dropped for now and the request goes to the shared pool."""
+        pending = self.requests.table.get(request_id)
+        request = pending.request if pending is not None else None
+        side = next((s for s in self.paths.sides if request is not None and s.pins(request)), None)
+        if side is not None:
+            side.broken(reason)
+            self.fallback(request_id, side.name, reason)
+
+    @staticmethod
+    def _no_asking_again(reason: str) -> concurrent.futures.Future:
+        raise RuntimeError(f"a reply whose tensors followed cannot be asked for again here: {reason}")
 
     def resolve_followed(self, request_id: bytes, reply: Reply, tensors: dict, path: str) -> None:
         """Tensors that followed a reply's header on another channel (``ClientSide.tensors_follow``) arrived."""
@@ -179,39 +195,3 @@ class WorkerReplies:
     def _count_path_fallback(self, pending: Pending, path: str, reason: str) -> None:
         self.stats.fallbacks[path] += 1
         event(log, logging.INFO, "client.path_fallback", path=path, request=pending.short_id, reason=reason)
-
-    # ------------------------------------------- NCCL data plane (binding.py)
-
-    def _on_nccl_metadata(self, request_id: bytes, reply: Reply, pending: Pending | None) -> None:
-        """Tensors follow on the pair group: receive them even for a request already answered, or the
-        worker's send (and the group) stalls. No live binding: re-send as frames."""
-        expect = pending.expect if pending is not None else None
-        largest = self.requests.table.largest
-        if self.binding is None or not self.binding.on_metadata(request_id, reply, expect, largest):
-            self.nccl_fallback(request_id, f"nccl reply from worker {reply.worker} without a live binding",
-                               prefix=str(reply.pair))
-
-    def nccl_resolve(self, request_id: bytes, tensors: dict, reply: Reply) -> None:
-        """The pair thread received a bound request's tensors (``reply``: its metadata message)."""
-        pending = self.requests.table.get(request_id)
-        if pending is None or pending.future.done():
-            self.requests.table.remove(request_id)
-            self.requests.count_stray(request_id)
-            return
-        if not self.same_target(pending, reply):
-            return
-        self.stats.replies["nccl"] += 1
-        self.requests.resolve(pending, Received(request_id, reply, tensors))
-
-    def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
-        """Re-send a bound request as a plain one (frames, shared pool; no attempt used) and drop the binding."""
-        if self.binding is not None:
-            self.binding.mark_broken(reason, prefix)
-        pending = self.requests.table.get(request_id)
-        request = pending.request if pending is not None else None
-        if pending is None or request is None or (request.bound is None and not request.nccl):
-            return
-        pending.header = request.unbound()
-        self.stats.fallbacks["nccl"] += 1
-        event(log, logging.INFO, "client.nccl_request_fallback", request=pending.short_id, reason=reason)
-        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)

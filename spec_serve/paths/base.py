@@ -122,11 +122,18 @@ class WorkerSide:
     def before_ready(self, submit: SubmitControl) -> None:
         """Before the worker registers (again): forget what the broker forgets with a new registration."""
 
+    def begin_drain(self) -> None:
+        """The worker is draining (it left the pool): take on nothing new (NCCL: no new binding)."""
+
     def start(self) -> None:
         """The worker starts serving: take what the path needs (shared memory, ...)."""
 
     def lent_out(self) -> int:
         """Replies whose memory a client still holds (a stopping worker waits for them before ``close``)."""
+        return 0
+
+    def sent_apart(self) -> int:
+        """Reply bytes sent apart from the data messages, which DONE does not count (NCCL: the pair group)."""
         return 0
 
     def close(self) -> None:
@@ -226,6 +233,10 @@ class ClientSide:
     def lent_bytes(self, reply: Reply) -> int:
         """Bytes the reply claims outside its frames, for the client's size limit."""
         return 0
+
+    def pins(self, request: SupervisionRequest) -> bool:
+        """Whether ``request`` may go to one worker only because of this path (NCCL: its bound worker)."""
+        return False
 
     def without(self, request: SupervisionRequest) -> SupervisionRequest:
         """``request`` as it is asked again when this path failed it."""

@@ -22,13 +22,14 @@ from spec_serve.paths.base import (
     WorkerSide,
 )
 from spec_serve.paths.frames import FramesPath
+from spec_serve.paths.nccl import NcclPath
 from spec_serve.paths.plane import PlanePath
 from spec_serve.protocol.commands import Message, WorkerCommand
 from spec_serve.protocol.messages import Reply, SupervisionRequest, WireMessage
 
 # Every reply path, in the order each reply tries them: the first that takes a reply carries it, and one
 # that cannot deliver it after all hands it on to the next that takes it. Frames take every reply: last.
-PATHS: tuple[type[ReplyPath], ...] = (PlanePath, FramesPath)
+PATHS: tuple[type[ReplyPath], ...] = (NcclPath, PlanePath, FramesPath)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +104,17 @@ class WorkerPaths:
         for side in self.sides:
             side.before_ready(submit)
 
+    def begin_drain(self) -> None:
+        for side in self.sides:
+            side.begin_drain()
+
     def start(self) -> None:
         for side in self.sides:
             side.start()
+
+    def sent_apart(self) -> dict[str, int]:
+        """Reply bytes each path sent apart from the data messages (``WorkerSide.sent_apart``), by path."""
+        return {side.name: n for side in self.sides if (n := side.sent_apart())}
 
     def lent_out(self) -> int:
         """Replies whose memory clients still hold, over every path (the plane's slots lent out)."""

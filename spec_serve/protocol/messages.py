@@ -189,6 +189,7 @@ class SupervisionRequest(WireMessage):
     tokens: int | None = None
     bound: str | None = None
     nccl: bool = False
+    host: str | None = None
     plane: Json | None = None
     reply_to: str = ""
     max_reply_bytes: int | None = None
@@ -210,6 +211,7 @@ class SupervisionRequest(WireMessage):
             tokens=r.integer("tokens", minimum=0),
             bound=r.text("bound", nullable=True),
             nccl=r.flag("nccl"),
+            host=r.text("host"),
             plane=r.obj("plane"),
             max_reply_bytes=r.integer("max_reply_bytes"),
             fingerprint=_fingerprint(r),
@@ -236,7 +238,7 @@ class SupervisionRequest(WireMessage):
 
     def unbound(self) -> SupervisionRequest:
         """The request as plain frames through the shared pool: no bound worker, no pair group."""
-        return dataclasses.replace(self, bound=None, nccl=False)
+        return dataclasses.replace(self, bound=None, nccl=False, host=None)
 
 
 def _timeout(r: _Reader) -> float:

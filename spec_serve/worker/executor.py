@@ -13,13 +13,10 @@ import torch
 
 from spec_serve.engines import engine_dead, packing
 from spec_serve.engines.base import PackingEngine, TargetEngine
-from spec_serve.paths.base import Delivery
-from spec_serve.paths.faults import Faults
-from spec_serve.paths.nccl.binding import encode_specs
-from spec_serve.paths.nccl.pair_binding import PairBinding
-from spec_serve.paths.registry import WorkerPaths
+from spec_serve.paths.base import Delivery, PathUnavailable
+from spec_serve.paths.registry import Route, WorkerPaths
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ErrorCode, Op, Status
+from spec_serve.protocol.commands import ErrorCode, Op
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
@@ -30,16 +27,14 @@ log = logging.getLogger("spec_serve.worker")
 
 
 class Executor:
-    def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding,
-                 faults: Faults, paths: WorkerPaths, max_message_bytes: int):
+    def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, paths: WorkerPaths,
+                 max_message_bytes: int):
         self.engine = engine
         self.name = name
         # Packing (docs/packing.md): each generate request runs without its padding. Off: every request
         # runs padded, bit-equal to the colocated forward.
         self.packing = packing
         self.vocab = vocab
-        self.pair = pair
-        self.faults = faults
         self.max_message_bytes = max_message_bytes
         self.paths = paths  # where replies go: the first path of the order (paths/registry.py) that takes each
         # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
@@ -69,19 +64,19 @@ class Executor:
         return error_result(job, self.name, code, message)
 
     def _serve(self, job: Job, start: float) -> Result:
-        nccl = job.request.nccl and job.request.is_generate
-        if nccl:
-            self.pair.check(job)
-        route = self.paths.route(job.request)
+        route = self._route(job)
         tensors, tokens = self._execute(job)
-        integrity = self._integrity([job], [tensors])[0]
-        if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
-            reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), nccl=True,
-                          pair=self.pair.prefix, specs=encode_specs(tensors), **integrity)
-            return Result(job, Status.OK, reply, [], tokens, send=self.faults.corrupt_tensors(tensors))
-        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), **integrity)
+        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6),
+                      **self._integrity([job], [tensors])[0])
         outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
         return self._within_client_limit(Result.delivered(job, outgoing, tokens))
+
+    def _route(self, job: Job) -> Route:
+        """The reply path of ``job`` (before its forward); ``unavailable`` if the path it insists on cannot."""
+        try:
+            return self.paths.route(job.request)
+        except PathUnavailable as e:
+            raise RequestError(ErrorCode.UNAVAILABLE, str(e)) from None
 
     def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
         op = job.request.operation
@@ -158,7 +153,7 @@ class Executor:
         """One reply per job of a packed forward, each through its path (frames: one host slab for all of
         them, released once per reply; the same-host plane: a slot each)."""
         integrity = self._integrity(jobs, outs)
-        outgoing = self.paths.deliver([self.paths.route(job.request) for job in jobs],
+        outgoing = self.paths.deliver([self._route(job) for job in jobs],
                                       [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))
                                        for job, out, checks in zip(jobs, outs, integrity)])
         return [Result.delivered(job, reply, int(part["attention_mask"].sum()))

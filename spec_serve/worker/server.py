@@ -29,7 +29,6 @@ from spec_serve.engines.base import PackingEngine, TargetEngine
 from spec_serve.paths.base import WorkerSetup
 from spec_serve.paths.faults import Faults
 from spec_serve.paths.frames.hostpool import HostBufferPool
-from spec_serve.paths.nccl.pair_binding import PairBinding
 from spec_serve.paths.plane import samehost
 from spec_serve.paths.plane.worker import PlaneWorker
 from spec_serve.paths.registry import WorkerPaths
@@ -42,7 +41,7 @@ from spec_serve.protocol.commands import (
     ProtocolError,
     WorkerCommand,
 )
-from spec_serve.protocol.messages import Done, Release
+from spec_serve.protocol.messages import Done
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import WorkerMetrics
@@ -153,24 +152,23 @@ class Worker:
         self.drain = Drain(drain_timeout)
         faults = Faults()
         self.vocab = VocabStore(self.name, capacity, max_message_bytes)
-        self.pair = PairBinding(self.name, device, self.broker_url, advertise_host, security, faults)
         # The device->host copy of a reply runs on its own stream, so the next forward starts at once
         # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.host_pool = _host_pool(device, host_pool, host_pool_buffers, capacity)
         self.paths = WorkerPaths(WorkerSetup(self.name, device, self.broker_url, advertise_host, security, faults,
                                              self.host_pool, copy_stream, plane_slots or capacity + 2, plane_lease))
-        self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, pair=self.pair,
-                                 faults=faults, paths=self.paths, max_message_bytes=max_message_bytes)
-        self.compute = ComputeLoop(self.ctx, f"inproc://spec-serve-worker-{self.name}", self.executor, self.pair,
+        self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, paths=self.paths,
+                                 max_message_bytes=max_message_bytes)
+        self.compute = ComputeLoop(self.ctx, f"inproc://spec-serve-worker-{self.name}", self.executor, self.paths,
                                    packing=bool(packing), max_batch_tokens=int(max_batch_tokens), threads=threads)
         self.data_sockets = DataSockets(self.ctx, security, reply_timeout)
         self.session = BrokerSession(
             self.ctx, identity, self.name, self.broker_url, service, security=security, info=engine.target_info(),
             capacity=capacity, max_message_bytes=max_message_bytes, heartbeat_interval=heartbeat_interval,
             liveness=liveness, before_ready=self._before_ready,
-            handlers={WorkerCommand.REQUEST: self._on_request, WorkerCommand.BIND: self._on_bind,
-                      WorkerCommand.RELEASE: self._on_release, WorkerCommand.SET_VOCAB: self.vocab.store})
+            handlers={WorkerCommand.REQUEST: self._on_request, WorkerCommand.SET_VOCAB: self.vocab.store,
+                      **self.paths.handlers(self._submit_control)})
         self.outbox = Outbox(self.data_sockets, self._done)
         self._counts_lock = threading.Lock()  # the I/O thread counts DONEs; the HTTP thread reads them
         self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<plane>"
@@ -278,7 +276,7 @@ class Worker:
             counts = dict(self._done_counts)
         requests = {k: v for k, v in counts.items() if k != "tokens" and not k.startswith("bytes:")}
         reply_bytes = {k[len("bytes:"):]: v for k, v in counts.items() if k.startswith("bytes:")}
-        reply_bytes["nccl"] = self.pair.sent_bytes
+        reply_bytes.update(self.paths.sent_apart())  # NCCL's tensors: DONE counts only data messages
         info = self.engine.target_info()
         return {"info": {"worker": self.name, "service": self.service, "engine": info.engine, "model": info.model_name},
                 "requests": requests, "tokens": counts.get("tokens", 0), "reply_bytes": reply_bytes,
@@ -332,6 +330,7 @@ class Worker:
         that thread end after the forward it runs."""
         self.session.leave(self.drain.reason, drain=True)
         self.drain.start(now)
+        self.paths.begin_drain()
         for job in self.compute.take_queued():
             self._hand_back(job)
         self.compute.finish()
@@ -367,13 +366,11 @@ class Worker:
             self.drain.left = True
             self.drain.confirmed = self.session.confirm_left(LEAVE_CONFIRM_S)
         computing = not self.compute.join(0.5)
-        if not computing:
-            self.pair.close("worker stopping")
         linger = LEAVE_LINGER_MS if self.engine_error is not None else 0
         self.session.close(linger)
         wake.close(0)
         self.data_sockets.close_all(linger)
-        self.paths.close()
+        self.paths.close()  # waits for an NCCL transfer in progress; an abandoned forward's reply goes nowhere
         event(log, logging.INFO, "worker.stop", served=self.outbox.served,
               replies=",".join(f"{via}:{n}" for via, n in sorted(self.outbox.replies.items())) or "0",
               handed_back=self.drain.handed_back,
@@ -398,28 +395,16 @@ class Worker:
         with contextlib.suppress(Exception):  # connect now, while the forward runs (errors: when replying)
             self.data_sockets.get(*job.reply_route, time.monotonic())
 
-    def _on_bind(self, msg: Message) -> None:
-        if not msg.request_id:
-            raise ProtocolError("BIND without reply_to, prefix or request id")
-        if self.drain.started:  # the broker ended this binding when it read our LEAVE, and told the client
-            return
-        self.compute.submit(Job(msg.request_id, msg.header, [], time.monotonic(), control="bind"))  # checks it
-
-    def _on_release(self, msg: Message) -> None:
-        self._release(Release.from_json(msg.header).prefix)
-
-    def _release(self, prefix: str | None) -> None:
-        """The binding ``prefix`` ended; queued sends to it are skipped, the pair closed in order."""
-        if prefix is not None:
-            self.pair.mark_released(prefix)
-            self.compute.submit(Job(b"", Release(prefix).to_json(), [], time.monotonic(), control="release"))
+    def _submit_control(self, control: str, request_id: bytes, header: dict) -> None:
+        """Queue a reply path's control job (its message checked here: a bad one raises, answered by the session)."""
+        message = self.paths.control_messages[control].from_json(header)
+        self.compute.submit(Job(request_id, header, [], time.monotonic(), control=control, message=message))
 
     def _before_ready(self) -> bool:
         """Before each READY: False once the engine died or a drain began (it never registers again); otherwise forget
         what the broker forgets with a new registration (our binding, our vocab mappings)."""
         if self.engine_error is not None or self.drain.reason is not None:
             return False
-        if self.pair.prefix is not None:
-            self._release(self.pair.prefix)
+        self.paths.before_ready(self._submit_control)
         self.vocab.clear()
         return True
