@@ -42,8 +42,8 @@ class Route:
 class WorkerPaths:
     """A worker's halves of ``paths`` (those not off on it), in their order."""
 
-    def __init__(self, setup: WorkerSetup, paths: Sequence[type[ReplyPath]] = PATHS):
-        self.sides = [side for side in (path.worker(setup) for path in paths) if side is not None]
+    def __init__(self, setup: WorkerSetup, paths: Sequence[type[ReplyPath]] | None = None):
+        self.sides = [side for side in (path.worker(setup) for path in paths or PATHS) if side is not None]
         self.control_messages: dict[str, type[WireMessage]] = {}
         self._control_sides: dict[str, WorkerSide] = {}
         for side in self.sides:
@@ -130,8 +130,8 @@ class WorkerPaths:
 class ClientPaths:
     """A client's halves of ``paths`` (those not off on it), in their order."""
 
-    def __init__(self, setup: ClientSetup, paths: Sequence[type[ReplyPath]] = PATHS):
-        self.sides = [side for side in (path.client(setup) for path in paths) if side is not None]
+    def __init__(self, setup: ClientSetup, paths: Sequence[type[ReplyPath]] | None = None):
+        self.sides = [side for side in (path.client(setup) for path in paths or PATHS) if side is not None]
 
     def named(self, name: str) -> ClientSide | None:
         return next((side for side in self.sides if side.name == name), None)

@@ -191,6 +191,7 @@ class SupervisionRequest(WireMessage):
     nccl: bool = False
     host: str | None = None
     plane: Json | None = None
+    offers: Json | None = None  # {path name: its offer}, for reply paths with no field of their own
     reply_to: str = ""
     max_reply_bytes: int | None = None
     fingerprint: str | None = None
@@ -213,6 +214,7 @@ class SupervisionRequest(WireMessage):
             nccl=r.flag("nccl"),
             host=r.text("host"),
             plane=r.obj("plane"),
+            offers=r.obj("offers"),
             max_reply_bytes=r.integer("max_reply_bytes"),
             fingerprint=_fingerprint(r),
             vocab=r.text("vocab", error="REQUEST header 'vocab' must be a digest string"),
@@ -587,6 +589,7 @@ class Reply(WireMessage):
     pair: str | None = None
     specs: list[Any] | None = None
     plane: Json | None = None
+    path: Json | None = None  # {path name: where its bytes lie}, for reply paths with no field of their own
     fingerprint: str | None = None
     digests: dict[str, int] | None = None
 
@@ -598,7 +601,8 @@ class Reply(WireMessage):
             raise ProtocolError("DATA header 'digests' must map tensor names to integers")
         return cls(worker=r.required_text("worker"), compute_s=r.number("compute_s"),
                    batched=r.integer("batched", minimum=1), nccl=r.flag("nccl"), pair=r.text("pair"),
-                   specs=r.array("specs"), plane=r.obj("plane"), fingerprint=r.text("fingerprint"), digests=digests)
+                   specs=r.array("specs"), plane=r.obj("plane"), path=r.obj("path"), fingerprint=r.text("fingerprint"),
+                   digests=digests)
 
 
 @dataclasses.dataclass(frozen=True)
