@@ -7,6 +7,7 @@ thread (io_thread.py); the replies come back as one future per batch (assembly.p
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import types
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 
 from spec_serve.client import options
-from spec_serve.client.assembly import assemble, expand_later, shard_bounds
+from spec_serve.client.assembly import assemble, shard_bounds
+from spec_serve.client.compact import Expansion, SliceCache, expander_thread
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
@@ -26,17 +28,18 @@ from spec_serve.paths.base import ClientSetup
 from spec_serve.paths.nccl.client import NcclClient
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ClientCommand, Op
+from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
 from spec_serve.supervision.contract import (
+    Expected,
     Kind,
-    ReplySpecs,
     TargetInfo,
     reply_specs,
     validate_request,
     validate_vocab_mapping,
     weight_specs,
 )
+from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICE_BYTES, CLIENT_LM_HEAD_SLICES
 from spec_serve.transport.sockets import Security
 
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).
@@ -70,7 +73,7 @@ class RemoteTargetModel:
         heartbeat_interval: float | None = None,
         liveness: int | None = None,
         max_message_bytes: int | None = None,
-        compact: bool | None = None,
+        compact: bool | str | None = None,
         enable_nccl: bool | None = None,
         nccl_timeout: float | None = None,
         nccl_retry_s: float | None = None,
@@ -106,7 +109,7 @@ class RemoteTargetModel:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
 
-    def _setup(self, compact: bool, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float,
+    def _setup(self, compact: bool | str, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float,
                same_host_plane: bool | None) -> None:
         self._vocab_digest: str | None = None
         # The largest request payload the broker and this service's workers accept (learnt from STATUS).
@@ -115,13 +118,14 @@ class RemoteTargetModel:
         self._info: TargetInfo | None = None
         self._fingerprint: str | None = None  # of the target we set up with; every reply must match it
         self._closed = False
-        # Compact EAGLE-3: workers ship last hidden state + argmax; target_probs and position_mask
-        # are rebuilt here from the draft-vocab lm_head slice, cached per mapping digest on `device`.
-        self.compact = bool(compact)
-        self._lm_head_slices: dict[str, torch.Tensor] = {}
+        # Compact EAGLE-3 (compact.py): workers ship the last hidden state and argmax, and target_probs and
+        # position_mask are rebuilt here from the mapping's lm_head slice. True: every EAGLE-3 reply;
+        # "auto": those whose path leaves the worker's host (the worker picks, reply by reply); False: none.
+        self.compact = compact  # True, False or "auto" (client/options.py checked it)
+        self._slices = SliceCache(self._fetch_lm_head_slice, self._count_slice)
         self._selected_mask: torch.Tensor | None = None
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
-        self._expander = _expand_executor(self.device) if self.compact else None
+        self._expander = expander_thread(self.device)
         # Where replies come by (paths/registry.py, in its order): with enable_nccl, a worker of our own,
         # tensors over a private 2-rank group (docs/nccl.md; bound lazily by generate calls, every failure
         # falls back to frames); a same-host worker lends them through the plane (same_host_plane; default
@@ -166,8 +170,8 @@ class RemoteTargetModel:
         kind = Kind.parse(kind)
         info = self.target_info()
         validate_request(input_ids, attention_mask, loss_mask, info.vocab_size)
-        expand = self.compact and kind is Kind.EAGLE3
-        wire_kind = Kind.EAGLE3_COMPACT if expand else kind
+        wire_kind = Kind.EAGLE3_COMPACT if self.compact is True and kind is Kind.EAGLE3 else kind
+        auto = self.compact == "auto" and kind is Kind.EAGLE3  # the worker picks the format, reply by reply
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
         offers = self._paths.offer(Op.GENERATE.value)  # binds a worker of our own first, with enable_nccl
@@ -176,28 +180,35 @@ class RemoteTargetModel:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
             # The digest check may replace a shard's request with its retry (integrity.py).
             requests: list[tuple[SupervisionRequest, Sequence]] = [
-                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, offers)
+                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, offers, auto)
                 for lo, hi in bounds]
-            expects = [reply_specs(wire_kind, info, hi - lo, input_ids.shape[1], loss_mask.dtype, self._draft_vocab)
+            expects = [self._expected(wire_kind, auto, info, hi - lo, input_ids.shape[1], loss_mask.dtype)
                        for lo, hi in bounds]
             shards = [self._submit(header, payload, expect) for (header, payload), expect in zip(requests, expects)]
         except BaseException:
             self._credits.release()
             raise
+        expand = self._expansion() if auto or wire_kind is Kind.EAGLE3_COMPACT and kind is Kind.EAGLE3 else None
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
-                          self._digest_check(requests, expects))
-        if expand:
-            mapping = self._vocab_digest
-            assert mapping is not None  # EAGLE-3 without a mapping was refused above
-            assert self._selected_mask is not None  # set with the mapping (set_vocab_mapping)
-            assert self._expander is not None  # made in _setup whenever compact (expand implies it)
-            result = expand_later(result, self._lm_head_slices[mapping], self._selected_mask, self.device,
-                                  self._expander)
+                          self._digest_check(requests, expects), wire_kind.value, expand)
         result.add_done_callback(lambda _: self._credits.release())
         return result
 
+    def _expected(self, wire_kind: Kind, auto: bool, info: TargetInfo, rows: int, seq: int,
+                  loss_dtype: torch.dtype) -> Expected:
+        """What a shard's reply may hold: ``wire_kind``'s tensors or, when the worker picks (auto), compact ones."""
+        specs = reply_specs(wire_kind, info, rows, seq, loss_dtype, self._draft_vocab)
+        return Expected(specs, reply_specs(Kind.EAGLE3_COMPACT, info, rows, seq, loss_dtype, None) if auto else None)
+
+    def _expansion(self) -> Expansion:
+        """How this batch's compact shards become EAGLE-3 tensors: the current mapping's slice and mask."""
+        mapping, draft_vocab, mask = self._vocab_digest, self._draft_vocab, self._selected_mask
+        assert mapping is not None and draft_vocab is not None and mask is not None  # EAGLE-3 needs a mapping
+        return Expansion(functools.partial(self._slices.get, mapping, draft_vocab), mask, self.device,
+                         self._expander)
+
     def _shard_request(self, input_ids, attention_mask, loss_mask, lo: int, hi: int, wire_kind: Kind,
-                       offers: Mapping[str, Any]) -> tuple[SupervisionRequest, list]:
+                       offers: Mapping[str, Any], auto: bool) -> tuple[SupervisionRequest, list]:
         """The prepared header and payload of the request for rows ``lo:hi`` of a batch."""
         # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
         # after a broker restart, while the caller may already refill its input tensors.
@@ -210,23 +221,32 @@ class RemoteTargetModel:
         header: dict[str, Any] = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                   "tokens": int(attention_mask[lo:hi].sum())}
         header.update(offers)  # what the first path that offers needs (our bound worker; the plane's offer)
+        if auto:
+            header["format"] = ReplyFormat.AUTO.value
         return SupervisionRequest.from_json(self._prepare(header)), payload
 
     def lm_head_slice(self) -> torch.Tensor:
         """The draft-vocab rows ``[Vd, H]`` of the target's lm_head for the current mapping, on ``device``:
-        fetched from a worker once per mapping digest, then cached."""
+        fetched from a worker once per mapping digest, then cached (compact.py)."""
         mapping = self._vocab_digest
         if mapping is None:
             raise RuntimeError("call set_vocab_mapping first")
-        weight = self._lm_head_slices.get(mapping)
-        if weight is None:
-            assert self._draft_vocab is not None  # set with the mapping (set_vocab_mapping)
-            reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout},
-                                weight_specs(self.target_info(), self._draft_vocab))
-            weight = self._lm_head_slices[mapping] = reply["weight"]
-        return weight
+        assert self._draft_vocab is not None  # set with the mapping (set_vocab_mapping)
+        return self._slices.get(mapping, self._draft_vocab)
 
-    def _fetch(self, header: dict, expect: ReplySpecs) -> dict[str, torch.Tensor]:
+    def _fetch_lm_head_slice(self, mapping: str, draft_vocab: int) -> torch.Tensor:
+        reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout, "vocab": mapping},
+                            Expected(weight_specs(self.target_info(), draft_vocab)))
+        return reply["weight"]
+
+    def _count_slice(self, weight: torch.Tensor) -> None:
+        nbytes = weight.numel() * weight.element_size()
+        self.stats.lm_head_slices += 1
+        self.stats.lm_head_slice_bytes += nbytes
+        CLIENT_LM_HEAD_SLICES.labels(service=self.service).inc()
+        CLIENT_LM_HEAD_SLICE_BYTES.labels(service=self.service).inc(nbytes)
+
+    def _fetch(self, header: dict, expect: Expected) -> dict[str, torch.Tensor]:
         """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
         self.target_info()  # pins the target every reply must come from
         # With a worker of our own (enable_nccl) it answers these too, as frames: the pool may have none left.
@@ -267,14 +287,14 @@ class RemoteTargetModel:
         return header
 
     def _submit(self, header: SupervisionRequest | Mapping[str, Any], payload: Sequence,
-                expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+                expect: Expected | None = None) -> concurrent.futures.Future:
         """Send a prepared request (its fields as ``_prepare`` gives them are checked here, once);
         ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
         request = header if isinstance(header, SupervisionRequest) else SupervisionRequest.from_json(header)
         return self._io.submit(ClientCommand.REQUEST, self.service, request, payload, self.timeout, expect=expect)
 
     def _digest_check(self, requests: list[tuple[SupervisionRequest, Sequence]],
-                      expects: list[ReplySpecs]) -> DigestCheck:
+                      expects: list[Expected]) -> DigestCheck:
         """The check of one batch's landed shards against their workers' digests (integrity.py)."""
         return DigestCheck(requests, expects, self._submit, self._io.stats, self.service, self._paths)
 
@@ -290,7 +310,7 @@ class RemoteTargetModel:
         self._vocab_digest = digest
         self._draft_vocab = ids.numel()
         self._selected_mask = mask.to(self.device)
-        if self.compact:
+        if self.compact is True:  # every EAGLE-3 reply will need it; "auto" fetches it on its first compact one
             self.lm_head_slice()
 
     # ----------------------------------------------------------- target info
@@ -383,7 +403,7 @@ class RemoteTargetModel:
     def _embeddings(self, which: str) -> types.SimpleNamespace:
         info = self.target_info()
         reply = self._fetch({"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout},
-                            weight_specs(info, info.vocab_size))
+                            Expected(weight_specs(info, info.vocab_size)))
         return types.SimpleNamespace(weight=reply["weight"])
 
     # ------------------------------------------------------------- lifecycle
@@ -394,23 +414,13 @@ class RemoteTargetModel:
             self._closed = True
             self._paths.close()  # what peers hold for us goes back (an NCCL RELEASE) before the DISCONNECT
             self._io.close()
-            if self._expander is not None:
-                self._expander.shutdown(wait=False)
+            self._expander.shutdown(wait=False)
 
     def __enter__(self) -> RemoteTargetModel:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _expand_executor(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread compact batches are expanded on. It makes ``device`` current, as the caller's
-    thread would (else cuBLAS warns of no context)."""
-    if device.type == "cuda":
-        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand",
-                                                     initializer=torch.cuda.set_device, initargs=(device,))
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand")
 
 
 def _mismatch_message(title: str, diff: dict, ours: str, theirs: str) -> str:

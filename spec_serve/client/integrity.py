@@ -16,14 +16,14 @@ from spec_serve.client.stats import ClientStats
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest
 from spec_serve.protocol.messages import Reply, SupervisionRequest
-from spec_serve.supervision.contract import ReplySpecs
+from spec_serve.supervision.contract import Expected
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
 
 log = logging.getLogger("spec_serve.client")
 
 # Sends a prepared request again: (header, payload, what its reply must hold) -> its future.
-Resubmit = Callable[[SupervisionRequest, Sequence, ReplySpecs], concurrent.futures.Future]
+Resubmit = Callable[[SupervisionRequest, Sequence, Expected], concurrent.futures.Future]
 
 
 class DigestCheck:
@@ -34,7 +34,7 @@ class DigestCheck:
     worker goes back to the pool), and a second mismatch raises ``IntegrityError``. Runs on the I/O thread.
     """
 
-    def __init__(self, requests: list[tuple[SupervisionRequest, Sequence]], expects: list[ReplySpecs],
+    def __init__(self, requests: list[tuple[SupervisionRequest, Sequence]], expects: list[Expected],
                  resubmit: Resubmit,
                  stats: ClientStats, service: str, paths: ClientPaths):
         self.requests = requests

@@ -54,7 +54,7 @@ from spec_serve.protocol.messages import (
     VocabOk,
     WireMessage,
 )
-from spec_serve.supervision.contract import ReplySpecs, reply_bytes
+from spec_serve.supervision.contract import Expected
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.ingress import Ingress
@@ -196,12 +196,12 @@ class ClientIO(threading.Thread):
 
     def submit(self, command: ClientCommand, service: str, header: WireMessage, payload: Sequence,
                timeout: float, request_id: bytes | None = None, max_retries: int | None = None,
-               expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+               expect: Expected | None = None) -> concurrent.futures.Future:
         """Send a request; a future of its ``Received``. ``expect``: the tensors its reply must hold (checked
         before anything is allocated)."""
         pending = Pending(request_id or new_request_id(), command.value, service, header, list(payload),
                           concurrent.futures.Future(), timeout, max_retries=max_retries, expect=expect,
-                          expect_bytes=reply_bytes(expect) if expect else 0)
+                          expect_bytes=expect.nbytes if expect else 0)
         self.call(lambda: self._send_new(pending))
         return pending.future
 

@@ -21,6 +21,9 @@ class ClientStats:
     digest_checks: int = 0  # replies whose landed bytes were checked against the worker's digests (verify=)
     digest_mismatches: int = 0  # of those, replies that differed: never returned, retried once on another worker
     target_mismatches: int = 0  # replies (or broker refusals) from another target than we set up with: failed
+    compact_replies: int = 0  # EAGLE-3 replies that came compact (expanded here: compact=True, or "auto")
+    lm_head_slices: int = 0  # draft-vocab lm_head slices fetched for that (once per vocab mapping)
+    lm_head_slice_bytes: int = 0
     # Replies delivered, by the path that carried them (paths/registry.py: frames, plane, nccl, ...).
     replies: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Requests asked for again without a path that could not deliver them, by that path.

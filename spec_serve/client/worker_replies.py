@@ -18,7 +18,7 @@ from spec_serve.paths.base import Arrival, ClientSide, release
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
 from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply
-from spec_serve.supervision.contract import validate_reply
+from spec_serve.supervision.contract import Kind, validate_reply
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
 
@@ -58,7 +58,7 @@ class WorkerReplies:
                   payload: list) -> None:
         path = self.paths.carrying(reply)
         if path.tensors_follow:  # received even for a request already answered, or the worker's send stalls
-            expect = pending.expect if pending is not None else None
+            expect = pending.expect.for_kind(reply.kind) if pending is not None and pending.expect else None
             path.accept(Arrival(request_id, reply, header, payload, expect, self.requests.table.largest,
                                 self._no_asking_again))
             return
@@ -90,24 +90,33 @@ class WorkerReplies:
             return
         # Checked by the path; the bytes stay where they arrived until copied to the caller's tensors (assembly).
         tensors = path.accept(self._arrival(pending, path, reply, header, payload))
-        if tensors is None or not self._meets_contract(pending, reply.worker, tensors):
+        if tensors is None or not self._meets_contract(pending, reply, tensors):
             return
-        self.stats.replies[path.name] += 1
-        if reply.batched is not None and reply.batched > 1:
-            self.stats.batched += 1
+        self._count(pending, path.name, reply)
         self.requests.resolve(pending, Received(pending.request_id, reply, tensors))
 
+    def _count(self, pending: Pending, path: str, reply: Reply) -> None:
+        self.stats.replies[path] += 1
+        if reply.batched is not None and reply.batched > 1:
+            self.stats.batched += 1
+        request = pending.request
+        if (reply.kind or (request.supervision_kind if request is not None else None)) == Kind.EAGLE3_COMPACT.value:
+            self.stats.compact_replies += 1
+
     def _arrival(self, pending: Pending, path: ClientSide, reply: Reply, header: dict, payload: list) -> Arrival:
-        return Arrival(pending.request_id, reply, header, payload, pending.expect, self.max_message_bytes,
+        expect = pending.expect.for_kind(reply.kind) if pending.expect is not None else None
+        return Arrival(pending.request_id, reply, header, payload, expect, self.max_message_bytes,
                        lambda reason: self._ask_again(pending, path, reason))
 
-    def _meets_contract(self, pending: Pending, worker: str, tensors: Mapping[str, ReceivedTensor]) -> bool:
-        """Whether the reply holds what the request expects, checked before anything is allocated for it;
-        if not, it is dropped and the request retried."""
+    def _meets_contract(self, pending: Pending, reply: Reply, tensors: Mapping[str, ReceivedTensor]) -> bool:
+        """Whether the reply holds what the request expects (of the kind the reply names), checked before
+        anything is allocated for it; if not, it is dropped and the request retried."""
         if pending.expect is None:
             return True
+        worker = reply.worker
         try:
-            validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()}, pending.expect)
+            validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()},
+                           pending.expect.for_kind(reply.kind))
         except ValueError as e:
             release(tensors)
             self.stats.contract_violations += 1
@@ -189,7 +198,7 @@ class WorkerReplies:
             return
         if not self.same_target(pending, reply):
             return
-        self.stats.replies[path] += 1
+        self._count(pending, path, reply)
         self.requests.resolve(pending, Received(request_id, reply, tensors))
 
     def _count_path_fallback(self, pending: Pending, path: str, reason: str) -> None:

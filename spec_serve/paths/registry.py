@@ -24,8 +24,9 @@ from spec_serve.paths.base import (
 from spec_serve.paths.frames import FramesPath
 from spec_serve.paths.nccl import NcclPath
 from spec_serve.paths.plane import PlanePath
-from spec_serve.protocol.commands import Message, WorkerCommand
+from spec_serve.protocol.commands import Message, ReplyFormat, WorkerCommand
 from spec_serve.protocol.messages import Reply, SupervisionRequest, WireMessage
+from spec_serve.supervision.contract import Kind
 
 # Every reply path, in the order each reply tries them: the first that takes a reply carries it, and one
 # that cannot deliver it after all hands it on to the next that takes it. Frames take every reply: last.
@@ -34,9 +35,32 @@ PATHS: tuple[type[ReplyPath], ...] = (NcclPath, PlanePath, FramesPath)
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The path chosen for one reply."""
+    """The path chosen for one reply, and the supervision kind the engine computes for it (GENERATE)."""
 
     side: WorkerSide
+    kind: str | None = None
+    chosen: bool = False  # the worker chose the format (``format: auto``): the reply names its kind
+
+    @property
+    def reply_kind(self) -> str | None:
+        """The reply header's ``kind``: set when the worker chose it."""
+        return self.kind if self.chosen else None
+
+
+def reply_kind(request: SupervisionRequest, side: WorkerSide) -> tuple[str | None, bool]:
+    """The kind a GENERATE reply is computed as, and whether the worker chose it: the rule of
+    ``compact="auto"``, in one place. An EAGLE-3 request with ``format: auto`` is answered full when its path
+    keeps the reply on this host (``WorkerSide.local``: the same-host plane, NCCL to a client of this host)
+    and compact otherwise (frames, even on one host: the compact reply is a fifth of the bytes; NCCL across
+    hosts); the client expands a compact one on its device. Decided before the forward, from the path the
+    reply takes: if that path cannot deliver it after all (no free plane slot), the next path carries it as
+    computed (full over frames), and a request asked again without a path is routed, so decided, afresh."""
+    if not request.is_generate:
+        return None, False
+    kind = request.supervision_kind
+    if request.format != ReplyFormat.AUTO.value or kind != Kind.EAGLE3.value:
+        return kind, False
+    return (Kind.EAGLE3.value if side.local(request) else Kind.EAGLE3_COMPACT.value), True
 
 
 class WorkerPaths:
@@ -58,7 +82,7 @@ class WorkerPaths:
         """The first path that takes ``request``'s reply (``PathUnavailable`` if one it insists on cannot)."""
         for side in self.sides:
             if side.takes(request):
-                return Route(side)
+                return Route(side, *reply_kind(request, side))
         raise RuntimeError(f"no reply path takes this request (paths: {[s.name for s in self.sides]})")
 
     def deliver(self, routes: Sequence[Route], items: Sequence[Delivery]) -> list[Outgoing]:

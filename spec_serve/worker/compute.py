@@ -192,12 +192,13 @@ class ComputeLoop:
         backlog.extendleft(reversed(rest))
         return group
 
-    def _pack_key(self, job: Job) -> tuple[tuple[str, str | None], int] | None:
+    def _pack_key(self, job: Job) -> tuple[tuple[str | None, str | None], int] | None:
         """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
         job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
         if job.control is not None or job.refused is not None or not job.request.is_generate or job.request.nccl:
             return None
         try:
+            kind = self.executor.route(job).kind  # the kind its path's format asks for (compact="auto")
             tensors = self.executor.request_tensors(job)
             ids = tensors["input_ids"]
             if ids.dim() != 2 or any(t.shape != ids.shape for t in tensors.values()):
@@ -207,4 +208,4 @@ class ComputeLoop:
             return None  # served alone, which reports the error
         if lengths is None:
             return None
-        return (job.request.supervision_kind, job.request.vocab), sum(lengths)
+        return (kind, job.request.vocab), sum(lengths)

@@ -64,24 +64,27 @@ class Executor:
         return error_result(job, self.name, code, message)
 
     def _serve(self, job: Job, start: float) -> Result:
-        route = self._route(job)
-        tensors, tokens = self._execute(job)
-        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6),
+        route = self.route(job)
+        tensors, tokens = self._execute(job, route)
+        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), kind=route.reply_kind,
                       **self._integrity([job], [tensors])[0])
         outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
         return self._within_client_limit(Result.delivered(job, outgoing, tokens))
 
-    def _route(self, job: Job) -> Route:
-        """The reply path of ``job`` (before its forward); ``unavailable`` if the path it insists on cannot."""
-        try:
-            return self.paths.route(job.request)
-        except PathUnavailable as e:
-            raise RequestError(ErrorCode.UNAVAILABLE, str(e)) from None
+    def route(self, job: Job) -> Route:
+        """The reply path of ``job`` and the kind it computes (chosen before the forward, once: cached on the
+        job); ``unavailable`` if the path the request insists on cannot carry it."""
+        if job.route is None:
+            try:
+                job.route = self.paths.route(job.request)
+            except PathUnavailable as e:
+                raise RequestError(ErrorCode.UNAVAILABLE, str(e)) from None
+        return job.route
 
-    def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
+    def _execute(self, job: Job, route: Route) -> tuple[dict[str, torch.Tensor], int]:
         op = job.request.operation
         if op == Op.GENERATE.value:
-            return self._generate(job)
+            return self._generate(job, Kind.parse(cast(str, route.kind)))
         if op == Op.EMBEDDINGS.value:
             which = job.request.which
             if which == "input":
@@ -97,8 +100,7 @@ class Executor:
             return {"weight": weight.index_select(0, ids.to(weight.device)).to("cpu")}, 0
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
 
-    def _generate(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
-        kind = Kind.parse(job.request.supervision_kind)
+    def _generate(self, job: Job, kind: Kind) -> tuple[dict[str, torch.Tensor], int]:
         tensors = self.request_tensors(job)
         self.vocab.select(self.engine, kind, job.request.vocab)
         input_ids, attention_mask, loss_mask = (tensors[n] for n in REQUEST_TENSORS)
@@ -133,14 +135,16 @@ class Executor:
             return [self.serve(jobs[0])]
         start = time.perf_counter()
         try:
-            kind = Kind.parse(jobs[0].request.supervision_kind)
+            routes = [self.route(job) for job in jobs]
+            kind = Kind.parse(cast(str, routes[0].kind))  # the same for all: ComputeLoop groups by it
             parts = [self.request_tensors(job) for job in jobs]
             self.vocab.select(self.engine, kind, jobs[0].request.vocab)
             requests = [(p["input_ids"], p["attention_mask"], p["loss_mask"]) for p in parts]  # REQUEST_TENSORS
             outs = self._packing_engine().generate_packed(requests, kind=kind.value)
             elapsed = round(time.perf_counter() - start, 6)
-            results = self._split_replies(jobs, parts, outs, Reply(worker=self.name, compute_s=elapsed,
-                                                                   batched=len(jobs)))
+            results = self._split_replies(jobs, routes, parts, outs, Reply(worker=self.name, compute_s=elapsed,
+                                                                           batched=len(jobs),
+                                                                           kind=routes[0].reply_kind))
             self.batches += 1
             return [self._within_client_limit(result) for result in results]
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
@@ -149,11 +153,12 @@ class Executor:
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
 
-    def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], base: Reply) -> list[Result]:
+    def _split_replies(self, jobs: list[Job], routes: list[Route], parts: list[dict], outs: list[dict],
+                       base: Reply) -> list[Result]:
         """One reply per job of a packed forward, each through its path (frames: one host slab for all of
         them, released once per reply; the same-host plane: a slot each)."""
         integrity = self._integrity(jobs, outs)
-        outgoing = self.paths.deliver([self._route(job) for job in jobs],
+        outgoing = self.paths.deliver(routes,
                                       [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))
                                        for job, out, checks in zip(jobs, outs, integrity)])
         return [Result.delivered(job, reply, int(part["attention_mask"].sum()))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from spec_serve.paths.base import Loan, Outgoing
+from spec_serve.paths.registry import Route
 from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
 from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
 
@@ -34,6 +35,7 @@ class Job:
     # A control job's message comes parsed (WorkerPaths.control_messages); a request's is parsed here.
     message: WireMessage | None = None
     refused: str | None = dataclasses.field(init=False, default=None)  # why its header is invalid: bad_request
+    route: Route | None = dataclasses.field(init=False, default=None)  # its reply's path and kind, once chosen
 
     def __post_init__(self) -> None:
         """A request whose header does not check out is still answered (bad_request) at its ``reply_to``,
