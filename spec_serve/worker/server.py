@@ -7,9 +7,10 @@ telling the broker DONE. The compute thread runs the engine, one batch at a
 time, and hands encoded replies back through a queue plus an inproc wake-up.
 
 The parts, one module each: ``session`` (the broker session), ``replies`` (data sockets and reply
-delivery), ``compute`` (the compute thread and batching), ``executor`` (a job on the engine, and its
-reply's payload), ``vocab_store``, ``nccl_pair`` and ``faults`` (test-only fault injection).
-``Worker`` composes them; its ``run`` is the I/O thread's busy loop.
+delivery), ``compute`` (the compute thread and batching), ``executor`` (a job on the engine, handed to
+its reply path), ``vocab_store``; the reply paths' worker halves (spec_serve/paths, ``self.paths``).
+``Worker`` composes them; its ``run`` is the I/O thread's busy loop. ``paths.close()`` releases what
+every reply path holds (pair group, shared memory, CUDA IPC handles); ``run`` calls it on the way out.
 """
 
 from __future__ import annotations
