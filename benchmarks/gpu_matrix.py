@@ -11,6 +11,9 @@ every batch a client gets with ``torch.equal`` against the colocated forward of 
   plane   the same-host plane (CUDA IPC): EAGLE-3 full and compact x shards 1, 2, and DSpark, prefetch
           2, on each client device
   nccl    EAGLE-3 full and compact, client on another device (NCCL pairs two GPUs; on CPU: gloo)
+  auto    the client's default, compact="auto": frames (shards 1, 2: the worker answers compact, checked
+          against the colocated compact batch expanded; ``equal_to_full`` counts the batches also bit-equal to
+          the full forward), the plane and NCCL (same host: the worker answers full)
 
 Prints one line per cell as it finishes and a matrix of equal/total at the end; writes JSON after
 every cell (a run cut short still leaves its cells). A cell that fails or outlives ``--cell-timeout``
@@ -48,14 +51,19 @@ from spec_serve.tools.verify import expanded, mismatch, sharded_forward  # noqa:
 class Cell:
     path: str  # "frames", "plane" (the same-host plane) or "nccl"
     kind: str  # "eagle3" or "dspark"
-    compact: bool
+    compact: bool | str  # True, False or "auto" (the worker picks by path)
     prefetch: int
     shards: int
     client_device: str
 
     @property
+    def compact_wire(self) -> bool:
+        """Whether its replies travel compact: compact=True, or "auto" over frames (the same host otherwise)."""
+        return self.compact is True or (self.compact == "auto" and self.path == "frames")
+
+    @property
     def name(self) -> str:
-        what = f"{self.kind}{'_compact' if self.compact else ''}"
+        what = f"{self.kind}{'_compact' if self.compact is True else '_auto' if self.compact == 'auto' else ''}"
         return f"{self.path:<6} {what:<15} p{self.prefetch} s{self.shards} client {self.client_device}"
 
 
@@ -69,18 +77,21 @@ def plan(devices: list[str]) -> tuple[list[Cell], list[tuple[str, str]]]:
                 for shards in (1, 2):
                     cells.append(Cell("frames", "eagle3", compact, prefetch, shards, client))
         cells.append(Cell("frames", "dspark", False, 2, 1, client))
+        cells += [Cell("frames", "eagle3", "auto", 2, shards, client) for shards in (1, 2)]
         for compact in (False, True):
             for shards in (1, 2):
                 cells.append(Cell("plane", "eagle3", compact, 2, shards, client))
         cells.append(Cell("plane", "dspark", False, 2, 1, client))
+        cells.append(Cell("plane", "eagle3", "auto", 2, 2, client))
     if not others and worker.startswith("cuda"):
         skipped.append(("client on another GPU", "one GPU here"))
     nccl_client = others[0] if others else (worker if worker == "cpu" else None)
-    for compact in (False, True):
+    for compact in (False, True, "auto"):
+        cell = Cell("nccl", "eagle3", compact, 2, 1, nccl_client or "cuda:1")
         if nccl_client is None:
-            skipped.append((f"nccl eagle3{'_compact' if compact else ''}", "NCCL pairs two GPUs; one GPU here"))
+            skipped.append((f"nccl {cell.name.split()[1]}", "NCCL pairs two GPUs; one GPU here"))
         else:
-            cells.append(Cell("nccl", "eagle3", compact, 2, 1, nccl_client))
+            cells.append(cell)
     return cells, skipped
 
 
@@ -114,12 +125,12 @@ class References:
 
     def get(self, i: int, cell: Cell, shards: int | None = None) -> dict[str, torch.Tensor]:
         shards = cell.shards if shards is None else shards
-        wire_kind = "eagle3_compact" if cell.compact else cell.kind
+        wire_kind = "eagle3_compact" if cell.compact_wire else cell.kind
         key = (i, wire_kind, shards)
         if key not in self._raw:
             self._raw[key] = sharded_forward(self.engine, self.batches[i], wire_kind, shards)
         raw = self._raw[key]
-        return expanded(raw, self.lm_head, self.mapping[1], cell.client_device) if cell.compact else raw
+        return expanded(raw, self.lm_head, self.mapping[1], cell.client_device) if cell.compact_wire else raw
 
 
 def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float, verify: str) -> dict:
@@ -130,6 +141,9 @@ def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float
     row = {"equal": 0, "total": len(refs.batches), "first_mismatch": None}
     if cell.shards > 1:
         row["equal_to_unsharded"] = 0  # informative: a GPU may give rows computed with others other low bits
+    full = dataclasses.replace(cell, compact=False)
+    if cell.compact == "auto" and cell.compact_wire:
+        row["equal_to_full"] = 0  # informative: compact expanded here against the full forward, bit for bit
     with RemoteTargetModel(frontend, device=cell.client_device, prefetch_depth=cell.prefetch, num_shards=cell.shards,
                            compact=cell.compact, enable_nccl=cell.path == "nccl", timeout=request_timeout,
                            max_retries=1, verify=verify, same_host_plane=cell.path == "plane") as client:
@@ -143,15 +157,20 @@ def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float
                 row["first_mismatch"] = f"batch {i}: {wrong}"
             if cell.shards > 1:
                 row["equal_to_unsharded"] += mismatch(got, refs.get(i, cell, shards=1)) is None
+            if "equal_to_full" in row:
+                row["equal_to_full"] += mismatch(got, refs.get(i, full)) is None
             del got
         stats = client.stats
     row.update(retried=stats.retried, nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
                digest_checks=stats.digest_checks, digest_mismatches=stats.digest_mismatches,
-               plane_replies=stats.plane_replies, plane_fallbacks=stats.plane_fallbacks)
+               plane_replies=stats.plane_replies, plane_fallbacks=stats.plane_fallbacks,
+               compact_replies=stats.compact_replies, lm_head_slices=stats.lm_head_slices)
     if cell.path == "nccl" and stats.nccl_batches < row["total"]:
         row["note"] = f"only {stats.nccl_batches} of {row['total']} batches came over NCCL (fell back to frames)"
     if cell.path == "plane" and stats.plane_replies < row["total"] * cell.shards:
         row["note"] = f"only {stats.plane_replies} of {row['total'] * cell.shards} replies came through the plane"
+    if cell.compact == "auto" and stats.compact_replies != (row["total"] * cell.shards if cell.compact_wire else 0):
+        row["format"] = f"{stats.compact_replies} of {row['total'] * cell.shards} replies came compact"
     return row
 
 
@@ -179,6 +198,8 @@ def _status(row: dict) -> str:
         return "DIFFERS"
     if row.get("digest_mismatches"):
         return "DIGEST"
+    if row.get("format"):
+        return "FORMAT"  # compact="auto" answered otherwise than its rule says
     return "fallback" if row.get("note") else "ok"
 
 
@@ -211,6 +232,10 @@ def format_matrix(rows: list[dict], skipped: list[tuple[str, str]]) -> str:
             extra = (extra + "; " if extra else "") + f"{r['digest_mismatches']} replies failed the digest check"
         if "equal_to_unsharded" in r:
             extra = (extra + "; " if extra else "") + f"unsharded-equal {r['equal_to_unsharded']}/{r['total']}"
+        if "equal_to_full" in r:
+            extra = (extra + "; " if extra else "") + f"full-equal {r['equal_to_full']}/{r['total']}"
+        if r.get("format"):
+            extra = (extra + "; " if extra else "") + r["format"]
         lines.append(f"{r['cell']:<58}{equal:>9}  {r['status']}  {extra}".rstrip())
     for what, why in skipped:
         lines.append(f"{what:<58}{'-':>9}  skipped  {why}")

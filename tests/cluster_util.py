@@ -227,7 +227,7 @@ def start_swap_worker(cluster, target, swap_to, after: int, service: str) -> sub
 def hold_plane_copies(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """From now on, clients in this process map same-host replies but wait before copying them out (so the
     worker's slot stays lent): returns (copying, go_on), set when a copy starts and to let copies proceed."""
-    from spec_serve.transport import samehost
+    from spec_serve.paths.plane import samehost
 
     copying, go_on = threading.Event(), threading.Event()
     copy_into = samehost._Span.copy_into
@@ -424,8 +424,8 @@ def _holding_client_main(argv: list[str]) -> None:
     import argparse
 
     from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.paths.plane import samehost
     from spec_serve.tools.tiny import sample_batch
-    from spec_serve.transport import samehost
 
     p = argparse.ArgumentParser(prog="cluster_util.py holding-client")
     p.add_argument("--broker", required=True)

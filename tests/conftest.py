@@ -61,7 +61,7 @@ def pytest_sessionfinish(session, exitstatus):
     """A worker a test SIGKILLs leaves its same-host plane segments for the next worker on the host to reap
     (docs/ARCHITECTURE.md); after the last test no worker follows, so reap them here: a test run leaves no
     /dev/shm file of a dead test worker behind."""
-    from spec_serve.transport import shm
+    from spec_serve.paths.plane import shm
 
     reaped = shm.reap()
     if reaped:

@@ -2,7 +2,7 @@
 
 Cluster tests cover the end to end path (``torch.equal`` to colocated, 1 and 2 shards); these pin
 down what they cannot reach: shards arriving out of order, multi-frame tensors, NCCL-style device
-tensors mixed in, and shards that do not fit together.
+tensors mixed in, shards that do not fit together, and shards in both EAGLE-3 formats.
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ import pytest
 import torch
 
 from spec_serve.client.assembly import assemble
+from spec_serve.client.compact import Expansion
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received
+from spec_serve.paths.frames.hostpool import RecyclingAllocator
 from spec_serve.protocol import wire
-from spec_serve.transport.hostpool import RecyclingAllocator
+from spec_serve.protocol.messages import Reply
+from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.tools.tiny import sample_batch
+from spec_serve.tools.verify import sharded_forward
 
 
 def _reply(tensors: dict[str, torch.Tensor]) -> Received:
@@ -90,4 +95,43 @@ def test_failed_shard_fails_the_batch_once():
     futures[1].set_exception(TimeoutError("worker gone"))
     futures[0].set_result(_reply(_batch(1, 6)))  # arrives after the failure: ignored
     with pytest.raises(TimeoutError, match="worker gone"):
+        out.result(timeout=5)
+
+
+def test_shards_in_both_formats_make_one_eagle3_batch(tiny_target_dir, tiny_vocab_mapping, colocated_target):
+    """compact="auto": a worker may answer one shard full and another compact. The compact rows are expanded
+    over the whole batch's shape and the full rows taken as they came: each row bit-equal to its own
+    reference (the full shard's forward; the colocated compact batch expanded)."""
+    engine = colocated_target()
+    batch = sample_batch(tiny_target_dir, 4, 24, seed=3)
+    full = sharded_forward(engine, batch, "eagle3", shards=2)
+    compact = sharded_forward(engine, batch, "eagle3_compact", shards=2)
+    weight = lm_head_slice(engine.get_output_embeddings().weight, tiny_vocab_mapping[0])
+    expanded = expand_compact({k: v.clone() for k, v in compact.items()}, weight, tiny_vocab_mapping[1])
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    expansion = Expansion(lambda: weight, tiny_vocab_mapping[1], torch.device("cpu"), executor)
+    for first in ("eagle3", "eagle3_compact"):  # the full shard first, then the compact one first
+        futures = [concurrent.futures.Future(), concurrent.futures.Future()]
+        out = assemble(futures, [2, 2], torch.device("cpu"), RecyclingAllocator(), asked="eagle3", expand=expansion)
+        kinds = [first, "eagle3_compact" if first == "eagle3" else "eagle3"]
+        for k in (1, 0):
+            source = full if kinds[k] == "eagle3" else compact
+            rows = {name: t[2 * k : 2 * k + 2].contiguous() for name, t in source.items()}
+            futures[k].set_result(Received(b"", Reply(worker="w", kind=kinds[k]), wire.parse(wire.encode(rows))[0]))
+        got = out.result(timeout=30)
+        assert sorted(got) == sorted(full)
+        for k in (0, 1):
+            want = full if kinds[k] == "eagle3" else expanded
+            for name in full:
+                assert torch.equal(got[name][2 * k : 2 * k + 2], want[name][2 * k : 2 * k + 2]), (first, k, name)
+    executor.shutdown()
+
+
+def test_shards_in_two_formats_without_an_expansion_fail_clearly():
+    futures = [concurrent.futures.Future(), concurrent.futures.Future()]
+    out = assemble(futures, [1, 1], torch.device("cpu"), RecyclingAllocator(), asked="eagle3")
+    futures[0].set_result(Received(b"", Reply(worker="w", kind="eagle3"), wire.parse(wire.encode(_batch(1, 7)))[0]))
+    futures[1].set_result(Received(b"", Reply(worker="w", kind="eagle3_compact"),
+                                   wire.parse(wire.encode(_batch(1, 8)))[0]))
+    with pytest.raises(RemoteError, match="different kinds"):
         out.result(timeout=5)

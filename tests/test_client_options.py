@@ -152,7 +152,8 @@ def test_remote_target_model_takes_its_options_from_the_environment(monkeypatch)
     with RemoteTargetModel() as client:
         assert (client.num_shards, client.compact, client.prefetch_depth, client.verify, client.timeout,
                 client.service) == (2, True, 3, "sampled", 9.0, "llama")
-        assert client._io.plane is None
+        plane = client._io.paths.named("plane") if client._io.paths is not None else None
+        assert plane is not None and plane.offer("generate") is None  # the plane is off: nothing offered
     with RemoteTargetModel(num_shards=1, compact=False, timeout=4) as client:  # arguments win
         assert (client.num_shards, client.compact, client.timeout) == (1, False, 4.0)
     monkeypatch.setenv("SPEC_SERVE_NUM_SHARDS", "-2")

@@ -14,6 +14,7 @@ import torch
 
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICES
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 
@@ -71,3 +72,82 @@ def test_compact_needs_a_mapping(cluster, tiny_target_dir):
         batch = sample_batch(tiny_target_dir, 1, 8, seed=0)
         with pytest.raises(RuntimeError, match="set_vocab_mapping"):
             remote.generate_batch(*batch, kind="eagle3")
+
+
+def _slices_metric(service: str) -> float:
+    return CLIENT_LM_HEAD_SLICES.labels(service=service)._value.get()
+
+
+def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_target_dir, tiny_vocab_mapping,
+                                                                colocated_target):
+    """compact="auto", the default: a reply that leaves the worker's host (frames; here the plane is off, as a
+    client on another host has it) comes compact and is expanded here, bit-equal to the colocated compact
+    batch expanded, within the [Vd,H] GEMM's rounding of the full batch (tests/test_hf_engine.py); the
+    lm_head slice is fetched once per mapping, counted. Through the plane the same client setup gets full
+    replies and fetches nothing."""
+    engine = colocated_target()
+    ids_map, mask_map = tiny_vocab_mapping
+    colocated_slice = lm_head_slice(engine.get_output_embeddings().weight, ids_map)
+    before = _slices_metric("default")
+    with RemoteTargetModel(cluster.frontend, same_host_plane=False, num_shards=2, prefetch_depth=2,
+                           timeout=60) as remote:
+        assert remote.compact == "auto"
+        remote.set_vocab_mapping(ids_map, mask_map)
+        assert remote.stats.lm_head_slices == 0  # fetched on the first compact reply, not before
+        batches = [sample_batch(tiny_target_dir, 4, 40, seed=seed) for seed in range(3)]
+        futures = [remote.generate_batch_async(*batch, kind="eagle3") for batch in batches]
+        for batch, future in zip(batches, futures):
+            got = future.result()
+            want = expand_compact(engine.generate_batch(*batch, kind="eagle3_compact"), colocated_slice, mask_map)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+            full = engine.generate_batch(*batch, kind="eagle3")
+            assert all(torch.equal(got[k], full[k]) for k in full if k != "target_probs")
+            assert float((got["target_probs"] - full["target_probs"]).abs().max()) <= 1e-6
+        stats = remote.stats
+        assert stats.compact_replies == 6 and stats.plane_replies == 0
+        assert stats.replies["frames"] == 6 + 1  # the six shards and the one lm_head slice
+        assert stats.lm_head_slices == 1 and stats.lm_head_slice_bytes == colocated_slice.numel() * 4
+        assert _slices_metric("default") == before + 1
+        other = (ids_map.flip(0), mask_map)  # another mapping (same ids, another order): one more slice
+        remote.set_vocab_mapping(*other)
+        remote.generate_batch(*batches[0], kind="eagle3")
+        assert remote.stats.lm_head_slices == 2
+    with RemoteTargetModel(cluster.frontend, num_shards=2, timeout=60) as local:
+        local.set_vocab_mapping(ids_map, mask_map)
+        for batch in batches:
+            got, full = local.generate_batch(*batch, kind="eagle3"), engine.generate_batch(*batch, kind="eagle3")
+            assert got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
+        assert local.stats.plane_replies == 6 and local.stats.compact_replies == 0
+        assert local.stats.lm_head_slices == 0
+
+
+def test_compact_must_be_true_false_or_auto(cluster):
+    with pytest.raises(ValueError, match="not valid for compact: one of .*auto"):
+        RemoteTargetModel(cluster.frontend, compact="sometimes", timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mixed(cluster, tiny_target_dir):
+    """Two workers of one service on this host: one lends replies through the plane, one has it off."""
+    cluster.start_worker(tiny_target_dir, service="mixed")
+    cluster.start_worker(tiny_target_dir, service="mixed", env={"SPEC_SERVE_SAME_HOST_PLANE": "0"})
+    cluster.wait_workers(2, service="mixed")
+    return cluster
+
+
+def test_auto_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, tiny_vocab_mapping,
+                                                        colocated_target):
+    """Shards served by a worker that lends through the plane come full, by one that cannot compact; every
+    batch is the EAGLE-3 contract either way (the mixed assembly itself: tests/test_assemble.py)."""
+    engine = colocated_target()
+    with RemoteTargetModel(mixed.frontend, service="mixed", num_shards=2, prefetch_depth=2, timeout=60) as remote:
+        remote.set_vocab_mapping(*tiny_vocab_mapping)
+        batches = [sample_batch(tiny_target_dir, 4, 32, seed=20 + seed) for seed in range(6)]
+        futures = [remote.generate_batch_async(*batch, kind="eagle3") for batch in batches]
+        for batch, future in zip(batches, futures):
+            got, full = future.result(), engine.generate_batch(*batch, kind="eagle3")
+            assert got.keys() == full.keys()
+            assert all(torch.equal(got[k], full[k]) for k in full if k != "target_probs")
+            assert float((got["target_probs"] - full["target_probs"]).abs().max()) <= 1e-6
+        stats = remote.stats
+        assert 0 < stats.compact_replies < 12 and stats.plane_replies == 12 - stats.compact_replies, stats

@@ -30,17 +30,20 @@ def test_plan_covers_the_paths():
     matrix = _module()
     one_gpu, skipped = matrix.plan(["cuda:0"])
     names = [c.name for c in one_gpu]
-    assert len(one_gpu) == 18 and {c.path for c in one_gpu} == {"frames", "plane"}
+    assert len(one_gpu) == 21 and {c.path for c in one_gpu} == {"frames", "plane"}
     assert {(c.compact, c.prefetch, c.shards) for c in one_gpu if c.kind == "eagle3" and c.path == "frames"} == {
-        (compact, p, s) for compact in (False, True) for p in (1, 2, 4) for s in (1, 2)}
+        (compact, p, s) for compact in (False, True) for p in (1, 2, 4) for s in (1, 2)} | {
+        ("auto", 2, 1), ("auto", 2, 2)}
     assert {(c.kind, c.compact, c.shards) for c in one_gpu if c.path == "plane"} == {
-        ("eagle3", compact, s) for compact in (False, True) for s in (1, 2)} | {("dspark", False, 1)}
-    assert any("dspark" in n for n in names) and len(skipped) == 3  # other GPU, nccl full and compact
+        ("eagle3", compact, s) for compact in (False, True) for s in (1, 2)} | {
+        ("dspark", False, 1), ("eagle3", "auto", 2)}
+    assert any("dspark" in n for n in names) and len(skipped) == 4  # other GPU, nccl full, compact and auto
+    assert [c.compact_wire for c in one_gpu if c.compact == "auto"] == [True, True, False]  # frames, frames, plane
     two_gpus, skipped = matrix.plan(["cuda:0", "cuda:1"])
-    assert not skipped and len(two_gpus) == 38
+    assert not skipped and len(two_gpus) == 45
     assert {c.client_device for c in two_gpus if c.path == "nccl"} == {"cuda:1"}
     cpu, skipped = matrix.plan(["cpu"])
-    assert not skipped and [c.compact for c in cpu if c.path == "nccl"] == [False, True]  # gloo on CPU
+    assert not skipped and [c.compact for c in cpu if c.path == "nccl"] == [False, True, "auto"]  # gloo on CPU
 
 
 def test_matrix_on_cpu_is_all_equal(tmp_path):
@@ -50,13 +53,17 @@ def test_matrix_on_cpu_is_all_equal(tmp_path):
                            "--seq", "32", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["all_equal"] and len(report["cells"]) == 20
+    assert report["all_equal"] and len(report["cells"]) == 24
     for row in report["cells"]:
         assert row["status"] == "ok" and row["equal"] == row["total"] == 2, row
     assert all(r["nccl_batches"] == 2 for r in report["cells"] if r["path"] == "nccl")
     assert all(r["plane_replies"] == 0 for r in report["cells"] if r["path"] == "frames")
     assert all(r["plane_replies"] == 2 * r["shards"] for r in report["cells"] if r["path"] == "plane")
     assert "ALL EQUAL" in proc.stdout and "nccl   eagle3_compact" in proc.stdout
+    auto = {(r["path"], r["shards"]): r for r in report["cells"] if r["compact"] == "auto"}
+    assert [auto[("frames", s)]["compact_replies"] for s in (1, 2)] == [2, 4]  # compact across "hosts"
+    assert auto[("plane", 2)]["compact_replies"] == auto[("nccl", 1)]["compact_replies"] == 0  # full on one host
+    assert all(r["lm_head_slices"] == 1 for (path, _), r in auto.items() if path == "frames")
 
 
 def test_a_cell_that_cannot_run_is_reported(tiny_target_dir, tiny_vocab_mapping, colocated_target):

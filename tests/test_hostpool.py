@@ -2,7 +2,7 @@
 
 import torch
 
-from spec_serve.transport.hostpool import HostBufferPool, RecyclingAllocator, to_host
+from spec_serve.paths.frames.hostpool import HostBufferPool, RecyclingAllocator, to_host
 
 
 def test_recycling_allocator_replaces_an_idle_buffer_when_full():

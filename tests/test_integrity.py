@@ -160,9 +160,12 @@ def test_corrupted_nccl_reply_is_caught_and_resent_as_frames(cluster, tiny_targe
         client.set_vocab_mapping(*tiny_vocab_mapping)
         x = inputs(tiny_target_dir, 30)
         assert_equal_batches(client.generate_batch(*x), reference.generate_batch(*x))
-        # Received over the group, mismatched, binding dropped, re-sent as frames to the (now sound) worker.
+        # Received over the group, mismatched, binding dropped, re-sent as frames to the (now sound) worker;
+        # frames leave the pair group's host-local rule, so compact="auto" has the retry answered compact
+        # (one more digest check: the lm_head slice it fetched to expand it).
         stats = client.stats
-        assert (stats.nccl_batches, stats.digest_mismatches, stats.digest_checks) == (1, 1, 2), stats
+        assert (stats.nccl_batches, stats.digest_mismatches, stats.digest_checks) == (1, 1, 3), stats
+        assert (stats.compact_replies, stats.lm_head_slices) == (1, 1), stats
         x = inputs(tiny_target_dir, 31)
         assert_equal_batches(client.generate_batch(*x), reference.generate_batch(*x))
         assert client.stats.nccl_batches == 2 and client.bound_worker is not None  # bound again

@@ -38,8 +38,8 @@ from cluster_util import (
     wait_until,
 )
 from spec_serve.client.api import RemoteTargetModel
+from spec_serve.paths.plane import shm
 from spec_serve.tools.launch import local_cluster
-from spec_serve.transport import shm
 
 
 @pytest.fixture(scope="module")

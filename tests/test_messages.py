@@ -28,8 +28,8 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.SupervisionRequest, {"op": "generate", "kind": "dspark", "timeout": 30, "tokens": 0, "plane": PLANE_OFFER,
                             "reply_to": "ipc:///tmp/x", "max_reply_bytes": 10}),
     (m.SupervisionRequest, {"op": "generate", "kind": "eagle3_compact", "timeout": 5, "tokens": 3, "bound": "w1",
-                            "nccl": True, "reply_to": "tcp://h:1", "max_reply_bytes": 1, "vocab": "v",
-                            "client": "c0ffee"}),
+                            "nccl": True, "host": "boot-1:net-2", "reply_to": "tcp://h:1", "max_reply_bytes": 1,
+                            "vocab": "v", "client": "c0ffee"}),
     (m.SupervisionRequest, {"op": "embeddings", "which": "input", "timeout": 5, "reply_to": "tcp://h:1",
                             "max_reply_bytes": 1, "fingerprint": "f", "avoid": "w2"}),
     (m.BrokerHeartbeat, {"broker": "b" * 32}),
@@ -98,7 +98,7 @@ def test_absent_keys_read_as_their_defaults() -> None:
 
 def test_unbound_drops_the_binding_only() -> None:
     request = m.SupervisionRequest.from_json(SENT[2][1])
-    assert request.unbound().to_json() == {k: v for k, v in SENT[2][1].items() if k not in ("bound", "nccl")}
+    assert request.unbound().to_json() == {k: v for k, v in SENT[2][1].items() if k not in ("bound", "nccl", "host")}
 
 
 BAD: list[tuple[type[m.WireMessage], dict[str, Any], str]] = [

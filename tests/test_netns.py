@@ -1,5 +1,7 @@
 """Several hosts: broker, two workers and a client in separate network namespaces joined by veth
-links to a bridge; cut one worker's link mid-run, nothing is lost; restore it, the worker rejoins.
+links to a bridge; cut one worker's link mid-run, nothing is lost; restore it, the worker rejoins. And
+the netns bench (benchmarks/bench_netns.py: full against compact="auto" over a tc-limited link), for
+correctness only.
 
 Needs root and ``ip netns`` (iproute2); skipped with the reason otherwise. Only
 private namespaces created here (10.231.0.0/24, bridged in their own hub
@@ -8,6 +10,7 @@ namespace) are touched, and they are always removed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -94,7 +97,7 @@ CLIENT = textwrap.dedent("""
     ids, _, loss = sample_batch(target, batch=8, seq=64, seed=0)
     mapping = build_vocab_mapping(ids, loss, 512, 256, special_token_ids=(0, 1, 2, 3))
     ref.set_vocab_mapping(*mapping)
-    client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=30, max_retries=5,
+    client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=30, max_retries=5, compact=False,
                                heartbeat_interval=0.2, liveness=15)
     nworkers = lambda: len(client.status()["workers"])
     while nworkers() < 2:
@@ -198,3 +201,31 @@ def test_cut_worker_link_loses_nothing_and_worker_rejoins(net, tiny_target_dir, 
                 p.kill()
         for f in logs.values():
             f.close()
+
+
+def _bench_netns():
+    spec = importlib.util.spec_from_file_location("bench_netns", HERE.parent / "benchmarks" / "bench_netns.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_netns_bench_full_and_auto_across_a_rate_limited_link(tmp_path):
+    """benchmarks/bench_netns.py, for correctness only (its figures are recorded in BENCHMARKS.md): across
+    a veth pair limited by tc, full and compact="auto" replies of the 8B shape arrive verified, and a default
+    client on the other side gets compact replies (one lm_head slice) expanded bit-equal to the reference."""
+    bench = _bench_netns()
+    reason = bench.unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "netns.json"
+    proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_netns.py"), "--rates", "10",
+                           "--rounds", "1", "--messages", "2", "--seq", "16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["auto_check"] == {"compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0,
+                                                     "equal": True}
+    rate = report["rates"]["10"]
+    assert [f["verified"] for f in rate["full"] + rate["auto"]] == ["2/2", "2/2"]
+    assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spec_serve.transport.pairgroup import PairGroup, PairGroupError, _layout, _normalise, specs_of
+from spec_serve.paths.nccl.pairgroup import PairGroup, PairGroupError, _layout, _normalise, specs_of
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]

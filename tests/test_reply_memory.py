@@ -38,6 +38,8 @@ ROWS, SEQ, BATCHES, PREFETCH = 4, 512, 6, 4
 # The reader's stall ends when the worker has computed every request it was sent, or made no progress
 # for this long (a correct worker waits for its one slab); the broker's status is refreshed every 0.2 s.
 STALL_QUIET_S = 1.5
+# Full EAGLE-3 over frames, the largest replies (compact="auto", the default, would send them compact).
+FULL_KW = {**CLIENT_KW, "compact": False}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_v
     # verify="off": the end-to-end digest would catch a reused slab and retry; this test watches the data
     # path itself.
     with RemoteTargetModel(cluster.frontend, service=service, prefetch_depth=PREFETCH, num_shards=shards,
-                           timeout=120, verify="off", **CLIENT_KW) as client:
+                           timeout=120, verify="off", **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         stalled = _stall_replies(client)
         stalled.set()
@@ -172,7 +174,7 @@ def test_request_inputs_may_be_refilled_once_submitted(cluster, batches, tiny_vo
     after ``generate_batch_async`` returns (a reused loader buffer) still gets its batch's answer. Before,
     the frames were views of the caller's tensors, sent later by the I/O thread and again on a retry."""
     (batch, want), (other, _) = batches[0], batches[1]
-    with RemoteTargetModel(cluster.frontend, service="pooled", timeout=60, **CLIENT_KW) as client:
+    with RemoteTargetModel(cluster.frontend, service="pooled", timeout=60, **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         client.target_info()  # fetched now: generate_batch_async must not wait on the stalled I/O thread
         inputs = tuple(t.clone() for t in batch)
@@ -190,7 +192,7 @@ def test_held_batches_keep_their_receive_buffers(cluster, batches, tiny_vocab_ma
     reused only once no tensor of the batch it held is alive, so a batch a trainer keeps stays intact
     while later batches flow, and dropped ones are recycled."""
     with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, prefetch_depth=2, timeout=60,
-                           **CLIENT_KW) as client:
+                           **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         (first, first_want), rest = batches[0], batches[1:]
         held = client.generate_batch(*first, kind="eagle3")
@@ -211,7 +213,7 @@ def test_held_batches_keep_their_receive_buffers(cluster, batches, tiny_vocab_ma
 def test_gpu_copies_from_recycled_buffers_survive_their_reuse(cluster, batches, tiny_vocab_mapping):
     """A CPU client's batch copied to a GPU with ``non_blocking=True`` and dropped at once: its recycled
     buffer is reused by the next batch, and the copy must still hold the first batch's values."""
-    with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, timeout=60, **CLIENT_KW) as client:
+    with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, timeout=60, **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         copies = []
         for _ in range(2):

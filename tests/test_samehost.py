@@ -1,4 +1,5 @@
-"""The same-host data plane (spec_serve/transport/samehost.py) on CPU: shared-memory slots lent between real processes.
+"""The same-host data plane (spec_serve/paths/plane/samehost.py) on CPU: shared-memory slots lent between real
+processes.
 
 Cluster tests run real broker, worker and (where they are killed) client processes, and compare
 every batch with the colocated target bit for bit. That replies came through the plane is shown,
@@ -24,10 +25,10 @@ import torch
 from cluster_util import CLIENT_KW, FAST_ENV, HERE, Reference, assert_equal_batches, kill, rss_kib, wait_until
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines.hf import HFTarget
+from spec_serve.paths.plane import samehost, shm
 from spec_serve.protocol import wire
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.transport import samehost, shm
 from spec_serve.transport.sockets import local_host_key
 from spec_serve.worker.server import Worker
 
@@ -72,6 +73,11 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def _copy_out(reply: samehost.PlaneReply) -> dict[str, torch.Tensor]:
     return {n: s.copy_into(torch.empty(s.nbytes, dtype=torch.uint8)) for n, s in reply.items()}
+
+
+def _client_plane(client: RemoteTargetModel) -> samehost.ClientPlane:
+    """The client's side of the plane: the memory it maps."""
+    return client._paths.named("plane").plane
 
 
 def _dead_pid() -> int:
@@ -170,12 +176,12 @@ def test_slot_lifetimes_in_one_process():
         assert reply.settle() is None and not resent
         second = plane.export({"plane": _offer()}, _tensors(2), None)
         assert second.descriptor["gen"] == first.descriptor["gen"] + 1
-        second.cancel()  # undeliverable
+        second.dropped()  # undeliverable
         dead = plane.export({"plane": _offer(pid=_dead_pid())}, _tensors(3), None)
         assert dead is not None and plane.reclaimed == 0
         after_death = plane.export({"plane": _offer()}, _tensors(4), None)  # the dead client's slot came back
         assert after_death is not None and plane.reclaimed == 1
-        after_death.cancel()
+        after_death.dropped()
 
         plane.lease_s = 0.05
         slow = plane.export({"plane": _offer()}, _tensors(5), None)
@@ -274,7 +280,7 @@ def test_slow_client_never_returns_reused_bytes(cluster, tiny_vocab_mapping, ref
             RemoteTargetModel(cluster.frontend, service="tight", timeout=60, **CLIENT_KW) as other:
         for c in (slow, other):
             c.set_vocab_mapping(*tiny_vocab_mapping)
-        opened = slow._io.plane.open
+        opened = _client_plane(slow).open
 
         def open_slowly(*args, **kwargs):
             reply = opened(*args, **kwargs)
@@ -289,7 +295,7 @@ def test_slow_client_never_returns_reused_bytes(cluster, tiny_vocab_mapping, ref
                 span._copy = late_copy
             return reply
 
-        slow._io.plane.open = open_slowly
+        _client_plane(slow).open = open_slowly
         got: list = []
         caller = threading.Thread(target=lambda: got.append(slow.generate_batch(*reference.batch(1), kind="eagle3")))
         caller.start()  # its copy may block this thread, not the test's
@@ -344,7 +350,7 @@ def test_worker_killed_mid_copy(cluster, tiny_target_dir, reference):
     proc = cluster.start_worker(tiny_target_dir, service="victim")
     cluster.wait_workers(1, service="victim")
     with RemoteTargetModel(cluster.frontend, service="victim", timeout=60, **CLIENT_KW) as client:
-        opened = client._io.plane.open
+        opened = _client_plane(client).open
 
         def open_then_kill(*args, **kwargs):
             reply = opened(*args, **kwargs)
@@ -353,7 +359,7 @@ def test_worker_killed_mid_copy(cluster, tiny_target_dir, reference):
             proc.wait()
             return reply
 
-        client._io.plane.open = open_then_kill
+        _client_plane(client).open = open_then_kill
         assert_equal_batches(client.generate_batch(*reference.batch(5), kind="dspark"),
                              reference.expected(5, kind="dspark"))
         assert client.stats.plane_replies == 1

@@ -7,6 +7,7 @@ thread (io_thread.py); the replies come back as one future per batch (assembly.p
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import types
@@ -16,25 +17,29 @@ from typing import Any
 import torch
 
 from spec_serve.client import options
-from spec_serve.client.assembly import assemble, expand_later, shard_bounds
-from spec_serve.client.binding_port import BindingPort
+from spec_serve.client.assembly import assemble, shard_bounds
+from spec_serve.client.compact import Expansion, SliceCache, expander_thread
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
+from spec_serve.client.path_port import PathPort
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.base import ClientSetup
+from spec_serve.paths.nccl.client import NcclClient
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ClientCommand, Op
+from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
 from spec_serve.supervision.contract import (
+    Expected,
     Kind,
-    ReplySpecs,
     TargetInfo,
     reply_specs,
     validate_request,
     validate_vocab_mapping,
     weight_specs,
 )
-from spec_serve.transport.binding import ClientBinding
+from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICE_BYTES, CLIENT_LM_HEAD_SLICES
 from spec_serve.transport.sockets import Security, check_exposure
 
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).
@@ -68,7 +73,7 @@ class RemoteTargetModel:
         heartbeat_interval: float | None = None,
         liveness: int | None = None,
         max_message_bytes: int | None = None,
-        compact: bool | None = None,
+        compact: bool | str | None = None,
         enable_nccl: bool | None = None,
         nccl_timeout: float | None = None,
         nccl_retry_s: float | None = None,
@@ -98,12 +103,12 @@ class RemoteTargetModel:
         self._io = ClientIO(o["broker_url"], security=o["security"], advertise_host=o["advertise_host"],
                             max_retries=o["max_retries"], heartbeat_interval=o["heartbeat_interval"],
                             liveness=o["liveness"], max_message_bytes=o["max_message_bytes"], device=self.device,
-                            same_host_plane=o["same_host_plane"], connect_timeout=o["connect_timeout"])
+                            connect_timeout=o["connect_timeout"])
         self._io.start()
         try:
             if o["enable_nccl"]:
                 self._check_rendezvous_exposure(o["insecure_network"])
-            self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"])
+            self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"], o["same_host_plane"])
         except BaseException:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
@@ -116,7 +121,8 @@ class RemoteTargetModel:
                        fix="insecure_network=True (env SPEC_SERVE_INSECURE_NETWORK=1), or use frames "
                            "(enable_nccl=False)")
 
-    def _setup(self, compact: bool, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float) -> None:
+    def _setup(self, compact: bool | str, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float,
+               same_host_plane: bool | None) -> None:
         self._vocab_digest: str | None = None
         # The largest request payload the broker and this service's workers accept (learnt from STATUS).
         self._max_request_bytes: int | None = None
@@ -124,20 +130,24 @@ class RemoteTargetModel:
         self._info: TargetInfo | None = None
         self._fingerprint: str | None = None  # of the target we set up with; every reply must match it
         self._closed = False
-        # Compact EAGLE-3: workers ship last hidden state + argmax; target_probs and position_mask
-        # are rebuilt here from the draft-vocab lm_head slice, cached per mapping digest on `device`.
-        self.compact = bool(compact)
-        self._lm_head_slices: dict[str, torch.Tensor] = {}
+        # Compact EAGLE-3 (compact.py): workers ship the last hidden state and argmax, and target_probs and
+        # position_mask are rebuilt here from the mapping's lm_head slice. True: every EAGLE-3 reply;
+        # "auto": those whose path leaves the worker's host (the worker picks, reply by reply); False: none.
+        self.compact = compact  # True, False or "auto" (client/options.py checked it)
+        self._slices = SliceCache(self._fetch_lm_head_slice, self._count_slice)
         self._selected_mask: torch.Tensor | None = None
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
-        self._expander = _expand_executor(self.device) if self.compact else None
-        # NCCL data plane (docs/nccl.md): a worker of our own, tensors over a private 2-rank group
-        # (NCCL on CUDA, gloo on CPU). Bound lazily by generate calls; every failure falls back to frames.
-        self._binding: ClientBinding | None = None
-        if enable_nccl:
-            self._binding = ClientBinding(BindingPort(self._io), self.service, self.device, float(nccl_timeout),
-                                          float(nccl_retry_s))
-            self._io.use_binding(self._binding)
+        self._expander = expander_thread(self.device)
+        # Where replies come by (paths/registry.py, in its order): with enable_nccl, a worker of our own,
+        # tensors over a private 2-rank group (docs/nccl.md; bound lazily by generate calls, every failure
+        # falls back to frames); a same-host worker lends them through the plane (same_host_plane; default
+        # SPEC_SERVE_SAME_HOST_PLANE, on); any other sends frames.
+        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device, {
+            "same_host_plane": same_host_plane, "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout,
+            "nccl_retry_s": nccl_retry_s}))
+        self._io.use_paths(self._paths)
+        nccl = self._paths.named("nccl")
+        self._binding = nccl.binding if isinstance(nccl, NcclClient) else None
 
     @property
     def stats(self) -> ClientStats:
@@ -172,38 +182,45 @@ class RemoteTargetModel:
         kind = Kind.parse(kind)
         info = self.target_info()
         validate_request(input_ids, attention_mask, loss_mask, info.vocab_size)
-        expand = self.compact and kind is Kind.EAGLE3
-        wire_kind = Kind.EAGLE3_COMPACT if expand else kind
+        wire_kind = Kind.EAGLE3_COMPACT if self.compact is True and kind is Kind.EAGLE3 else kind
+        auto = self.compact == "auto" and kind is Kind.EAGLE3  # the worker picks the format, reply by reply
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
-        bound = self._binding.ensure() if self._binding is not None else None
+        offers = self._paths.offer(Op.GENERATE.value)  # binds a worker of our own first, with enable_nccl
         self._credits.acquire()
         try:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
             # The digest check may replace a shard's request with its retry (integrity.py).
             requests: list[tuple[SupervisionRequest, Sequence]] = [
-                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, bound)
+                self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, offers, auto)
                 for lo, hi in bounds]
-            expects = [reply_specs(wire_kind, info, hi - lo, input_ids.shape[1], loss_mask.dtype, self._draft_vocab)
+            expects = [self._expected(wire_kind, auto, info, hi - lo, input_ids.shape[1], loss_mask.dtype)
                        for lo, hi in bounds]
             shards = [self._submit(header, payload, expect) for (header, payload), expect in zip(requests, expects)]
         except BaseException:
             self._credits.release()
             raise
+        expand = self._expansion() if auto or wire_kind is Kind.EAGLE3_COMPACT and kind is Kind.EAGLE3 else None
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
-                          self._digest_check(requests, expects))
-        if expand:
-            mapping = self._vocab_digest
-            assert mapping is not None  # EAGLE-3 without a mapping was refused above
-            assert self._selected_mask is not None  # set with the mapping (set_vocab_mapping)
-            assert self._expander is not None  # made in _setup whenever compact (expand implies it)
-            result = expand_later(result, self._lm_head_slices[mapping], self._selected_mask, self.device,
-                                  self._expander)
+                          self._digest_check(requests, expects), wire_kind.value, expand)
         result.add_done_callback(lambda _: self._credits.release())
         return result
 
+    def _expected(self, wire_kind: Kind, auto: bool, info: TargetInfo, rows: int, seq: int,
+                  loss_dtype: torch.dtype) -> Expected:
+        """What a shard's reply may hold: ``wire_kind``'s tensors or, when the worker picks (auto), compact ones."""
+        specs = reply_specs(wire_kind, info, rows, seq, loss_dtype, self._draft_vocab)
+        return Expected(specs, reply_specs(Kind.EAGLE3_COMPACT, info, rows, seq, loss_dtype, None) if auto else None)
+
+    def _expansion(self) -> Expansion:
+        """How this batch's compact shards become EAGLE-3 tensors: the current mapping's slice and mask."""
+        mapping, draft_vocab, mask = self._vocab_digest, self._draft_vocab, self._selected_mask
+        assert mapping is not None and draft_vocab is not None and mask is not None  # EAGLE-3 needs a mapping
+        return Expansion(functools.partial(self._slices.get, mapping, draft_vocab), mask, self.device,
+                         self._expander)
+
     def _shard_request(self, input_ids, attention_mask, loss_mask, lo: int, hi: int, wire_kind: Kind,
-                       bound: str | None) -> tuple[SupervisionRequest, list]:
+                       offers: Mapping[str, Any], auto: bool) -> tuple[SupervisionRequest, list]:
         """The prepared header and payload of the request for rows ``lo:hi`` of a batch."""
         # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
         # after a broker restart, while the caller may already refill its input tensors.
@@ -215,29 +232,37 @@ class RemoteTargetModel:
         self._check_request_size(payload, f"request for rows {lo}:{hi}")
         header: dict[str, Any] = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
                   "tokens": int(attention_mask[lo:hi].sum())}
-        if bound is not None:  # every shard to our bound worker; tensors over the pair group
-            header.update(bound=bound, nccl=True)
-        elif self._io.plane is not None and (offer := self._io.plane.offer()) is not None:
-            header["plane"] = offer  # a worker of our host may lend the reply's bytes (samehost.py)
+        header.update(offers)  # what the first path that offers needs (our bound worker; the plane's offer)
+        if auto:
+            header["format"] = ReplyFormat.AUTO.value
         return SupervisionRequest.from_json(self._prepare(header)), payload
 
     def lm_head_slice(self) -> torch.Tensor:
         """The draft-vocab rows ``[Vd, H]`` of the target's lm_head for the current mapping, on ``device``:
-        fetched from a worker once per mapping digest, then cached."""
+        fetched from a worker once per mapping digest, then cached (compact.py)."""
         mapping = self._vocab_digest
         if mapping is None:
             raise RuntimeError("call set_vocab_mapping first")
-        weight = self._lm_head_slices.get(mapping)
-        if weight is None:
-            assert self._draft_vocab is not None  # set with the mapping (set_vocab_mapping)
-            reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout},
-                                weight_specs(self.target_info(), self._draft_vocab))
-            weight = self._lm_head_slices[mapping] = reply["weight"]
-        return weight
+        assert self._draft_vocab is not None  # set with the mapping (set_vocab_mapping)
+        return self._slices.get(mapping, self._draft_vocab)
 
-    def _fetch(self, header: dict, expect: ReplySpecs) -> dict[str, torch.Tensor]:
+    def _fetch_lm_head_slice(self, mapping: str, draft_vocab: int) -> torch.Tensor:
+        reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout, "vocab": mapping},
+                            Expected(weight_specs(self.target_info(), draft_vocab)))
+        return reply["weight"]
+
+    def _count_slice(self, weight: torch.Tensor) -> None:
+        nbytes = weight.numel() * weight.element_size()
+        self.stats.lm_head_slices += 1
+        self.stats.lm_head_slice_bytes += nbytes
+        CLIENT_LM_HEAD_SLICES.labels(service=self.service).inc()
+        CLIENT_LM_HEAD_SLICE_BYTES.labels(service=self.service).inc(nbytes)
+
+    def _fetch(self, header: dict, expect: Expected) -> dict[str, torch.Tensor]:
         """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
         self.target_info()  # pins the target every reply must come from
+        # With a worker of our own (enable_nccl) it answers these too, as frames: the pool may have none left.
+        header = {**header, **self._paths.offer(header["op"])}
         request = SupervisionRequest.from_json(self._prepare(header))
         requests: list[tuple[SupervisionRequest, Sequence]] = [(request, [])]
         return assemble([self._submit(*requests[0], expect)], [0], self.device, None,
@@ -266,9 +291,6 @@ class RemoteTargetModel:
         header = dict(header, reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes)
         if self._fingerprint is not None:
             header["fingerprint"] = self._fingerprint
-        bound = self._binding.worker if self._binding is not None else None
-        if bound is not None:  # embeddings, lm_head slices: our own worker too (as frames), not the pool
-            header.setdefault("bound", bound)
         if self._vocab_digest is not None:
             header.setdefault("vocab", self._vocab_digest)
         if self._io.data_key:
@@ -278,16 +300,16 @@ class RemoteTargetModel:
         return header
 
     def _submit(self, header: SupervisionRequest | Mapping[str, Any], payload: Sequence,
-                expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+                expect: Expected | None = None) -> concurrent.futures.Future:
         """Send a prepared request (its fields as ``_prepare`` gives them are checked here, once);
         ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
         request = header if isinstance(header, SupervisionRequest) else SupervisionRequest.from_json(header)
         return self._io.submit(ClientCommand.REQUEST, self.service, request, payload, self.timeout, expect=expect)
 
     def _digest_check(self, requests: list[tuple[SupervisionRequest, Sequence]],
-                      expects: list[ReplySpecs]) -> DigestCheck:
+                      expects: list[Expected]) -> DigestCheck:
         """The check of one batch's landed shards against their workers' digests (integrity.py)."""
-        return DigestCheck(requests, expects, self._submit, self._io.stats, self.service, self._binding)
+        return DigestCheck(requests, expects, self._submit, self._io.stats, self.service, self._paths)
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Register the draft vocab; every later EAGLE-3 request is served with exactly it."""
@@ -301,7 +323,7 @@ class RemoteTargetModel:
         self._vocab_digest = digest
         self._draft_vocab = ids.numel()
         self._selected_mask = mask.to(self.device)
-        if self.compact:
+        if self.compact is True:  # every EAGLE-3 reply will need it; "auto" fetches it on its first compact one
             self.lm_head_slice()
 
     # ----------------------------------------------------------- target info
@@ -394,7 +416,7 @@ class RemoteTargetModel:
     def _embeddings(self, which: str) -> types.SimpleNamespace:
         info = self.target_info()
         reply = self._fetch({"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout},
-                            weight_specs(info, info.vocab_size))
+                            Expected(weight_specs(info, info.vocab_size)))
         return types.SimpleNamespace(weight=reply["weight"])
 
     # ------------------------------------------------------------- lifecycle
@@ -403,26 +425,15 @@ class RemoteTargetModel:
         """Leave the broker; workers and other clients carry on."""
         if not self._closed:
             self._closed = True
-            if self._binding is not None:
-                self._binding.close()  # RELEASE goes out before the DISCONNECT
+            self._paths.close()  # what peers hold for us goes back (an NCCL RELEASE) before the DISCONNECT
             self._io.close()
-            if self._expander is not None:
-                self._expander.shutdown(wait=False)
+            self._expander.shutdown(wait=False)
 
     def __enter__(self) -> RemoteTargetModel:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _expand_executor(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread compact batches are expanded on. It makes ``device`` current, as the caller's
-    thread would (else cuBLAS warns of no context)."""
-    if device.type == "cuda":
-        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand",
-                                                     initializer=torch.cuda.set_device, initargs=(device,))
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-expand")
 
 
 def _mismatch_message(title: str, diff: dict, ours: str, theirs: str) -> str:

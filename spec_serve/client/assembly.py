@@ -1,5 +1,5 @@
 """From replies to the caller's tensors: shards merged into one batch on the client's device, and
-compact EAGLE-3 batches expanded."""
+compact EAGLE-3 shards expanded (compact.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from spec_serve.client.compact import COMPACT, Expansion
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received, ReceivedTensor
-from spec_serve.supervision.eagle3 import expand_compact
-from spec_serve.transport import samehost
+from spec_serve.paths.base import release, settle
+from spec_serve.protocol.messages import Reply
 
 # check(k, reply, landed) -> None (accept shard k), a future of its retry, or raises (fail the batch).
 ShardCheck = Callable[[int, Received, Mapping[str, torch.Tensor]], "concurrent.futures.Future | None"]
@@ -27,7 +28,7 @@ def shard_bounds(rows: int, num_shards: int) -> list[tuple[int, int]]:
 
 def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: torch.device,
              alloc: Callable[[int], torch.Tensor] | None, check: ShardCheck | None = None,
-             ) -> concurrent.futures.Future:
+             asked: str | None = None, expand: Expansion | None = None) -> concurrent.futures.Future:
     """One future for a batch sent as ``len(shards)`` row ranges of ``rows`` rows each (futures of ``Received``).
 
     As each shard's reply arrives (on the I/O thread, while ZeroMQ keeps receiving the others) its
@@ -37,8 +38,12 @@ def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: t
     (a retry) is waited for instead and lands on the same rows, an exception fails the batch.
     A shard lent through the same-host plane is settled first, once copied: its slot goes back to the
     worker, and if the worker reused the slot meanwhile the shard is asked for again (frames), likewise.
+
+    Shards land per the kind their reply names (``asked`` when it names none: a worker may answer
+    compact="auto" requests full or compact); with ``expand``, compact EAGLE-3 shards are expanded once
+    every shard landed, off the I/O thread, and the batch resolves to the EAGLE-3 tensors.
     """
-    batch = _Batch(rows, device, alloc, check)
+    batch = _Batch(rows, device, alloc, check, asked, expand)
     for k, future in enumerate(shards):
         future.add_done_callback(functools.partial(batch.arrived, k))
     return batch.out
@@ -48,13 +53,15 @@ class _Batch:
     """The rows of one batch, filled shard by shard as their replies arrive (on any thread)."""
 
     def __init__(self, rows: list[int], device: torch.device, alloc: Callable[[int], torch.Tensor] | None,
-                 check: ShardCheck | None):
+                 check: ShardCheck | None, asked: str | None, expand: Expansion | None):
         self.out: concurrent.futures.Future = concurrent.futures.Future()
         self.rows = rows
         self.starts = [sum(rows[:k]) for k in range(len(rows))]
-        self.device, self.alloc, self.check = device, alloc, check
+        self.device, self.alloc, self.check, self.asked, self.expand = device, alloc, check, asked, expand
         self.lock = threading.Lock()
-        self.tensors: dict[str, torch.Tensor] | None = None  # the whole batch; None until the first shard
+        # The whole batch's rows per reply kind, each allocated on its first shard.
+        self.parts: dict[str | None, dict[str, torch.Tensor]] = {}
+        self.kinds: list[str | None] = [None] * len(rows)  # the kind each shard landed as
         self.left = len(rows)
 
     def arrived(self, k: int, future: concurrent.futures.Future) -> None:
@@ -72,29 +79,45 @@ class _Batch:
 
     def _accept(self, k: int, reply: Received) -> concurrent.futures.Future | None:
         """Land shard ``k``; the future of its retry if its bytes cannot be used, else None."""
-        landed = self._land(k, reply.tensors)
-        retry = samehost.settle(reply.tensors)  # a lent reply's slot back; a retry if it was reused meanwhile
+        named = reply.header.kind if isinstance(reply.header, Reply) else None
+        kind = named or self.asked
+        landed = self._land(k, reply.tensors, kind)
+        retry = settle(reply.tensors)  # a lent reply's memory back; a retry if it was reused meanwhile
         if retry is None and self.check is not None:
             retry = self.check(k, reply, landed)
         if retry is None:
+            self.kinds[k] = kind
             self.left -= 1
             if not self.left:
-                self.out.set_result(landed if len(self.rows) == 1 else self.tensors)
+                self._finish()
         return retry
 
-    def _land(self, k: int, tensors: Mapping[str, ReceivedTensor]) -> dict[str, torch.Tensor]:
+    def _land(self, k: int, tensors: Mapping[str, ReceivedTensor], kind: str | None) -> dict[str, torch.Tensor]:
         if len(self.rows) == 1:
-            return materialize(tensors, self.device, self.alloc)
-        if self.tensors is None:
-            self.tensors = _allocate_rows(tensors, sum(self.rows), self.device, self.alloc)
+            landed = self.parts[kind] = materialize(tensors, self.device, self.alloc)
+            return landed
+        part = self.parts.get(kind)
+        if part is None:
+            part = self.parts[kind] = _allocate_rows(tensors, sum(self.rows), self.device, self.alloc)
         lo, n = self.starts[k], self.rows[k]
-        _copy_rows(tensors, self.tensors, lo, n)
-        return {name: t[lo : lo + n] for name, t in self.tensors.items()}
+        _copy_rows(tensors, part, lo, n)
+        return {name: t[lo : lo + n] for name, t in part.items()}
+
+    def _finish(self) -> None:
+        """Every shard landed: the batch, or (compact shards) its expansion, resolves ``out``."""
+        kinds = set(self.kinds)
+        if self.expand is not None and COMPACT in kinds:
+            self.expand.later(self.parts, self.kinds, list(zip(self.starts, self.rows)), self.out)
+        elif len(kinds) == 1:
+            self.out.set_result(self.parts[self.kinds[0]])
+        else:
+            self.out.set_exception(RemoteError(f"shards came back in different kinds {sorted(map(str, kinds))} "
+                                               f"and nothing expands them"))
 
 
 def _release_unsettled(future: concurrent.futures.Future) -> None:
     if future.done() and not future.cancelled() and future.exception() is None:
-        samehost.release_reply(future.result().tensors)
+        release(future.result().tensors)
 
 
 def materialize(tensors: Mapping[str, ReceivedTensor], device: torch.device,
@@ -146,23 +169,3 @@ def _copy_rows(tensors: Mapping[str, ReceivedTensor], batch: dict[str, torch.Ten
             rows.copy_(part)
         else:
             part.copy_into(rows.view(-1).view(torch.uint8))
-
-
-def expand_later(compact: concurrent.futures.Future, weight: torch.Tensor, mask: torch.Tensor,
-                 device: torch.device, executor: concurrent.futures.Executor) -> concurrent.futures.Future:
-    """A future of the EAGLE-3 tensors rebuilt from a compact batch on ``executor`` (off the I/O thread:
-    the draft-vocab GEMM must not stall sockets), after gathering every shard, so the GEMM has the
-    colocated shape."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            expanded = expand_compact(compact.result(), weight, mask)
-            if device.type == "cuda":  # resolved means complete, as for frames and NCCL replies,
-                torch.cuda.current_stream(device).synchronize()  # whichever stream reads it
-            out.set_result(expanded)
-        except BaseException as e:
-            out.set_exception(e)
-
-    compact.add_done_callback(lambda _: executor.submit(run))
-    return out

@@ -13,36 +13,36 @@ import torch
 from spec_serve.client.errors import IntegrityError
 from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest
 from spec_serve.protocol.messages import Reply, SupervisionRequest
-from spec_serve.supervision.contract import ReplySpecs
+from spec_serve.supervision.contract import Expected
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
-from spec_serve.transport.binding import ClientBinding
 
 log = logging.getLogger("spec_serve.client")
 
 # Sends a prepared request again: (header, payload, what its reply must hold) -> its future.
-Resubmit = Callable[[SupervisionRequest, Sequence, ReplySpecs], concurrent.futures.Future]
+Resubmit = Callable[[SupervisionRequest, Sequence, Expected], concurrent.futures.Future]
 
 
 class DigestCheck:
     """``check(k, reply, landed)`` for ``assembly.assemble`` over the shards ``requests`` of one batch.
 
     None accepts request ``k``'s landed tensors; a mismatch with the worker's digests returns the
-    future of one retry on another worker (the worker is named in ``avoid``; a bound request goes
-    back to the pool as frames), and a second mismatch raises ``IntegrityError``. Runs on the I/O thread.
+    future of one retry on another worker (the worker is named in ``avoid``; a request bound to our own
+    worker goes back to the pool), and a second mismatch raises ``IntegrityError``. Runs on the I/O thread.
     """
 
-    def __init__(self, requests: list[tuple[SupervisionRequest, Sequence]], expects: list[ReplySpecs],
+    def __init__(self, requests: list[tuple[SupervisionRequest, Sequence]], expects: list[Expected],
                  resubmit: Resubmit,
-                 stats: ClientStats, service: str, binding: ClientBinding | None):
+                 stats: ClientStats, service: str, paths: ClientPaths):
         self.requests = requests
         self.expects = expects
         self.resubmit = resubmit
         self.stats = stats
         self.service = service
-        self.binding = binding
+        self.paths = paths
         self.retried: dict[int, str] = {}  # request index -> the worker whose reply mismatched first
 
     def __call__(self, k: int, reply: Received, landed: Mapping[str, torch.Tensor]) -> concurrent.futures.Future | None:
@@ -73,8 +73,8 @@ class DigestCheck:
 
     def _retry_elsewhere(self, k: int, worker: str) -> concurrent.futures.Future:
         header, payload = self.requests[k]
-        if header.nccl and self.binding is not None:
-            self.binding.mark_broken(f"digest mismatch in a reply from worker {worker}")
-        retry = dataclasses.replace(header.unbound(), avoid=worker)
+        # A path that pins the request to this worker (NCCL: our bound worker) lets go of it: the pool serves it.
+        retry = dataclasses.replace(self.paths.elsewhere(header, f"digest mismatch in a reply from worker {worker}"),
+                                    avoid=worker)
         self.requests[k] = (retry, payload)
         return self.resubmit(retry, payload, self.expects[k])

@@ -29,6 +29,8 @@ from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
 from spec_serve.client.vocab import VocabRegistrations
 from spec_serve.client.worker_replies import WorkerReplies
+from spec_serve.paths.frames.hostpool import RecyclingAllocator
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_PORT_HINT,
@@ -55,13 +57,10 @@ from spec_serve.protocol.messages import (
     VocabOk,
     WireMessage,
 )
-from spec_serve.supervision.contract import ReplySpecs, reply_bytes
+from spec_serve.supervision.contract import Expected
 from spec_serve.telemetry.logs import Throttle, event
-from spec_serve.transport import samehost
-from spec_serve.transport.binding import ClientBinding
 from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
-from spec_serve.transport.hostpool import RecyclingAllocator
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
     KeyPolicy,
@@ -90,7 +89,7 @@ class ClientIO(threading.Thread):
 
     def __init__(self, broker_url: str, *, security: Security | None, advertise_host: str | None,
                  max_retries: int, heartbeat_interval: float, liveness: int, max_message_bytes: int,
-                 device: torch.device, same_host_plane: bool | None = None,
+                 device: torch.device,
                  connect_timeout: float = CONNECT_TIMEOUT):
         super().__init__(name="spec-serve-client-io", daemon=True)
         self.broker_url = check_connect_url(broker_url, CLIENT_PORT_HINT, FRONTEND_PORT)
@@ -115,7 +114,7 @@ class ClientIO(threading.Thread):
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._closing = threading.Event()
         self.requests = Requests(self._send, self.stats, max_retries,
-                                 leave_binding=lambda request_id, why: self.replies.nccl_fallback(request_id, why))
+                                 leave_binding=lambda request_id, why: self.replies.leave_pinned(request_id, why))
         self.vocab = VocabRegistrations()
         self._ipc_files: list[str] = []
         # Opened by _open_sockets before the constructor returns (or it raises): set whenever the thread runs.
@@ -125,9 +124,8 @@ class ClientIO(threading.Thread):
         # Each socket's messages are read frame by frame; one with more frames than its kind is refused.
         self._readers: dict[zmq.Socket, BoundedReader] = {}
         self._refusal_log = Throttle(60.0)
-        # Same-host workers lend GENERATE replies' bytes through memory we map (samehost.py); None: frames only.
-        self.plane = samehost.ClientPlane.start(device, same_host_plane)
-        self.replies = WorkerReplies(self.requests, self.stats, self.plane, max_message_bytes, self.call,
+        self.paths: ClientPaths | None = None  # set by use_paths before any request
+        self.replies = WorkerReplies(self.requests, self.stats, max_message_bytes, self.call,
                                      self._send_new)
         self._wake_r, self._wake_w = os.pipe()
         try:
@@ -194,9 +192,9 @@ class ClientIO(threading.Thread):
         table = self.requests.table
         return table.expected + table.largest + CONTROL_SLACK_BYTES * (1 + len(table))
 
-    def use_binding(self, binding: ClientBinding) -> None:
-        """The NCCL data plane's client side (transport/binding.py) this client routes bound replies to."""
-        self.replies.binding = binding
+    def use_paths(self, paths: ClientPaths) -> None:
+        """The reply paths (spec_serve/paths/registry.py) this client's requests offer and its replies come by."""
+        self.paths = self.replies.paths = paths
 
     # ------------------------------------------------------ user-side entry
 
@@ -212,12 +210,12 @@ class ClientIO(threading.Thread):
 
     def submit(self, command: ClientCommand, service: str, header: WireMessage, payload: Sequence,
                timeout: float, request_id: bytes | None = None, max_retries: int | None = None,
-               expect: ReplySpecs | None = None) -> concurrent.futures.Future:
+               expect: Expected | None = None) -> concurrent.futures.Future:
         """Send a request; a future of its ``Received``. ``expect``: the tensors its reply must hold (checked
         before anything is allocated)."""
         pending = Pending(request_id or new_request_id(), command.value, service, header, list(payload),
                           concurrent.futures.Future(), timeout, max_retries=max_retries, expect=expect,
-                          expect_bytes=reply_bytes(expect) if expect else 0)
+                          expect_bytes=expect.nbytes if expect else 0)
         self.call(lambda: self._send_new(pending))
         return pending.future
 
@@ -328,8 +326,8 @@ class ClientIO(threading.Thread):
         if now >= self._next_beat and not self._misdirected:
             self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
             self._next_beat = now + self.heartbeat_interval
-            if self.plane is not None:
-                self.plane.tick()
+            if self.paths is not None:
+                self.paths.tick()
         if now > self._broker_expiry:
             self._broker_expiry = now + self.heartbeat_interval * self.liveness
             if self._heard:  # never reached: libzmq keeps retrying the same socket
@@ -344,8 +342,8 @@ class ClientIO(threading.Thread):
         self.data_ingress.close()
         self.data.close(0)
         self._unlink_ipc_files()
-        if self.plane is not None:
-            self.plane.close()
+        if self.paths is not None:
+            self.paths.stop()
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[list], None]) -> None:
         for _ in range(64):
@@ -466,10 +464,8 @@ class ClientIO(threading.Thread):
             if header.stopping:
                 self._broker_stopping()
             return
-        binding = self.replies.binding
-        if isinstance(header, Bound) and header.lost and binding is not None:
-            # The bound worker died or re-registered (a pending BIND resolves below as a refusal).
-            binding.lost(header.prefix, header.error)
+        if self.paths is not None and header is not None:
+            self.paths.on_broker(header)  # e.g. BOUND lost: our bound worker died (a pending BIND resolves below)
         pending = self.requests.table.get(msg.request_id)
         if pending is None or header is None:
             return
@@ -511,7 +507,7 @@ class ClientIO(threading.Thread):
         else:
             self.requests.fail(pending, ValueError(error))
 
-    # ---------------------------------------- for the NCCL binding (binding.py)
+    # ------------------------------------------------- for the reply paths
 
     def send_control(self, frames: list) -> None:
         self._send(frames)

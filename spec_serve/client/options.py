@@ -32,7 +32,8 @@ log = logging.getLogger("spec_serve.client")
 BOOL_WORDS: dict[str, Any] = {"1": True, "true": True, "yes": True, "on": True,
                               "0": False, "false": False, "no": False, "off": False}
 # The values of `compact`: the one place they are listed (its parser, error and docs read them here).
-COMPACT_WORDS: dict[str, Any] = dict(BOOL_WORDS)
+# "auto": the worker picks per reply, compact when it leaves the worker's host (docs/reply-paths.md).
+COMPACT_WORDS: dict[str, Any] = {**BOOL_WORDS, "auto": "auto"}
 # The block of NeMo's recipe YAML that holds spec-serve's own options: recipe_args.spec_serve.<option>.
 YAML_SECTION = "spec_serve"
 # NeMo variables spec-serve cannot honour, and why: setting one fails at setup instead of being ignored.
@@ -159,8 +160,9 @@ TABLE: tuple[Option, ...] = (
            "batches in flight before generate_batch_async blocks (4 under NeMo)"),
     Option("num_shards", "SPEC_SERVE_NUM_SHARDS", _whole(1), 1, _section("num_shards"),
            "workers one batch is split across, by rows"),
-    Option("compact", "SPEC_SERVE_COMPACT", _words(COMPACT_WORDS), False, _section("compact"),
-           "ship hidden state + argmax, rebuild target_probs on the client"),
+    Option("compact", "SPEC_SERVE_COMPACT", _words(COMPACT_WORDS), "auto", _section("compact"),
+           "ship hidden state + argmax, rebuild target_probs on the client: auto (when the reply leaves "
+           "the worker's host), always or never (docs/reply-paths.md)"),
     Option("enable_nccl", "SPEC_SERVE_ENABLE_NCCL", SWITCH, False, _section("enable_nccl"),
            "bind a worker and receive over a private NCCL pair (docs/nccl.md)", nemo_env="NEMO_EAGLE_ENABLE_NCCL"),
     Option("nccl_timeout", "SPEC_SERVE_NCCL_TIMEOUT", POSITIVE, 30.0, _section("nccl_timeout"),

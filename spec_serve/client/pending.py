@@ -19,7 +19,7 @@ from spec_serve.client.received import Received
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control
 from spec_serve.protocol.messages import SupervisionRequest, WireMessage
-from spec_serve.supervision.contract import ReplySpecs
+from spec_serve.supervision.contract import Expected
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.client")
@@ -43,7 +43,7 @@ class Pending:
     future: concurrent.futures.Future
     timeout: float
     max_retries: int | None = None  # None: the client's; BIND uses 0 (a resend could bind a second worker)
-    expect: ReplySpecs | None = None  # what the reply must hold (contract.reply_specs); None: no tensors
+    expect: Expected | None = None  # what the reply may hold (contract.reply_specs); None: no tensors
     expect_bytes: int = 0
     attempts: int = 0
     sent_at: float = 0.0

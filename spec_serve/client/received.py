@@ -41,8 +41,8 @@ class Received:
     ``header`` is the answer's typed header: the broker's (``StatusPage``, ``VocabOk``, a ``Bound``
     refusal; ``broker_command`` says which command) or a worker's data message (``Reply``; an accepted
     ``BIND``: ``BindGrant``, no tensors; ``broker_command`` None). ``tensors`` may be
-    a ``samehost.PlaneReply``: its slot goes back to the worker through ``samehost.settle`` or
-    ``samehost.release_reply``, whatever else happens to the reply.
+    a ``paths.base.LentReply`` (a same-host plane slot): its memory goes back to the worker through
+    ``paths.base.settle`` or ``paths.base.release``, whatever else happens to the reply.
     """
 
     request_id: bytes

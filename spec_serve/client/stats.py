@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 
 @dataclasses.dataclass
 class ClientStats:
-    """Counts a run can report: what was sent, retried, dropped as duplicate."""
+    """Counts a run can report: what was sent, retried, dropped as duplicate; replies and fallbacks by path."""
 
     sent: int = 0
     completed: int = 0
@@ -17,11 +18,34 @@ class ClientStats:
     contract_violations: int = 0  # replies whose tensors broke the contract (retried)
     broker_reconnects: int = 0
     batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
-    nccl_batches: int = 0  # replies whose tensors came over the bound worker's pair group (no payload frames)
-    nccl_fallbacks: int = 0  # bound requests re-sent as frames through the shared pool after a failure
-    plane_replies: int = 0  # replies whose bytes a same-host worker lent through the plane (samehost.py)
-    plane_fallbacks: int = 0  # of those, replies that could not be read there and were asked for again as frames
     digest_checks: int = 0  # replies whose landed bytes were checked against the worker's digests (verify=)
     digest_mismatches: int = 0  # of those, replies that differed: never returned, retried once on another worker
     target_mismatches: int = 0  # replies (or broker refusals) from another target than we set up with: failed
     refused_messages: int = 0  # messages with more frames than their kind has: refused unread, their sender cut off
+    compact_replies: int = 0  # EAGLE-3 replies that came compact (expanded here: compact=True, or "auto")
+    lm_head_slices: int = 0  # draft-vocab lm_head slices fetched for that (once per vocab mapping)
+    lm_head_slice_bytes: int = 0
+    # Replies delivered, by the path that carried them (paths/registry.py: frames, plane, nccl, ...).
+    replies: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Requests asked for again without a path that could not deliver them, by that path.
+    fallbacks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def nccl_batches(self) -> int:
+        """Replies whose tensors came over the bound worker's pair group (no payload frames)."""
+        return self.replies["nccl"]
+
+    @property
+    def nccl_fallbacks(self) -> int:
+        """Bound requests re-sent as frames through the shared pool after a failure."""
+        return self.fallbacks["nccl"]
+
+    @property
+    def plane_replies(self) -> int:
+        """Replies whose bytes a same-host worker lent through the plane (paths/plane)."""
+        return self.replies["plane"]
+
+    @property
+    def plane_fallbacks(self) -> int:
+        """Replies that could not be read through the plane and were asked for again as frames."""
+        return self.fallbacks["plane"]

@@ -1,5 +1,6 @@
-"""Workers' data messages to the requests they answer: as frames, through the same-host plane, or
-as NCCL metadata whose tensors follow on the bound worker's pair group. I/O thread unless noted."""
+"""Workers' data messages to the requests they answer, whichever reply path carried them (frames, the
+same-host plane, NCCL metadata whose tensors follow on the bound worker's pair group: spec_serve/paths).
+I/O thread unless noted."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ from spec_serve.client.errors import RemoteError, TargetChangedError
 from spec_serve.client.pending import RETRY_BACKOFF_S, Pending, Requests
 from spec_serve.client.received import Received, ReceivedTensor
 from spec_serve.client.stats import ClientStats
-from spec_serve.protocol import wire
+from spec_serve.paths.base import Arrival, ClientSide, release
+from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol.commands import ClientCommand, ErrorCode, Status, new_request_id, parse_data
-from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
-from spec_serve.supervision.contract import validate_reply
+from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply
+from spec_serve.supervision.contract import Kind, validate_reply
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES
-from spec_serve.transport import samehost
-from spec_serve.transport.binding import ClientBinding
 
 log = logging.getLogger("spec_serve.client")
 
@@ -31,14 +31,12 @@ class WorkerReplies:
     ``call`` runs a function on the I/O thread from any thread; ``send_new`` sends a new request (there).
     """
 
-    def __init__(self, requests: Requests, stats: ClientStats, plane: samehost.ClientPlane | None,
-                 max_message_bytes: int, call: Callable[[Callable[[], None]], None],
-                 send_new: Callable[[Pending], None]):
+    def __init__(self, requests: Requests, stats: ClientStats, max_message_bytes: int,
+                 call: Callable[[Callable[[], None]], None], send_new: Callable[[Pending], None]):
         self.requests = requests
         self.stats = stats
-        self.plane = plane
         self.max_message_bytes = max_message_bytes
-        self.binding: ClientBinding | None = None  # set when the client uses the NCCL data plane
+        self.paths: ClientPaths  # the client's reply paths (set by ClientIO.use_paths before any request)
         self._call = call
         self._send_new = send_new
 
@@ -58,15 +56,18 @@ class WorkerReplies:
 
     def _on_reply(self, request_id: bytes, pending: Pending | None, reply: Reply, header: dict,
                   payload: list) -> None:
-        if reply.nccl:
-            self._on_nccl_metadata(request_id, reply, pending)
+        path = self.paths.carrying(reply)
+        if path.tensors_follow:  # received even for a request already answered, or the worker's send stalls
+            expect = pending.expect.for_kind(reply.kind) if pending is not None and pending.expect else None
+            path.accept(Arrival(request_id, reply, header, payload, expect, self.requests.table.largest,
+                                self._no_asking_again))
             return
         if pending is None or not self.same_target(pending, reply):
             if pending is None:
                 self.requests.count_stray(request_id)
-            self._give_back(reply.plane)  # answered already, or not ours to use: the slot goes back unread
+            path.discard(reply)  # answered already, or not ours to use: what it lends goes back unread
             return
-        self._on_tensors(pending, reply, header, payload)
+        self._on_tensors(pending, path, reply, header, payload)
 
     def _on_error(self, pending: Pending, failure: ErrorReply) -> None:
         code, error = failure.code, f"worker {failure.worker}: {failure.error}"
@@ -78,38 +79,46 @@ class WorkerReplies:
         else:
             self.requests.retry(pending, time.monotonic(), error, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
 
-    def _on_tensors(self, pending: Pending, reply: Reply, header: dict, payload: list) -> None:
-        """``header``: the data message's as received (the plane reads its slot from it)."""
-        lent = reply.plane
-        size = sum(len(memoryview(f)) for f in payload) + samehost.lent_bytes(lent)
+    def _on_tensors(self, pending: Pending, path: ClientSide, reply: Reply, header: dict, payload: list) -> None:
+        """``header``: the data message's as received (a path may read more of it than ``reply`` holds)."""
+        size = sum(len(memoryview(f)) for f in payload) + path.lent_bytes(reply)
         if size > self.max_message_bytes:  # an honest worker refuses this itself (max_reply_bytes)
-            self._give_back(lent)
+            path.discard(reply)
             self.requests.fail(pending, ValueError(
                 f"reply of {size} bytes from worker {reply.worker} exceeds this client's "
                 f"max_message_bytes of {self.max_message_bytes}"))
             return
-        tensors: Mapping[str, ReceivedTensor] | None
-        if lent is not None:
-            tensors = self._open_lent(pending, reply, header, payload)
-            if tensors is None:
-                return
-        else:  # checked here; the bytes stay in the frames until copied to where the caller wants them (assembly)
-            tensors = wire.parse(payload, max_bytes=self.max_message_bytes)[0]
-        if not self._meets_contract(pending, reply.worker, tensors):
+        # Checked by the path; the bytes stay where they arrived until copied to the caller's tensors (assembly).
+        tensors = path.accept(self._arrival(pending, path, reply, header, payload))
+        if tensors is None or not self._meets_contract(pending, reply, tensors):
             return
-        if reply.batched is not None and reply.batched > 1:
-            self.stats.batched += 1
+        self._count(pending, path.name, reply)
         self.requests.resolve(pending, Received(pending.request_id, reply, tensors))
 
-    def _meets_contract(self, pending: Pending, worker: str, tensors: Mapping[str, ReceivedTensor]) -> bool:
-        """Whether the reply holds what the request expects, checked before anything is allocated for it;
-        if not, it is dropped and the request retried."""
+    def _count(self, pending: Pending, path: str, reply: Reply) -> None:
+        self.stats.replies[path] += 1
+        if reply.batched is not None and reply.batched > 1:
+            self.stats.batched += 1
+        request = pending.request
+        if (reply.kind or (request.supervision_kind if request is not None else None)) == Kind.EAGLE3_COMPACT.value:
+            self.stats.compact_replies += 1
+
+    def _arrival(self, pending: Pending, path: ClientSide, reply: Reply, header: dict, payload: list) -> Arrival:
+        expect = pending.expect.for_kind(reply.kind) if pending.expect is not None else None
+        return Arrival(pending.request_id, reply, header, payload, expect, self.max_message_bytes,
+                       lambda reason: self._ask_again(pending, path, reason))
+
+    def _meets_contract(self, pending: Pending, reply: Reply, tensors: Mapping[str, ReceivedTensor]) -> bool:
+        """Whether the reply holds what the request expects (of the kind the reply names), checked before
+        anything is allocated for it; if not, it is dropped and the request retried."""
         if pending.expect is None:
             return True
+        worker = reply.worker
         try:
-            validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()}, pending.expect)
+            validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()},
+                           pending.expect.for_kind(reply.kind))
         except ValueError as e:
-            samehost.release_reply(tensors)
+            release(tensors)
             self.stats.contract_violations += 1
             event(log, logging.WARNING, "client.bad_reply", worker=worker, error=e)
             self.requests.retry(pending, time.monotonic(), f"worker {worker}: {e}",
@@ -137,68 +146,51 @@ class WorkerReplies:
         event(log, logging.ERROR, "client.target_changed", request=pending.short_id, worker=worker, error=message)
         self.requests.fail(pending, TargetChangedError(message))
 
-    # ------------------------------------------------------ same-host plane
+    # ------------------------------------------------------ any reply path
 
-    def _open_lent(self, pending: Pending, reply: Reply, header: dict,
-                   payload: list) -> samehost.PlaneReply | None:
-        """A reply whose bytes a same-host worker lent, as the slot's spans (assembly copies them out, then
-        settles); None if the plane cannot deliver it here, and it was asked for again as frames."""
-        try:
-            if self.plane is None:
-                raise samehost.PlaneError("this client does not use the same-host plane")
-            tensors = self.plane.open(header, payload, pending.request_id,
-                                      lambda reason: self._resend_as_frames(pending, reason))
-        except samehost.PlaneError as e:
-            self._give_back(reply.plane)
-            if self.plane is not None:
-                self.plane.failed(e)
-            self._plane_fallback(pending, str(e))
-            return None
-        self.stats.plane_replies += 1
-        return tensors
-
-    def _give_back(self, lent) -> None:
-        """A lent reply that will not be read: its slot goes back to the worker now."""
-        if lent is not None and self.plane is not None:
-            self.plane.release(lent)
-
-    def _plane_fallback(self, pending: Pending, reason: str) -> None:
-        """Send a request again, as frames (not the request's fault: no attempt used)."""
-        self._count_fallback(pending, reason)
-        pending.header = _without_plane(pending.header)
-        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
-
-    def _resend_as_frames(self, pending: Pending, reason: str) -> concurrent.futures.Future:
-        """Any thread: a lent reply's bytes were overwritten while we copied them: the request again, as
-        frames, under a new id (the old one was answered)."""
+    def _ask_again(self, pending: Pending, path: ClientSide, reason: str) -> concurrent.futures.Future:
+        """Any thread: the request once more without ``path`` under a new id (its reply was answered, but its
+        bytes turned out unusable); the future of its answer."""
+        request = pending.request
+        header = path.without(request) if request is not None else pending.header
         again = dataclasses.replace(pending, request_id=new_request_id(), future=concurrent.futures.Future(),
-                                    header=_without_plane(pending.header),
-                                    attempts=0, sent_at=0.0, resend_at=None)
+                                    header=header, attempts=0, sent_at=0.0, resend_at=None)
 
         def send_again() -> None:
-            self._count_fallback(again, reason)
+            self._count_path_fallback(again, path.name, reason)
             self._send_new(again)
 
         self._call(send_again)
         return again.future
 
-    def _count_fallback(self, pending: Pending, reason: str) -> None:
-        self.stats.plane_fallbacks += 1
-        event(log, logging.INFO, "client.plane_fallback", request=pending.short_id, reason=reason)
+    def fallback(self, request_id: bytes, path: str, reason: str) -> None:
+        """The request again without the path named ``path`` (no attempt used); nothing if it no longer
+        uses that path (sent again without it already)."""
+        pending = self.requests.table.get(request_id)
+        request = pending.request if pending is not None else None
+        side = self.paths.named(path)
+        if pending is None or request is None or side is None or side.without(request) == request:
+            return
+        pending.header = side.without(request)
+        self._count_path_fallback(pending, path, reason)
+        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
 
-    # ------------------------------------------- NCCL data plane (binding.py)
+    def leave_pinned(self, request_id: bytes, reason: str) -> None:
+        """A request pinned to one worker by its path (NCCL: our bound worker) failed there (timeout, error):
+        that path is dropped for now and the request goes to the shared pool."""
+        pending = self.requests.table.get(request_id)
+        request = pending.request if pending is not None else None
+        side = next((s for s in self.paths.sides if request is not None and s.pins(request)), None)
+        if side is not None:
+            side.broken(reason)
+            self.fallback(request_id, side.name, reason)
 
-    def _on_nccl_metadata(self, request_id: bytes, reply: Reply, pending: Pending | None) -> None:
-        """Tensors follow on the pair group: receive them even for a request already answered, or the
-        worker's send (and the group) stalls. No live binding: re-send as frames."""
-        expect = pending.expect if pending is not None else None
-        largest = self.requests.table.largest
-        if self.binding is None or not self.binding.on_metadata(request_id, reply, expect, largest):
-            self.nccl_fallback(request_id, f"nccl reply from worker {reply.worker} without a live binding",
-                               prefix=str(reply.pair))
+    @staticmethod
+    def _no_asking_again(reason: str) -> concurrent.futures.Future:
+        raise RuntimeError(f"a reply whose tensors followed cannot be asked for again here: {reason}")
 
-    def nccl_resolve(self, request_id: bytes, tensors: dict, reply: Reply) -> None:
-        """The pair thread received a bound request's tensors (``reply``: its metadata message)."""
+    def resolve_followed(self, request_id: bytes, reply: Reply, tensors: dict, path: str) -> None:
+        """Tensors that followed a reply's header on another channel (``ClientSide.tensors_follow``) arrived."""
         pending = self.requests.table.get(request_id)
         if pending is None or pending.future.done():
             self.requests.table.remove(request_id)
@@ -206,23 +198,9 @@ class WorkerReplies:
             return
         if not self.same_target(pending, reply):
             return
-        self.stats.nccl_batches += 1
+        self._count(pending, path, reply)
         self.requests.resolve(pending, Received(request_id, reply, tensors))
 
-    def nccl_fallback(self, request_id: bytes, reason: str, prefix: str | None = None) -> None:
-        """Re-send a bound request as a plain one (frames, shared pool; no attempt used) and drop the binding."""
-        if self.binding is not None:
-            self.binding.mark_broken(reason, prefix)
-        pending = self.requests.table.get(request_id)
-        request = pending.request if pending is not None else None
-        if pending is None or request is None or (request.bound is None and not request.nccl):
-            return
-        pending.header = request.unbound()
-        self.stats.nccl_fallbacks += 1
-        event(log, logging.INFO, "client.nccl_request_fallback", request=pending.short_id, reason=reason)
-        self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
-
-
-def _without_plane(header: WireMessage) -> WireMessage:
-    """A request's header to send it again as frames: without its same-host offer."""
-    return dataclasses.replace(header, plane=None) if isinstance(header, SupervisionRequest) else header
+    def _count_path_fallback(self, pending: Pending, path: str, reason: str) -> None:
+        self.stats.fallbacks[path] += 1
+        event(log, logging.INFO, "client.path_fallback", path=path, request=pending.short_id, reason=reason)

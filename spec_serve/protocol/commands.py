@@ -129,6 +129,14 @@ class Op(str, enum.Enum):
     LM_HEAD_SLICE = "lm_head_slice"  # draft-vocab rows of the lm_head, for compact mode
 
 
+class ReplyFormat(str, enum.Enum):
+    """How a worker may shape a GENERATE reply (a REQUEST's ``format``)."""
+
+    # EAGLE-3: the worker picks, per reply, from the path that carries it: full when the reply stays on its
+    # host (the same-host plane, NCCL to a client of its host), compact otherwise (paths/registry.py).
+    AUTO = "auto"
+
+
 class ProtocolError(ValueError):
     """A message that does not follow this protocol; ``request_id`` when the frames named one."""
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from spec_serve.protocol.commands import Op, ProtocolError
+from spec_serve.protocol.commands import Op, ProtocolError, ReplyFormat
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -32,6 +32,7 @@ T = TypeVar("T")
 
 # A request's timeout when its header names none (seconds), and the largest one accepted.
 DEFAULT_REQUEST_TIMEOUT = 120
+_FORMATS = {f.value for f in ReplyFormat}
 DEFAULT_KIND = "eagle3"  # supervision.contract.Kind.EAGLE3: what a REQUEST naming no kind asks for
 MAX_REQUEST_TIMEOUT = 1e7
 MAX_FINGERPRINT_CHARS = 128
@@ -95,13 +96,15 @@ class _Reader:
         return value
 
     def text(self, key: str, *, max_chars: int | None = None, nullable: bool = False,
-             error: str | None = None) -> str | None:
-        """A string, or None when absent (or null, if ``nullable``)."""
-        def ok(v: Any) -> bool:
-            return isinstance(v, str) and (max_chars is None or len(v) <= max_chars)
+             error: str | None = None, ok: Callable[[str], bool] | None = None) -> str | None:
+        """A string, or None when absent (or null, if ``nullable``); ``ok`` may restrict its values."""
+        check = ok
+
+        def ok_text(v: Any) -> bool:
+            return isinstance(v, str) and (max_chars is None or len(v) <= max_chars) and (check is None or check(v))
 
         expected = "a string" if max_chars is None else f"a string of at most {max_chars} characters"
-        result: str | None = self._take(key, ok, expected, error, False, nullable)
+        result: str | None = self._take(key, ok_text, expected, error, False, nullable)
         return result
 
     def required_text(self, key: str, *, ok: Callable[[str], bool] | None = None, error: str | None = None) -> str:
@@ -185,11 +188,14 @@ class SupervisionRequest(WireMessage):
     op: str | None = None
     which: str | None = None
     kind: str | None = None
+    format: str | None = None
     timeout: float = DEFAULT_REQUEST_TIMEOUT
     tokens: int | None = None
     bound: str | None = None
     nccl: bool = False
+    host: str | None = None
     plane: Json | None = None
+    offers: Json | None = None  # {path name: its offer}, for reply paths with no field of their own
     reply_to: str = ""
     max_reply_bytes: int | None = None
     fingerprint: str | None = None
@@ -206,11 +212,15 @@ class SupervisionRequest(WireMessage):
             reply_to=r.required_text("reply_to", ok=valid_endpoint, error=(
                 "REQUEST header needs reply_to, a tcp://host:port or ipc:// endpoint")),
             op=r.text("op"), which=r.text("which"), kind=r.text("kind"),
+            format=r.text("format", ok=lambda v: v in _FORMATS, error=(
+                f"REQUEST header 'format' must be one of {sorted(_FORMATS)}")),
             timeout=_timeout(r),
             tokens=r.integer("tokens", minimum=0),
             bound=r.text("bound", nullable=True),
             nccl=r.flag("nccl"),
+            host=r.text("host"),
             plane=r.obj("plane"),
+            offers=r.obj("offers"),
             max_reply_bytes=r.integer("max_reply_bytes"),
             fingerprint=_fingerprint(r),
             vocab=r.text("vocab", error="REQUEST header 'vocab' must be a digest string"),
@@ -236,7 +246,7 @@ class SupervisionRequest(WireMessage):
 
     def unbound(self) -> SupervisionRequest:
         """The request as plain frames through the shared pool: no bound worker, no pair group."""
-        return dataclasses.replace(self, bound=None, nccl=False)
+        return dataclasses.replace(self, bound=None, nccl=False, host=None)
 
 
 def _timeout(r: _Reader) -> float:
@@ -574,17 +584,20 @@ class Disconnect(WireMessage):
 class Reply(WireMessage):
     """DATA ok, worker -> client: a reply's header. Its tensors are the payload frames, or lie in a same-host
     slot (``plane``), or follow on the pair group (``nccl``: ``pair`` names the group, ``specs`` the
-    tensors). ``digests`` when the request asked ``verify``; ``batched`` when it shared a packed forward."""
+    tensors). ``digests`` when the request asked ``verify``; ``batched`` when it shared a packed forward;
+    ``kind`` when the worker chose the reply's format (a request's ``format: auto``)."""
 
     COMMAND: ClassVar[str] = "DATA"
 
     worker: str = ""
     compute_s: float | None = None
     batched: int | None = None
+    kind: str | None = None
     nccl: bool = False
     pair: str | None = None
     specs: list[Any] | None = None
     plane: Json | None = None
+    path: Json | None = None  # {path name: where its bytes lie}, for reply paths with no field of their own
     fingerprint: str | None = None
     digests: dict[str, int] | None = None
 
@@ -595,8 +608,9 @@ class Reply(WireMessage):
         if digests is not None and not all(_is_int(v) for v in digests.values()):
             raise ProtocolError("DATA header 'digests' must map tensor names to integers")
         return cls(worker=r.required_text("worker"), compute_s=r.number("compute_s"),
-                   batched=r.integer("batched", minimum=1), nccl=r.flag("nccl"), pair=r.text("pair"),
-                   specs=r.array("specs"), plane=r.obj("plane"), fingerprint=r.text("fingerprint"), digests=digests)
+                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), nccl=r.flag("nccl"),
+                   pair=r.text("pair"), specs=r.array("specs"), plane=r.obj("plane"), path=r.obj("path"),
+                   fingerprint=r.text("fingerprint"), digests=digests)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -226,6 +226,26 @@ def reply_bytes(specs: ReplySpecs) -> int:
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What a reply may hold: ``specs``, the kind asked; with ``compact`` (an EAGLE-3 request the worker may
+    answer in either format, compact="auto") the compact EAGLE-3 tensors instead, when the reply says so."""
+
+    specs: ReplySpecs
+    compact: ReplySpecs | None = None
+
+    def for_kind(self, kind: str | None) -> ReplySpecs:
+        """The specs of a reply whose header names ``kind`` (None: the kind asked)."""
+        if kind == Kind.EAGLE3_COMPACT.value and self.compact is not None:
+            return self.compact
+        return self.specs
+
+    @property
+    def nbytes(self) -> int:
+        """The most bytes such a reply holds."""
+        return max(reply_bytes(self.specs), reply_bytes(self.compact) if self.compact is not None else 0)
+
+
 def validate_reply(got: Mapping[str, tuple[torch.dtype, Sequence[int]]], expected: ReplySpecs) -> None:
     """Raise ``ValueError`` naming each tensor missing, extra, or of another dtype or shape than ``expected``.
 

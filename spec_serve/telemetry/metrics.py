@@ -22,6 +22,14 @@ CLIENT_INTEGRITY_FAILURES = Counter("spec_serve_client_integrity_failures",
                                     "Replies a client discarded: digest mismatch or another target",
                                     ["service", "check"])
 
+# Compact EAGLE-3 (client/compact.py): the draft-vocab lm_head slices a client fetched, once per vocab mapping.
+CLIENT_LM_HEAD_SLICES = Counter("spec_serve_client_lm_head_slices",
+                                "Draft-vocab lm_head slices a client fetched for compact EAGLE-3 (one per mapping)",
+                                ["service"])
+CLIENT_LM_HEAD_SLICE_BYTES = Counter("spec_serve_client_lm_head_slice_bytes",
+                                     "Bytes of the draft-vocab lm_head slices a client fetched", ["service"])
+
+
 class BrokerMetrics:
     """Counters the broker updates from its loop; the HTTP shim renders them."""
 

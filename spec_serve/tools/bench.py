@@ -9,6 +9,9 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full, replies as
                       frames (the same-host plane off: what a client on another host gets)
   remote_1w_compact   the same with RemoteTargetModel(compact=True)
+  remote_1w_auto      the same with the client's defaults (compact="auto"): over frames the worker answers
+                      compact and the client expands on its device; verified against the colocated compact
+                      batch expanded, and ``equal_to_full`` counts the batches bit-equal to the full forward
   remote_1w_dspark    the same, DSpark
   samehost_1w         one worker, replies through the same-host plane (CUDA IPC between GPUs, shared
                       memory otherwise); verified like every remote scenario
@@ -44,6 +47,8 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
   broker_null         transport only: a worker whose engine returns ready tensors of the EAGLE-3
                       reply size, through the broker (request via broker, reply straight back)
+  broker_null_compact the same with compact EAGLE-3 replies (what compact="auto" sends across hosts), landed,
+                      not expanded (tools/null_engine.py: the 8B reply shape either way)
   samehost_null       the same bytes lent through the same-host plane
   direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
   zmq_raw             raw ZeroMQ PUSH->PULL over loopback: pre-built 16 MiB frames, same bytes
@@ -107,7 +112,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
-    from spec_serve.engines.base import TargetEngine
     from spec_serve.engines.compiled import CompileReport
     from spec_serve.tools.launch import Cluster
 
@@ -135,9 +139,6 @@ LLAMA_8B_CONFIG = {
     "torch_dtype": "bfloat16",
 }
 LLAMA_8B_AUX_LAYERS = "1,15,28"
-# Transport-only scenarios always move EAGLE-3 replies of the 8B shape (149 KiB a token), so their
-# GB/s are comparable between the CPU box and the GPU machine.
-T_HIDDEN, T_VD = 4096, 32000
 
 
 @dataclasses.dataclass
@@ -369,7 +370,7 @@ def _mark_done(done_at: dict[int, float], i: int, _future: Any) -> None:
     done_at.setdefault(i, time.perf_counter())
 
 
-def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str, nccl: bool = False,
+def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, name: str, nccl: bool = False,
                own_device: bool = False, packed: bool = False, plane: bool = False,
                dspark: bool = False, compiled: bool = False) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
@@ -379,7 +380,9 @@ def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str
     forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE.
     ``plane``: replies through the same-host plane, else frames; ``dspark``: the DSpark kind; ``compiled``: the
     service's worker compiles its layers (within compiled.TOLERANCE, bit-equality to the colocated compiled
-    forward counted)."""
+    forward counted); ``compact``: True, False or "auto" (the client's default: over frames the worker
+    answers compact, so it is verified as compact, and how many batches also equal the full forward bit for
+    bit is reported)."""
     from spec_serve.client.api import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
@@ -407,20 +410,24 @@ def run_remote(ctx: Context, service: str, compact: bool, shards: int, name: str
         seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
         stats = client.stats
     tokens, padded = _tokens(batches[warmup:])
-    wire_kind = "dspark" if dspark else "eagle3_compact" if compact else "eagle3"
+    compact_wire = compact is True or compact == "auto" and not (plane or nccl)  # what auto sends here
+    wire_kind = "dspark" if dspark else "eagle3_compact" if compact_wire else "eagle3"
     if compiled:
         checked = ctx.verify_compiled(batches[warmup:], outputs, remote=not packed)
     elif packed:
-        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact else None)
+        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact_wire else None)
     else:
-        checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact, device=device,
+        checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact_wire, device=device,
                                           kind="dspark" if dspark else "eagle3")
                                for b, out in zip(batches[warmup:], outputs)), len(outputs))
+        if compact == "auto" and compact_wire and not dspark:
+            checked["equal_to_full"] = sum(ctx.verify(b, out, shards=shards, device=device, quiet=True)
+                                           for b, out in zip(batches[warmup:], outputs))
     extra = {"wire_bytes_per_token": ctx.reply_bytes_per_token[wire_kind]} if not dspark else {}
     return _figure(name, tokens, nbytes, seconds, padded, **extra, retried=stats.retried,
                    nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
                    plane_replies=stats.plane_replies, plane_fallbacks=stats.plane_fallbacks, batched=stats.batched,
-                   **checked)
+                   compact_replies=stats.compact_replies, lm_head_slices=stats.lm_head_slices, **checked)
 
 
 def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
@@ -432,7 +439,7 @@ def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
     cfg = ctx.cfg
     vocab = ctx.info["vocab_size"]
     clients = [RemoteTargetModel(ctx.frontend, service=service, device=ctx.device, prefetch_depth=4,
-                                 timeout=600, same_host_plane=False) for _ in range(cfg.small_ranks)]
+                                 timeout=600, same_host_plane=False, compact=False) for _ in range(cfg.small_ranks)]
     try:
         for c in clients:
             c.set_vocab_mapping(*ctx.mapping)
@@ -475,53 +482,10 @@ def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
 # ------------------------------------------------------------------- transport
 
 
-def null_tensors(batch: int, seq: int, hidden: int, draft_vocab: int) -> dict[str, torch.Tensor]:
-    """Ready-made EAGLE-3 reply tensors of the real shapes (bf16 aux, f32 probs)."""
-    return {
-        "aux_hidden_states": torch.ones(batch, seq, 3 * hidden, dtype=torch.bfloat16),
-        "target_probs": torch.full((batch, seq, draft_vocab), 1.0 / draft_vocab),
-        "position_mask": torch.ones(batch, seq, 1, dtype=torch.bool),
-        "input_ids": torch.zeros(batch, seq, dtype=torch.int64),
-        "loss_mask": torch.ones(batch, seq, dtype=torch.int64),
-    }
-
-
-class NullEngine:
-    """An engine with no model: answers every request with ready tensors (transport-only benchmark)."""
-
-    engine = "null"
-
-    def __init__(self, info: dict, hidden: int, draft_vocab: int):
-        from spec_serve.supervision.contract import TargetInfo
-
-        self.info = TargetInfo.from_dict(info)
-        self.hidden, self.draft_vocab = hidden, draft_vocab
-        self._cache: dict = {}
-
-    def target_info(self):
-        return self.info
-
-    def set_vocab_mapping(self, ids, mask) -> None:
-        pass
-
-    def generate_batch(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
-        key = tuple(input_ids.shape)
-        if key not in self._cache:
-            self._cache[key] = null_tensors(*key, self.hidden, self.draft_vocab)
-        return self._cache[key]
-
-
 def _null_worker(args: list[str]) -> None:
-    from spec_serve.worker.server import Worker
+    from spec_serve.tools.null_engine import run_worker
 
-    broker, service, info, hidden, draft_vocab = args[0], args[1], json.loads(args[2]), int(args[3]), int(args[4])
-    # cast: a transport-only stand-in; it answers generate requests only (no embeddings, nothing to close)
-    engine = cast("TargetEngine", NullEngine(info, hidden, draft_vocab))
-    w = Worker(engine, broker, service=service, capacity=2)
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *a: w.stop())
-    w.run()
+    run_worker(args[0], args[1])
 
 
 def _direct_server(args: list[str]) -> None:
@@ -530,13 +494,14 @@ def _direct_server(args: list[str]) -> None:
 
     from spec_serve.protocol import wire
     from spec_serve.protocol.commands import Status, data_message
+    from spec_serve.tools.null_engine import null_tensors
     from spec_serve.transport.sockets import make_socket
 
-    endpoint_file, hidden, draft_vocab, batch, seq = args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4])
+    endpoint_file, batch, seq = args[0], int(args[1]), int(args[2])
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
     Path(endpoint_file).write_text(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-    tensors = null_tensors(batch, seq, hidden, draft_vocab)
+    tensors = null_tensors(batch, seq)
     while True:
         frames = sock.recv_multipart(copy=False)
         if len(frames) == 2 and frames[1].bytes == b"stop":
@@ -551,10 +516,11 @@ def _push_sender(args: list[str]) -> None:
     import zmq
 
     from spec_serve.protocol import wire
+    from spec_serve.tools.null_engine import null_tensors
     from spec_serve.transport.sockets import make_socket
 
-    endpoint, mode, count, hidden, draft_vocab, batch, seq = args[0], args[1], *map(int, args[2:7])
-    tensors = null_tensors(batch, seq, hidden, draft_vocab)
+    endpoint, mode, count, batch, seq = args[0], args[1], *map(int, args[2:5])
+    tensors = null_tensors(batch, seq)
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.PUSH, connect=endpoint, hwm=4)
     if mode == "raw":
@@ -577,8 +543,8 @@ def _spawn_helper(kind: str, *args: object) -> subprocess.Popen:
 def run_push(ctx: Context, mode: str, transport: str = "tcp") -> dict[str, Any]:
     import zmq
 
+    from spec_serve.paths.frames.hostpool import RecyclingAllocator
     from spec_serve.protocol import wire
-    from spec_serve.transport.hostpool import RecyclingAllocator
     from spec_serve.transport.sockets import make_socket
 
     cfg = ctx.cfg
@@ -588,7 +554,7 @@ def run_push(ctx: Context, mode: str, transport: str = "tcp") -> dict[str, Any]:
     pull = make_socket(zctx, zmq.PULL, bind=bind, hwm=4)
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     count = cfg.transport_messages + 1
-    proc = _spawn_helper("_push_sender", endpoint, mode, count, T_HIDDEN, T_VD, 1, cfg.transport_seq)
+    proc = _spawn_helper("_push_sender", endpoint, mode, count, 1, cfg.transport_seq)
     try:
         nbytes = 0
         pull.recv_multipart(copy=False)  # the first message pays connection set-up
@@ -618,7 +584,7 @@ def run_direct(ctx: Context) -> dict[str, Any]:
 
     cfg = ctx.cfg
     endpoint_file = Path(ctx.tmp) / "direct.endpoint"
-    proc = _spawn_helper("_direct_server", endpoint_file, T_HIDDEN, T_VD, 1, cfg.transport_seq)
+    proc = _spawn_helper("_direct_server", endpoint_file, 1, cfg.transport_seq)
     deadline = time.monotonic() + 120
     while not endpoint_file.exists() or not endpoint_file.read_text():
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -654,29 +620,40 @@ def run_direct(ctx: Context) -> dict[str, Any]:
     return _figure("direct_null", tokens, nbytes, seconds)
 
 
-def run_broker_null(ctx: Context, plane: bool = False) -> dict[str, Any]:
-    """Transport only: 8B-shaped EAGLE-3 replies from the null worker, as frames or (``plane``) lent through
-    the same-host plane; every reply checked after the clock."""
+def transport_run(frontend: str, kind: str, messages: int, seq: int, prefetch: int, warmup: int,
+                  plane: bool = False, service: str = "null") -> dict[str, Any]:
+    """Transport only: ``messages`` requests of 1 x ``seq`` tokens to the null worker (8B-shaped replies of
+    ``kind``: "eagle3" full, or "eagle3_compact", what compact="auto" sends across hosts, landed and not
+    expanded), ``prefetch`` in flight; as frames, or (``plane``) lent through the same-host plane. Every
+    reply is checked against what the null engine answers once the clock stopped."""
     from spec_serve.client.api import RemoteTargetModel
-
-    cfg = ctx.cfg
-    with RemoteTargetModel(ctx.frontend, service="null", prefetch_depth=cfg.prefetch, timeout=600,
-                           same_host_plane=plane) as client:
-        client.set_vocab_mapping(*ctx.mapping)
-        batch = make_batch(1, cfg.transport_seq, ctx.info["vocab_size"], 0)
-        for _ in range(cfg.warmup or 1):
-            client.generate_batch(*batch)
-        start = time.perf_counter()
-        futures = [client.generate_batch_async(*batch) for _ in range(cfg.transport_messages)]
-        nbytes = sum(_nbytes(f.result()) for f in futures)
-        seconds = time.perf_counter() - start
-        plane_replies = client.stats.plane_replies
+    from spec_serve.tools.null_engine import VOCAB, null_mapping, null_tensors
     from spec_serve.tools.verify import mismatch
 
-    want = null_tensors(1, cfg.transport_seq, T_HIDDEN, T_VD)  # what the null engine answers
-    tokens = cfg.transport_messages * cfg.transport_seq
-    return _figure("samehost_null" if plane else "broker_null", tokens, nbytes, seconds, plane_replies=plane_replies,
-                   **verified(sum(mismatch(f.result(), want) is None for f in futures), len(futures)))
+    with RemoteTargetModel(frontend, service=service, prefetch_depth=prefetch, timeout=600, compact=False,
+                           same_host_plane=plane) as client:
+        client.set_vocab_mapping(*null_mapping())
+        batch = make_batch(1, seq, VOCAB, 0)
+        for _ in range(warmup or 1):
+            client.generate_batch(*batch, kind=kind)
+        start = time.perf_counter()
+        futures = [client.generate_batch_async(*batch, kind=kind) for _ in range(messages)]
+        nbytes = sum(_nbytes(f.result()) for f in futures)
+        seconds = time.perf_counter() - start
+        stats = client.stats
+    want = null_tensors(1, seq, kind)
+    return {"tokens": messages * seq, "bytes": nbytes, "seconds": seconds, "plane_replies": stats.plane_replies,
+            **verified(sum(mismatch(f.result(), want) is None for f in futures), len(futures))}
+
+
+def run_broker_null(ctx: Context, plane: bool = False, compact: bool = False) -> dict[str, Any]:
+    """Transport only through the broker (``transport_run``): full EAGLE-3 replies, or compact ones."""
+    cfg = ctx.cfg
+    got = transport_run(ctx.frontend, "eagle3_compact" if compact else "eagle3", cfg.transport_messages,
+                        cfg.transport_seq, cfg.prefetch, cfg.warmup, plane)
+    name = ("samehost_null" if plane else "broker_null") + ("_compact" if compact else "")
+    tokens, nbytes, seconds = got.pop("tokens"), got.pop("bytes"), got.pop("seconds")
+    return _figure(name, tokens, nbytes, seconds, **got)
 
 
 def run_worker_pool(ctx: Context) -> dict[str, Any]:
@@ -700,8 +677,8 @@ def _run_worker_pool(ctx: Context) -> dict[str, Any]:
         result = worker.serve(Job(bytes(16), header, wire.encode(batch), time.monotonic()))
         if result.ready is not None:
             result.ready.synchronize()  # the I/O thread sends only once the device->host copy is done
-        if result.lease is not None:
-            result.lease.release()  # what the I/O thread does once ZeroMQ has sent the frames
+        if result.loan is not None:
+            result.loan.left()  # what the I/O thread does once ZeroMQ has sent the frames
     seconds = time.perf_counter() - start
     pool = worker.host_pool  # None for a CPU engine (no --host-pool): replies borrow its outputs
     return _figure("worker_pool", n * int(batch["attention_mask"].sum()), 0, seconds, messages=n,
@@ -886,7 +863,7 @@ class Context:
         return {k: float(f"{v:.3g}") for k, v in sorted(worst.items())}
 
     def verify(self, batch: tuple, got: dict, *, shards: int = 1, compact: bool = False,
-               device: torch.device | None = None, kind: str = "eagle3") -> bool:
+               device: torch.device | None = None, kind: str = "eagle3", quiet: bool = False) -> bool:
         """Whether ``got`` equals, bit for bit, the colocated forward of ``batch`` as a client with
         ``shards`` shards (and ``compact``, expanded on ``device``) receives it; a mismatch is printed."""
         from spec_serve.tools.verify import colocated_reference, mismatch
@@ -895,7 +872,7 @@ class Context:
             want = colocated_reference(self.engine(), batch, kind, shards=shards, compact=compact,
                                        device=device, selected=self.mapping)
         wrong = mismatch(got, want)
-        if wrong is not None:
+        if wrong is not None and not quiet:
             print(f"[bench] a batch differs from the colocated forward: {wrong}", file=sys.stderr, flush=True)
         return wrong is None
 
@@ -939,15 +916,8 @@ class Context:
                                  *[a for a in common if a not in ("--capacity", "2")], "--capacity", "8",
                                  service="batch")
             expected += 1
-        if "null" in services:
-            from spec_serve.supervision.contract import default_aux_layer_ids, default_dspark_layer_ids
-
-            n = int(self.config["num_hidden_layers"])
-            info = {"num_hidden_layers": n, "hidden_size": self.info["hidden_size"],
-                    "vocab_size": self.info["vocab_size"], "aux_layer_ids": default_aux_layer_ids(n),
-                    "dspark_layer_ids": default_dspark_layer_ids(n), "model_name": "null", "dtype": "bfloat16",
-                    "engine": "null", "fingerprint": "0" * 32}
-            proc = _spawn_helper("_null_worker", cluster.backend, "null", json.dumps(info), T_HIDDEN, T_VD)
+        if "null" in services:  # tools/null_engine.py: the 8B reply shape, whatever the target
+            proc = _spawn_helper("_null_worker", cluster.backend, "null")
             cluster.workers.append(proc)
             expected += 1
         cluster.wait_workers(expected, timeout=900)
@@ -992,6 +962,9 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     # Replies as frames (the same-host plane off), as a client on another host gets them.
     "remote_1w": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w")),
     "remote_1w_compact": ({"w1"}, lambda c: run_remote(c, "w1", True, 1, "remote_1w_compact")),
+    # The client's defaults (compact="auto") with the plane off, as a client on another host has them: the
+    # worker answers compact, the client expands on its device.
+    "remote_1w_auto": ({"w1"}, lambda c: run_remote(c, "w1", "auto", 1, "remote_1w_auto")),
     "remote_1w_dspark": ({"w1"}, lambda c: run_remote(c, "w1", False, 1, "remote_1w_dspark", dspark=True)),
     # The same worker, the client (and its H2D copies, compact expansion) on the last device, as a
     # trainer on a GPU of its own would be; on one device identical to the above.
@@ -1016,6 +989,7 @@ SCENARIOS: dict[str, tuple[set, Callable[[Context], dict]]] = {
     "small_unbatched": ({"w1"}, lambda c: run_small(c, "w1", "small_unbatched")),
     "small_batched": ({"batch"}, lambda c: run_small(c, "batch", "small_batched")),
     "broker_null": ({"null"}, run_broker_null),
+    "broker_null_compact": ({"null"}, lambda c: run_broker_null(c, compact=True)),
     "samehost_null": ({"null"}, lambda c: run_broker_null(c, plane=True)),
     "direct_null": (set(), run_direct),
     "zmq_raw": (set(), lambda c: run_push(c, "raw")),
@@ -1054,6 +1028,8 @@ RATIOS = [
      "samehost_1w_packed", None),
     ("remote 1 worker / colocated", "remote_1w", "colocated", 0.95),
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
+    # Issue 25: full EAGLE-3 with the defaults, from another host (the plane off), against the colocated forward.
+    ("remote 1 worker, defaults (compact=auto) / colocated", "remote_1w_auto", "colocated", 0.95),
     ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),
     ("remote 1 worker compact, client on its own GPU / colocated compact", "remote_1w_compact_own_gpu",
      "colocated_compact", 0.95),
@@ -1074,6 +1050,8 @@ RATIOS = [
     ("small requests: batched / unbatched", "small_batched", "small_unbatched", None),
     ("broker path / direct socket (same bytes)", "broker_null", "direct_null", None),
     ("same-host plane / frames through the broker, transport only (same bytes)", "samehost_null", "broker_null",
+     None),
+    ("compact / full replies through the broker, transport only (tokens/s)", "broker_null_compact", "broker_null",
      None),
     ("frames / raw ZeroMQ (same bytes)", "frames", "zmq_raw", 0.9),
     ("frames / raw ZeroMQ, ipc (same bytes)", "frames_ipc", "zmq_raw_ipc", 0.9),

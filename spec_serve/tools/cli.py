@@ -872,10 +872,10 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
     batch prints INVALID, a remote faster than colocated by over 10% is flagged IMPLAUSIBLE. Prints a
     table of figures (useful and padded tokens/s) and ratios and writes JSON. Scenarios: colocated,
     colocated_compact, colocated_packed,
-    remote_1w_packed, remote_1w_compact_packed, remote_1w, remote_1w_compact, remote_1w_own_gpu,
+    remote_1w_packed, remote_1w_compact_packed, remote_1w, remote_1w_compact, remote_1w_auto, remote_1w_own_gpu,
     remote_1w_compact_own_gpu,
     remote_2w, remote_2w_compact, remote_1w_ipc, remote_1w_compact_ipc, remote_2w_compact_ipc,
-    remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, direct_null,
+    remote_nccl, remote_nccl_compact, small_unbatched, small_batched, broker_null, broker_null_compact, direct_null,
     zmq_raw, frames, zmq_raw_ipc, frames_ipc, frames_fresh, worker_pool; compiled decoder layers
     (docs/compile.md, verified within the tolerance of eager): colocated_compiled,
     colocated_packed_compiled, samehost_1w_compiled, samehost_1w_packed_compiled, and compile_cold

@@ -1,6 +1,6 @@
 """The compute thread: take jobs in order, group what may share a packed forward, run them on the
-executor, and hand the results to the I/O thread (a queue plus an inproc wake-up). A bind or release
-of the NCCL pair runs in order with the jobs around it.
+executor, and hand the results to the I/O thread (a queue plus an inproc wake-up). A reply path's control
+job (an NCCL bind or release) runs in order with the jobs around it.
 
 Batching (docs/packing.md): queued generate requests of the same kind and vocab share one packed forward
 of at most ``max_batch_tokens`` real tokens (0: each request alone).
@@ -17,20 +17,20 @@ from collections.abc import Callable
 import zmq
 
 from spec_serve.engines import packing
+from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol import wire
 from spec_serve.worker.executor import Executor
 from spec_serve.worker.jobs import Job, RequestError, Result
-from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.threads import ThreadShare
 
 
 class ComputeLoop:
-    def __init__(self, ctx: zmq.Context, wake_endpoint: str, executor: Executor, pair: PairBinding, *,
+    def __init__(self, ctx: zmq.Context, wake_endpoint: str, executor: Executor, paths: WorkerPaths, *,
                  packing: bool, max_batch_tokens: int, threads: ThreadShare | None):
         self.ctx = ctx
         self.wake_endpoint = wake_endpoint  # the I/O thread binds it before start()
         self.executor = executor
-        self.pair = pair
+        self.paths = paths
         self.packing = packing
         self.max_batch_tokens = max_batch_tokens
         self.threads = threads  # math threads: this worker's share of the host's cores, kept between forwards
@@ -121,14 +121,13 @@ class ComputeLoop:
                     backlog.append(job)
                 if self.threads is not None:
                     self.threads.rebalance()
-                if backlog[0].control is not None:  # bind/release, in order with the jobs before it
-                    self.pair.control(backlog.popleft(), post)
+                if backlog[0].control is not None:  # e.g. NCCL bind/release, in order with the jobs before it
+                    self._control(backlog.popleft(), post)
                     continue
                 results = self._forward(backlog)
                 if results is None:
                     return
-                post(*results)
-                self.pair.send(results)
+                self._post(results, post)
                 self.forwarding = False
         finally:
             self.forwarding = False
@@ -146,6 +145,19 @@ class ComputeLoop:
         if self.on_forward is not None:
             self.on_forward(time.perf_counter() - started)
         return results
+
+    @staticmethod
+    def _post(results: list[Result], post: Callable[..., None]) -> None:
+        """Hand ``results`` to the I/O thread, then run what follows each posted reply (NCCL: its tensors)."""
+        post(*results)
+        for result in results:
+            if result.after_post is not None:
+                result.after_post()
+
+    def _control(self, job: Job, post: Callable[..., None]) -> None:
+        """A reply path's control job; what it answers goes to the job's reply_to."""
+        assert job.control is not None and job.message is not None  # a control job comes with its message
+        self.paths.control(job.control, job.message, lambda status, header: post(Result(job, status, header, [])))
 
     def _take_queued(self, backlog: collections.deque[Job]) -> bool:
         """Move every job queued now into ``backlog`` (it may share the packed forward); False at the end."""
@@ -180,12 +192,13 @@ class ComputeLoop:
         backlog.extendleft(reversed(rest))
         return group
 
-    def _pack_key(self, job: Job) -> tuple[tuple[str, str | None], int] | None:
+    def _pack_key(self, job: Job) -> tuple[tuple[str | None, str | None], int] | None:
         """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
         job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
         if job.control is not None or job.refused is not None or not job.request.is_generate or job.request.nccl:
             return None
         try:
+            kind = self.executor.route(job).kind  # the kind its path's format asks for (compact="auto")
             tensors = self.executor.request_tensors(job)
             ids = tensors["input_ids"]
             if ids.dim() != 2 or any(t.shape != ids.shape for t in tensors.values()):
@@ -195,4 +208,4 @@ class ComputeLoop:
             return None  # served alone, which reports the error
         if lengths is None:
             return None
-        return (job.request.supervision_kind, job.request.vocab), sum(lengths)
+        return (kind, job.request.vocab), sum(lengths)

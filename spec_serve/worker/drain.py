@@ -19,8 +19,8 @@ import signal
 import sys
 from typing import Protocol
 
+from spec_serve.paths.plane import shm
 from spec_serve.telemetry.logs import event
-from spec_serve.transport import shm
 
 log = logging.getLogger("spec_serve.worker")
 

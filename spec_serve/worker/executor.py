@@ -1,6 +1,6 @@
 """Jobs to results on the engine, on the compute thread: run a request (alone, or several in one packed
-forward), take the reply's integrity fields, and put the outputs where the reply will carry them: the
-NCCL pair, a same-host plane slot, or frames in a pooled host slab. Every failure becomes an error reply."""
+forward), take the reply's integrity fields, and hand the outputs to the reply path that carries them
+(paths/registry.py). Every failure becomes an error reply."""
 
 from __future__ import annotations
 
@@ -13,41 +13,30 @@ import torch
 
 from spec_serve.engines import engine_dead, packing
 from spec_serve.engines.base import PackingEngine, TargetEngine
+from spec_serve.paths.base import Delivery, PathUnavailable
+from spec_serve.paths.registry import Route, WorkerPaths
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ErrorCode, Op, Status
+from spec_serve.protocol.commands import ErrorCode, Op
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
-from spec_serve.transport import samehost
-from spec_serve.transport.binding import encode_specs
-from spec_serve.transport.hostpool import HostBufferPool, to_host
-from spec_serve.worker.faults import Faults
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
-from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.vocab_store import VocabStore
 
 log = logging.getLogger("spec_serve.worker")
 
 
 class Executor:
-    def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, pair: PairBinding,
-                 faults: Faults, host_pool: HostBufferPool | None, device: torch.device, max_message_bytes: int):
+    def __init__(self, engine: TargetEngine, name: str, *, packing: bool, vocab: VocabStore, paths: WorkerPaths,
+                 max_message_bytes: int):
         self.engine = engine
         self.name = name
         # Packing (docs/packing.md): each generate request runs without its padding. Off: every request
         # runs padded, bit-equal to the colocated forward.
         self.packing = packing
         self.vocab = vocab
-        self.pair = pair
-        self.faults = faults
-        self.host_pool = host_pool
         self.max_message_bytes = max_message_bytes
-        # The device->host copy of a reply runs on its own stream, so the next forward starts at once
-        # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # Same-host clients get GENERATE replies through slots of memory they map; None: frames only.
-        # Worker.run sets it for as long as it serves.
-        self.plane: samehost.WorkerPlane | None = None
+        self.paths = paths  # where replies go: the first path of the order (paths/registry.py) that takes each
         # Set (once) when the engine died: the worker answers what found it so, then leaves the pool.
         self.engine_error: str | None = None
         self.batches = 0  # packed forwards run for several requests
@@ -75,37 +64,27 @@ class Executor:
         return error_result(job, self.name, code, message)
 
     def _serve(self, job: Job, start: float) -> Result:
-        nccl = job.request.nccl and job.request.is_generate
-        if nccl:
-            self.pair.check(job)
-        tensors, tokens = self._execute(job)
-        integrity = self._integrity([job], [tensors])[0]
-        if nccl:  # metadata over ZeroMQ, then the tensors (still on our device) over the pair group
-            reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), nccl=True,
-                          pair=self.pair.prefix, specs=encode_specs(tensors), **integrity)
-            return Result(job, Status.OK, reply, [], tokens, send=self.faults.corrupt_tensors(tensors))
-        export = self._lend(job, tensors)
-        if export is not None:  # same-host client: the bytes wait in a slot it maps
-            self.faults.corrupt_lent(export)
-            reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), plane=export.descriptor,
-                          **integrity)
-            return self._within_client_limit(Result(job, Status.OK, reply, export.frames, tokens,
-                                                    ready=export.ready, export=export))
-        host, lease, ready = to_host(tensors, self.host_pool, self._copy_stream)
-        try:
-            frames = wire.encode(host)
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        self.faults.corrupt_frames(job, frames, ready)
-        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), **integrity)
-        return self._within_client_limit(Result(job, Status.OK, reply, frames, tokens, lease, ready))
+        route = self.route(job)
+        tensors, tokens = self._execute(job, route)
+        reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), kind=route.reply_kind,
+                      **self._integrity([job], [tensors])[0])
+        outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
+        return self._within_client_limit(Result.delivered(job, outgoing, tokens))
 
-    def _execute(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
+    def route(self, job: Job) -> Route:
+        """The reply path of ``job`` and the kind it computes (chosen before the forward, once: cached on the
+        job); ``unavailable`` if the path the request insists on cannot carry it."""
+        if job.route is None:
+            try:
+                job.route = self.paths.route(job.request)
+            except PathUnavailable as e:
+                raise RequestError(ErrorCode.UNAVAILABLE, str(e)) from None
+        return job.route
+
+    def _execute(self, job: Job, route: Route) -> tuple[dict[str, torch.Tensor], int]:
         op = job.request.operation
         if op == Op.GENERATE.value:
-            return self._generate(job)
+            return self._generate(job, Kind.parse(cast(str, route.kind)))
         if op == Op.EMBEDDINGS.value:
             which = job.request.which
             if which == "input":
@@ -121,8 +100,7 @@ class Executor:
             return {"weight": weight.index_select(0, ids.to(weight.device)).to("cpu")}, 0
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
 
-    def _generate(self, job: Job) -> tuple[dict[str, torch.Tensor], int]:
-        kind = Kind.parse(job.request.supervision_kind)
+    def _generate(self, job: Job, kind: Kind) -> tuple[dict[str, torch.Tensor], int]:
         tensors = self.request_tensors(job)
         self.vocab.select(self.engine, kind, job.request.vocab)
         input_ids, attention_mask, loss_mask = (tensors[n] for n in REQUEST_TENSORS)
@@ -157,14 +135,16 @@ class Executor:
             return [self.serve(jobs[0])]
         start = time.perf_counter()
         try:
-            kind = Kind.parse(jobs[0].request.supervision_kind)
+            routes = [self.route(job) for job in jobs]
+            kind = Kind.parse(cast(str, routes[0].kind))  # the same for all: ComputeLoop groups by it
             parts = [self.request_tensors(job) for job in jobs]
             self.vocab.select(self.engine, kind, jobs[0].request.vocab)
             requests = [(p["input_ids"], p["attention_mask"], p["loss_mask"]) for p in parts]  # REQUEST_TENSORS
             outs = self._packing_engine().generate_packed(requests, kind=kind.value)
             elapsed = round(time.perf_counter() - start, 6)
-            results = self._split_replies(jobs, parts, outs, Reply(worker=self.name, compute_s=elapsed,
-                                                                   batched=len(jobs)))
+            results = self._split_replies(jobs, routes, parts, outs, Reply(worker=self.name, compute_s=elapsed,
+                                                                           batched=len(jobs),
+                                                                           kind=routes[0].reply_kind))
             self.batches += 1
             return [self._within_client_limit(result) for result in results]
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
@@ -173,47 +153,18 @@ class Executor:
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
 
-    def _split_replies(self, jobs: list[Job], parts: list[dict], outs: list[dict], base: Reply) -> list[Result]:
-        """One reply per job of a packed forward: each same-host job's outputs lent in a slot of its own, the
-        others' encoded from one host slab for all of them (released once per reply)."""
+    def _split_replies(self, jobs: list[Job], routes: list[Route], parts: list[dict], outs: list[dict],
+                       base: Reply) -> list[Result]:
+        """One reply per job of a packed forward, each through its path (frames: one host slab for all of
+        them, released once per reply; the same-host plane: a slot each)."""
         integrity = self._integrity(jobs, outs)
-        exports: list = []
-        lease = None
-        try:
-            for job, out in zip(jobs, outs):
-                exports.append(self._lend(job, out))
-            framed = [i for i, export in enumerate(exports) if export is None]
-            host, lease, ready = to_host({(i, k): v for i in framed for k, v in outs[i].items()}, self.host_pool,
-                                         self._copy_stream) if framed else ({}, None, None)
-            results = []
-            for i, (job, part, export, checks) in enumerate(zip(jobs, parts, exports, integrity)):
-                tokens = int(part["attention_mask"].sum())
-                if export is not None:
-                    reply = dataclasses.replace(base, plane=export.descriptor, **checks)
-                    results.append(Result(job, Status.OK, reply, export.frames, tokens, ready=export.ready,
-                                          export=export))
-                else:
-                    frames = wire.encode({k: host[(i, k)] for k in outs[i]})
-                    reply = dataclasses.replace(base, **checks)
-                    results.append(Result(job, Status.OK, reply, frames, tokens, lease, ready))
-            if lease is not None:
-                lease.retain(len(framed) - 1)  # one release per reply sent
-            return results
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            for export in exports:
-                if export is not None:
-                    export.cancel()
-            raise
+        outgoing = self.paths.deliver(routes,
+                                      [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))
+                                       for job, out, checks in zip(jobs, outs, integrity)])
+        return [Result.delivered(job, reply, int(part["attention_mask"].sum()))
+                for job, part, reply in zip(jobs, parts, outgoing)]
 
     # ------------------------------------------------------------ replies
-
-    def _lend(self, job: Job, tensors: dict[str, torch.Tensor]) -> samehost.Export | None:
-        """A GENERATE reply lent to a same-host client through the plane; None: send it as frames."""
-        if self.plane is None or not job.request.is_generate:
-            return None
-        return self.plane.export({"plane": job.request.plane}, tensors, self._copy_stream)
 
     def _integrity(self, jobs: list[Job], outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Per job, the reply fields its client checks (``Reply`` keywords): the fingerprint of the target that computed

@@ -1,25 +1,19 @@
-"""What the worker's two threads hand each other: a ``Job`` (a broker request, or a bind/release of the
-NCCL pair) from the I/O thread to the compute thread, and a ``Result`` (an encoded reply) back."""
+"""What the worker's two threads hand each other: a ``Job`` (a broker request, or a reply path's control job
+such as an NCCL bind or release) from the I/O thread to the compute thread, and a ``Result`` (a reply
+ready to send) back."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from spec_serve.paths.base import Loan, Outgoing
+from spec_serve.paths.registry import Route
 from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
-from spec_serve.protocol.messages import (
-    BindGrant,
-    ErrorReply,
-    Release,
-    Reply,
-    SupervisionRequest,
-    WireMessage,
-    WorkerBind,
-)
-from spec_serve.transport import samehost
-from spec_serve.transport.hostpool import Lease
+from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
 
 
 class RequestError(Exception):
@@ -30,11 +24,6 @@ class RequestError(Exception):
         self.code = code
 
 
-# The message a job carries, by its ``control``: a supervision request, or a bind/release of the NCCL pair.
-_JOB_MESSAGES: dict[str | None, type[WireMessage]] = {None: SupervisionRequest, "bind": WorkerBind,
-                                                      "release": Release}
-
-
 @dataclasses.dataclass
 class Job:
     request_id: bytes
@@ -42,18 +31,23 @@ class Job:
     payload: list
     received_at: float
     tensors: dict | None = None  # decoded request, cached when the batcher looked at it
-    control: str | None = None  # "bind" / "release": NCCL pairing, run in order with jobs on the compute thread
-    message: WireMessage = dataclasses.field(init=False)
+    control: str | None = None  # a reply path's control job (NCCL: "bind", "release"), run in order with jobs
+    # A control job's message comes parsed (WorkerPaths.control_messages); a request's is parsed here.
+    message: WireMessage | None = None
     refused: str | None = dataclasses.field(init=False, default=None)  # why its header is invalid: bad_request
+    route: Route | None = dataclasses.field(init=False, default=None)  # its reply's path and kind, once chosen
 
     def __post_init__(self) -> None:
         """A request whose header does not check out is still answered (bad_request) at its ``reply_to``,
-        as a request the engine refuses is; a bind/release, or a request with nowhere to reply, raises."""
+        as a request the engine refuses is; a request with nowhere to reply raises."""
+        if self.control is not None:
+            assert self.message is not None, "a control job comes with its message"
+            return
         try:
-            self.message = _JOB_MESSAGES[self.control].from_json(self.header)
+            self.message = SupervisionRequest.from_json(self.header)
         except ProtocolError as e:
             reply_to = self.header.get("reply_to")
-            if self.control is not None or not isinstance(reply_to, str):
+            if not isinstance(reply_to, str):
                 raise
             key = self.header.get("data_key")
             self.message = SupervisionRequest(reply_to=reply_to, data_key=key if isinstance(key, str) else None)
@@ -61,24 +55,15 @@ class Job:
 
     @property
     def reply_route(self) -> tuple[str, str | None]:
-        """Where its answer goes: the client's data endpoint and that socket's CURVE key (a request's or a bind's)."""
-        message = self.message
-        assert isinstance(message, (SupervisionRequest, WorkerBind)), self.control
-        return message.reply_to, message.data_key
+        """Where its answer goes: the client's data endpoint and that socket's CURVE key (a request's, or a
+        control message's that answers, such as an NCCL bind)."""
+        reply_to, data_key = getattr(self.message, "reply_to", None), getattr(self.message, "data_key", None)
+        assert isinstance(reply_to, str), self.control
+        return reply_to, data_key
 
     @property
     def request(self) -> SupervisionRequest:
         assert isinstance(self.message, SupervisionRequest), self.control
-        return self.message
-
-    @property
-    def bind(self) -> WorkerBind:
-        assert isinstance(self.message, WorkerBind), self.control
-        return self.message
-
-    @property
-    def release(self) -> Release:
-        assert isinstance(self.message, Release), self.control
         return self.message
 
 
@@ -89,10 +74,17 @@ class Result:
     reply: Reply | BindGrant | ErrorReply  # the data message's header
     frames: list
     tokens: int = 0
-    lease: Lease | None = None  # pooled host buffer the frames borrow; released once sent
     ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
-    send: dict | None = None  # tensors for the pair group, sent by the compute thread once this header is posted
-    export: samehost.Export | None = None  # a slot lent through the same-host plane; cancelled if undeliverable
+    loan: Loan | None = None  # memory the reply borrows (a host slab, a plane slot): ``left`` once sent
+    via: str = "frames"  # the reply path, for DONE
+    lent_bytes: int = 0  # bytes lent outside the frames (a plane slot)
+    after_post: Callable[[], None] | None = None  # compute thread, once posted (NCCL: the tensors follow)
+
+    @classmethod
+    def delivered(cls, job: Job, outgoing: Outgoing, tokens: int) -> Result:
+        """The result of ``job`` as a reply path handed it over."""
+        return cls(job, Status.OK, outgoing.reply, outgoing.frames, tokens, outgoing.ready, outgoing.loan,
+                   outgoing.via, outgoing.lent_bytes, outgoing.after_post)
 
     @property
     def header(self) -> dict[str, Any]:
@@ -101,15 +93,13 @@ class Result:
 
     @property
     def nbytes(self) -> int:
-        """The reply's payload: its frames, plus the bytes it lends through the same-host plane."""
-        return sum(len(memoryview(f)) for f in self.frames) + (self.export.nbytes if self.export else 0)
+        """The reply's payload: its frames, plus the bytes it lends outside them (a same-host plane slot)."""
+        return sum(len(memoryview(f)) for f in self.frames) + self.lent_bytes
 
     def drop(self) -> None:
         """The reply will not be sent: what it borrowed goes back now."""
-        if self.lease is not None:
-            self.lease.release()
-        if self.export is not None:
-            self.export.cancel()
+        if self.loan is not None:
+            self.loan.dropped()
 
 
 def done_status(result: Result) -> str:

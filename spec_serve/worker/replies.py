@@ -1,8 +1,8 @@
 """Reply delivery, on the I/O thread: each reply goes straight to its client's data socket, and the
 broker hears DONE as soon as ZeroMQ took it (or it proved undeliverable), so the slot frees at once.
 
-A reply may borrow memory until it has left: a pooled host slab (``Lease``, released once ZeroMQ let go
-of every frame) or a same-host plane slot (cancelled if the reply is dropped).
+A reply may borrow memory until it has left (its path's ``Loan``: a pooled host slab goes back once ZeroMQ let
+go of every frame) or a same-host plane slot (cancelled if the reply is dropped).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import zmq
 
+from spec_serve.paths.base import Loan
 from spec_serve.protocol.commands import data_message
 from spec_serve.protocol.messages import Done
 from spec_serve.telemetry.logs import event
-from spec_serve.transport.hostpool import Lease
 from spec_serve.transport.sockets import Security, make_socket, send_lent
 from spec_serve.worker.jobs import Result, done_status
 
@@ -104,16 +104,15 @@ class DataSockets:
 
 
 class Outbox:
-    """Replies waiting to be handed to ZeroMQ, and the leases of those ZeroMQ still sends from."""
+    """Replies waiting to be handed to ZeroMQ, and the loans of those ZeroMQ still sends from."""
 
     def __init__(self, sockets: DataSockets, send_done: SendDone):
         self.sockets = sockets
         self.send_done = send_done
         self._waiting: collections.deque[tuple[ReplySocket, Result]] = collections.deque()
-        self._tracked: list[tuple[zmq.MessageTracker, Lease]] = []  # replies still borrowing a slab
+        self._tracked: list[tuple[zmq.MessageTracker, Loan]] = []  # sent replies still borrowing memory
         self.served = 0
-        self.replies_plane = 0
-        self.replies_frames = 0
+        self.replies: collections.Counter[str] = collections.Counter()  # sent, by path (DONE's ``via``)
 
     @property
     def busy(self) -> bool:
@@ -151,19 +150,19 @@ class Outbox:
                 continue
             self.send_done(result.job.request_id, Done(
                 status=done_status(result) if sent else "undeliverable", tokens=result.tokens, nbytes=result.nbytes,
-                via=result.export.descriptor["kind"] if result.export is not None else "frames",
+                via=result.via,
                 error=None if sent else "its data socket takes nothing (the endpoint refuses, or nothing reads it)"))
             self.served += 1
 
     def _release_sent(self) -> None:
-        """Give back the slabs of replies every frame of which ZeroMQ has let go."""
+        """Give back what replies borrow once ZeroMQ has let go of every frame of theirs."""
         if self._tracked:
             still = []
-            for tracker, lease in self._tracked:
+            for tracker, loan in self._tracked:
                 if tracker.done:
-                    lease.release()
+                    loan.left()
                 else:
-                    still.append((tracker, lease))
+                    still.append((tracker, loan))
             self._tracked = still
 
     def _hand_off(self, reply_socket: ReplySocket, result: Result, now: float) -> bool | None:
@@ -179,12 +178,9 @@ class Outbox:
                     return None
             else:
                 reply_socket.unsent.append((tracker, now))
-                if result.lease is not None:
-                    self._tracked.append((tracker, result.lease))
-                if result.export is not None:
-                    self.replies_plane += 1
-                else:
-                    self.replies_frames += 1
+                if result.loan is not None:
+                    self._tracked.append((tracker, result.loan))
+                self.replies[result.via] += 1
                 return True
         result.drop()
         event(log, logging.INFO, "worker.reply_undeliverable", request=result.job.request_id.hex()[:12])

@@ -7,9 +7,10 @@ telling the broker DONE. The compute thread runs the engine, one batch at a
 time, and hands encoded replies back through a queue plus an inproc wake-up.
 
 The parts, one module each: ``session`` (the broker session), ``replies`` (data sockets and reply
-delivery), ``compute`` (the compute thread and batching), ``executor`` (a job on the engine, and its
-reply's payload), ``vocab_store``, ``nccl_pair`` and ``faults`` (test-only fault injection).
-``Worker`` composes them; its ``run`` is the I/O thread's busy loop.
+delivery), ``compute`` (the compute thread and batching), ``executor`` (a job on the engine, handed to
+its reply path), ``vocab_store``; the reply paths' worker halves (spec_serve/paths, ``self.paths``).
+``Worker`` composes them; its ``run`` is the I/O thread's busy loop. ``paths.close()`` releases what
+every reply path holds (pair group, shared memory, CUDA IPC handles); ``run`` calls it on the way out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ import torch
 import zmq
 
 from spec_serve.engines.base import PackingEngine, TargetEngine
+from spec_serve.paths.base import WorkerSetup
+from spec_serve.paths.faults import Faults
+from spec_serve.paths.frames.hostpool import HostBufferPool
+from spec_serve.paths.plane import samehost
+from spec_serve.paths.plane.worker import PlaneWorker
+from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
     HEARTBEAT_INTERVAL,
@@ -35,20 +42,16 @@ from spec_serve.protocol.commands import (
     ProtocolError,
     WorkerCommand,
 )
-from spec_serve.protocol.messages import Done, Release
+from spec_serve.protocol.messages import Done
 from spec_serve.supervision.contract import Kind
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import WorkerMetrics
-from spec_serve.transport import samehost
-from spec_serve.transport.hostpool import HostBufferPool
 from spec_serve.transport.sockets import DEFAULT_MAX_MESSAGE_BYTES, Security, check_connect_url
 from spec_serve.worker.compute import ComputeLoop
 from spec_serve.worker.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from spec_serve.worker.executor import Executor
-from spec_serve.worker.faults import Faults
 from spec_serve.worker.health import device_memory
 from spec_serve.worker.jobs import Job, Result
-from spec_serve.worker.nccl_pair import PairBinding
 from spec_serve.worker.replies import DataSockets, Outbox
 from spec_serve.worker.session import BrokerSession, WorkerRefused
 from spec_serve.worker.threads import ThreadShare
@@ -152,28 +155,31 @@ class Worker:
         self.drain = Drain(drain_timeout)
         faults = Faults()
         self.vocab = VocabStore(self.name, capacity, max_message_bytes)
-        self.pair = PairBinding(self.name, device, self.broker_url, advertise_host, security, faults,
-                                insecure_network=insecure_network)
-        self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, pair=self.pair,
-                                 faults=faults, host_pool=_host_pool(device, host_pool, host_pool_buffers, capacity),
-                                 device=device, max_message_bytes=max_message_bytes)
-        self.compute = ComputeLoop(self.ctx, f"inproc://spec-serve-worker-{self.name}", self.executor, self.pair,
+        # The device->host copy of a reply runs on its own stream, so the next forward starts at once
+        # instead of waiting for it (the I/O thread sends the reply when the copy's event completes).
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_pool = _host_pool(device, host_pool, host_pool_buffers, capacity)
+        self.paths = WorkerPaths(WorkerSetup(self.name, device, self.broker_url, advertise_host, security, faults,
+                                             self.host_pool, copy_stream, plane_slots or capacity + 2, plane_lease,
+                                             insecure_network))
+        self.executor = Executor(engine, self.name, packing=bool(packing), vocab=self.vocab, paths=self.paths,
+                                 max_message_bytes=max_message_bytes)
+        self.compute = ComputeLoop(self.ctx, f"inproc://spec-serve-worker-{self.name}", self.executor, self.paths,
                                    packing=bool(packing), max_batch_tokens=int(max_batch_tokens), threads=threads)
         self.data_sockets = DataSockets(self.ctx, security, reply_timeout)
         self.session = BrokerSession(
             self.ctx, identity, self.name, self.broker_url, service, security=security, info=engine.target_info(),
             capacity=capacity, max_message_bytes=max_message_bytes, heartbeat_interval=heartbeat_interval,
             liveness=liveness, before_ready=self._before_ready,
-            handlers={WorkerCommand.REQUEST: self._on_request, WorkerCommand.BIND: self._on_bind,
-                      WorkerCommand.RELEASE: self._on_release, WorkerCommand.SET_VOCAB: self.vocab.store})
+            handlers={WorkerCommand.REQUEST: self._on_request, WorkerCommand.SET_VOCAB: self.vocab.store,
+                      **self.paths.handlers(self._submit_control)})
         self.outbox = Outbox(self.data_sockets, self._done)
         self._counts_lock = threading.Lock()  # the I/O thread counts DONEs; the HTTP thread reads them
         self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<plane>"
         self.metrics = WorkerMetrics(self.figures, compile_report=lambda: getattr(self.engine, "compile_report", None))
         self.compute.on_forward = self.metrics.forward_seconds.observe
-        # run() owns the same-host plane: it creates the shared-memory segments and closes them on the way
-        # out, so a Worker that is built but never run holds none.
-        self._plane_shape = (plane_slots or capacity + 2, plane_lease)
+        # run() starts the paths (the same-host plane creates its shared-memory segments) and closes them on
+        # the way out, so a Worker that is built but never run holds none.
         self._heartbeat_interval = heartbeat_interval
 
     # ------------------------------------------------- what callers read and set
@@ -193,11 +199,9 @@ class Worker:
 
     @property
     def plane(self) -> samehost.WorkerPlane | None:
-        return self.executor.plane
-
-    @property
-    def host_pool(self) -> HostBufferPool | None:
-        return self.executor.host_pool
+        """The same-host plane's slots while the worker runs (None: not running, or the plane is off)."""
+        side = self.paths.named("plane")
+        return side.plane if isinstance(side, PlaneWorker) else None
 
     @property
     def max_batch_tokens(self) -> int:
@@ -219,7 +223,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until ``stop()``, the end of a drain (``begin_drain``), or (once the engine died) its last answers."""
-        self.executor.plane = samehost.WorkerPlane.start(self.device, *self._plane_shape)
+        self.paths.start()
         wake = self.ctx.socket(zmq.PAIR)
         wake.bind(self.compute.wake_endpoint)
         self.compute.start()
@@ -276,7 +280,7 @@ class Worker:
             counts = dict(self._done_counts)
         requests = {k: v for k, v in counts.items() if k != "tokens" and not k.startswith("bytes:")}
         reply_bytes = {k[len("bytes:"):]: v for k, v in counts.items() if k.startswith("bytes:")}
-        reply_bytes["nccl"] = self.pair.sent_bytes
+        reply_bytes.update(self.paths.sent_apart())  # NCCL's tensors: DONE counts only data messages
         info = self.engine.target_info()
         return {"info": {"worker": self.name, "service": self.service, "engine": info.engine, "model": info.model_name},
                 "requests": requests, "tokens": counts.get("tokens", 0), "reply_bytes": reply_bytes,
@@ -330,6 +334,7 @@ class Worker:
         that thread end after the forward it runs."""
         self.session.leave(self.drain.reason, drain=True)
         self.drain.start(now)
+        self.paths.begin_drain()
         for job in self.compute.take_queued():
             self._hand_back(job)
         self.compute.finish()
@@ -348,7 +353,7 @@ class Worker:
                 and self._lent_out() == 0)
 
     def _lent_out(self) -> int:
-        return 0 if self.executor.plane is None else self.executor.plane.lent_out()
+        return self.paths.lent_out()
 
     def _keep_alive(self, now: float) -> None:
         """Heartbeat the broker (closing idle data sockets at the same pace); reconnect if it went silent."""
@@ -365,17 +370,14 @@ class Worker:
             self.drain.left = True
             self.drain.confirmed = self.session.confirm_left(LEAVE_CONFIRM_S)
         computing = not self.compute.join(0.5)
-        if not computing:
-            self.pair.close("worker stopping")
         linger = LEAVE_LINGER_MS if self.engine_error is not None else 0
         self.session.close(linger)
         wake.close(0)
         self.data_sockets.close_all(linger)
-        if self.executor.plane is not None:
-            self.executor.plane.close()
-            self.executor.plane = None
-        event(log, logging.INFO, "worker.stop", served=self.outbox.served, replies_plane=self.outbox.replies_plane,
-              replies_frames=self.outbox.replies_frames, handed_back=self.drain.handed_back,
+        self.paths.close()  # waits for an NCCL transfer in progress; an abandoned forward's reply goes nowhere
+        event(log, logging.INFO, "worker.stop", served=self.outbox.served,
+              replies=",".join(f"{via}:{n}" for via, n in sorted(self.outbox.replies.items())) or "0",
+              handed_back=self.drain.handed_back,
               outcome=self.drain.outcome or ("stopped at once" if self._stop.is_set() else "left"),
               abandoned_forward=int(computing))
 
@@ -397,28 +399,16 @@ class Worker:
         with contextlib.suppress(Exception):  # connect now, while the forward runs (errors: when replying)
             self.data_sockets.get(*job.reply_route, time.monotonic())
 
-    def _on_bind(self, msg: Message) -> None:
-        if not msg.request_id:
-            raise ProtocolError("BIND without reply_to, prefix or request id")
-        if self.drain.started:  # the broker ended this binding when it read our LEAVE, and told the client
-            return
-        self.compute.submit(Job(msg.request_id, msg.header, [], time.monotonic(), control="bind"))  # checks it
-
-    def _on_release(self, msg: Message) -> None:
-        self._release(Release.from_json(msg.header).prefix)
-
-    def _release(self, prefix: str | None) -> None:
-        """The binding ``prefix`` ended; queued sends to it are skipped, the pair closed in order."""
-        if prefix is not None:
-            self.pair.mark_released(prefix)
-            self.compute.submit(Job(b"", Release(prefix).to_json(), [], time.monotonic(), control="release"))
+    def _submit_control(self, control: str, request_id: bytes, header: dict) -> None:
+        """Queue a reply path's control job (its message checked here: a bad one raises, answered by the session)."""
+        message = self.paths.control_messages[control].from_json(header)
+        self.compute.submit(Job(request_id, header, [], time.monotonic(), control=control, message=message))
 
     def _before_ready(self) -> bool:
         """Before each READY: False once the engine died or a drain began (it never registers again); otherwise forget
         what the broker forgets with a new registration (our binding, our vocab mappings)."""
         if self.engine_error is not None or self.drain.reason is not None:
             return False
-        if self.pair.prefix is not None:
-            self._release(self.pair.prefix)
+        self.paths.before_ready(self._submit_control)
         self.vocab.clear()
         return True

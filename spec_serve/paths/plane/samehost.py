@@ -45,9 +45,10 @@ from typing import Any, cast
 
 import torch
 
+from spec_serve.paths.base import LentReply
+from spec_serve.paths.plane import cuda_ipc, shm
 from spec_serve.protocol import wire
 from spec_serve.telemetry.logs import event
-from spec_serve.transport import cuda_ipc, shm
 from spec_serve.transport.sockets import local_host_key
 
 log = logging.getLogger("spec_serve.samehost")
@@ -109,7 +110,10 @@ class Export:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def cancel(self) -> None:
+    def left(self) -> None:
+        """Sent: the slot stays lent until the client acks it (``paths.base.Loan``)."""
+
+    def dropped(self) -> None:
         """The reply was not delivered: the slot may be lent again at once."""
         self._give_back()
 
@@ -334,7 +338,7 @@ class _Span:
         return out.view(self.dtype).view(self.shape)
 
 
-class PlaneReply(dict[str, _Span]):
+class PlaneReply(dict[str, _Span], LentReply):
     """A reply's tensors (``_Span``) in a slot the worker lent, with its data-message ``header``.
 
     Copy them out, then ``settle``: the slot goes back to the worker whatever happens; the result
@@ -373,23 +377,6 @@ class PlaneReply(dict[str, _Span]):
         intact = self._ctl.gen(self._slot) == self._gen
         self._ctl.ack(self._slot, self._gen)
         return intact
-
-
-def settle(reply: Any) -> concurrent.futures.Future[Any] | None:
-    """``PlaneReply.settle`` for a plane reply; None for any other reply (frames, NCCL)."""
-    return reply.settle() if isinstance(reply, PlaneReply) else None
-
-
-def release(future: concurrent.futures.Future[Any]) -> None:
-    """Give back the slot of a plane reply that was not settled (the batch failed or was answered already)."""
-    if future.done() and not future.cancelled() and future.exception() is None:
-        release_reply(future.result())
-
-
-def release_reply(reply: Any) -> None:
-    """``PlaneReply.release`` for a plane reply whose bytes will not be used; nothing for any other reply."""
-    if isinstance(reply, PlaneReply):
-        reply.release()
 
 
 class ClientPlane:

@@ -1,19 +1,17 @@
-"""Test-only fault injection, switched on by environment variables and off (zero) otherwise.
+"""Test-only fault injection into reply paths, switched on by environment variables and off (zero) otherwise.
 
 - ``SPEC_SERVE_TEST_FAIL_NCCL_SEND=N``: abort the pair group instead of the next N NCCL sends
   (tests/test_nccl_binding.py).
 - ``SPEC_SERVE_TEST_CORRUPT_REPLIES=N``: flip one bit of the next N generate replies after their digests
-  were taken, as a reused buffer or a bad link would (tests/test_integrity.py).
+  were taken, as a reused buffer or a bad link would (tests/test_integrity.py), whichever path carries them.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
-
-from spec_serve.transport import samehost
-from spec_serve.worker.jobs import Job
 
 
 def _count(name: str) -> int:
@@ -40,25 +38,25 @@ class Faults:
         self.corrupt_replies -= 1
         return True
 
-    def corrupt_frames(self, job: Job, frames: list, ready: torch.cuda.Event | None) -> None:
-        """Flip the low bit of a generate reply's first data byte."""
-        if not job.request.is_generate or not self._take_corruption():
+    def corrupt_frames(self, frames: list[Any], ready: torch.cuda.Event | None) -> None:
+        """Flip the low bit of a generate reply's first data byte (``frames[0]`` is the safetensors header)."""
+        if not self._take_corruption():
             return
         if ready is not None:
             ready.synchronize()  # the device->host copy must not overwrite the flip
         data = next(memoryview(f) for f in frames[1:] if len(memoryview(f)))
         data[0] ^= 1
 
-    def corrupt_lent(self, export: samehost.Export) -> None:
-        """Flip the low bit of a lent reply's first byte in its slot."""
+    def corrupt_lent(self, data: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Flip the low bit of a lent reply's first byte (``data``: its bytes where they are lent)."""
         if not self._take_corruption():
             return
-        if export.ready is not None:
-            export.ready.synchronize()  # the copy into the slot must not overwrite the flip
-        export.data[0] ^= 1
+        if ready is not None:
+            ready.synchronize()  # the copy into the slot must not overwrite the flip
+        data[0] ^= 1
 
     def corrupt_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The NCCL reply with one bit of its largest tensor flipped (``tensors`` itself left intact)."""
+        """The reply with one bit of its largest tensor flipped (``tensors`` itself left intact)."""
         if not self._take_corruption():
             return tensors
         name = max(tensors, key=lambda n: tensors[n].numel())

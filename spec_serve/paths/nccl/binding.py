@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from spec_serve.paths.base import ClientPort
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control
 from spec_serve.protocol.messages import BindGrant, BindRequest, Bound, Release, Reply
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
 from spec_serve.telemetry.logs import event
 
 if TYPE_CHECKING:
-    from spec_serve.transport.pairgroup import PairGroup
+    from spec_serve.paths.nccl.pairgroup import PairGroup
 
 log = logging.getLogger("spec_serve.client")
 
@@ -81,9 +82,8 @@ class ClientBinding:
     """Client side of the NCCL data plane. ``ensure()`` runs on user threads, ``on_metadata``
     and ``lost`` on the I/O thread, receives on a dedicated pair thread."""
 
-    def __init__(self, io: Any, service: str, device: torch.device, timeout: float, retry_s: float):
-        # io: the client's I/O thread (spec_serve.client), which owns this binding.
-        self.io = io
+    def __init__(self, io: ClientPort, service: str, device: torch.device, timeout: float, retry_s: float):
+        self.io = io  # the client's I/O thread, which owns this binding
         self.service = service
         self.device = device
         self.timeout = timeout
@@ -147,7 +147,7 @@ class ClientBinding:
             return None
         prefix, worker = grant.bind.prefix, grant.bind.worker
         try:
-            from spec_serve.transport.pairgroup import PairGroup
+            from spec_serve.paths.nccl.pairgroup import PairGroup
 
             pair = self._pair_thread.submit(
                 PairGroup.create, grant.bind.store_host, grant.bind.store_port, 1, device=self.device,
@@ -189,19 +189,21 @@ class ClientBinding:
 
     def _receive(self, state: _Bound, request_id: bytes, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
                  reply: Reply) -> None:
+        tensors: dict[str, torch.Tensor] | None = None
         if state.broken is not None:
-            tensors, error = None, state.broken
+            error = state.broken
         else:
             try:
-                tensors, error = state.pair.recv_tensors(specs), None
+                tensors, error = state.pair.recv_tensors(specs), ""
             except Exception as e:  # PairGroupError: the group aborted itself; no partial tensors escape
-                tensors, error = None, f"receive failed: {e}"
+                error = f"receive failed: {e}"
                 self.mark_broken(error, state.prefix)
         try:
             if tensors is not None:
-                self.io.call(lambda: self.io.nccl_resolve(request_id, tensors, reply))
+                received = tensors
+                self.io.call(lambda: self.io.resolve(request_id, reply, received, "nccl"))
             else:
-                self.io.call(lambda: self.io.nccl_fallback(request_id, error))
+                self.io.call(lambda: self.io.fallback(request_id, "nccl", error))
         except RuntimeError:
             pass  # client closed
 

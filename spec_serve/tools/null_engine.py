@@ -1,0 +1,82 @@
+"""A target with no model, for transport-only benchmarks: ``NullEngine`` answers every request with ready
+tensors of the Llama-3.1-8B reply shape (hidden 4096, vocab 128256, draft vocab 32000, bf16), full EAGLE-3
+(149 KiB a token) or compact (32 KiB a token), so figures measured on a CPU box and on a GPU machine move
+the same bytes. Its target info says that shape, so clients check replies against it as against any
+worker's; the draft-vocab mapping it is used with is ``null_mapping()``.
+"""
+
+from __future__ import annotations
+
+import signal
+import types
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from spec_serve.supervision.contract import TargetInfo, default_dspark_layer_ids
+
+if TYPE_CHECKING:
+    from spec_serve.engines.base import TargetEngine
+
+HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 4096, 128256, 32000, 32
+INFO = TargetInfo(num_hidden_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, aux_layer_ids=(1, 15, 28),
+                  dspark_layer_ids=tuple(default_dspark_layer_ids(LAYERS)), model_name="null-llama-3.1-8b-shape",
+                  dtype="bfloat16", engine="null", fingerprint="0" * 32)
+
+
+def null_mapping() -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft-vocab mapping null replies are shaped for: the first ``DRAFT_VOCAB`` target ids."""
+    ids = torch.arange(DRAFT_VOCAB, dtype=torch.int64)
+    mask = torch.zeros(VOCAB, dtype=torch.bool)
+    mask[ids] = True
+    return ids, mask
+
+
+def null_tensors(batch: int, seq: int, kind: str = "eagle3") -> dict[str, torch.Tensor]:
+    """Ready-made reply tensors of the real shapes: EAGLE-3 (bf16 aux, f32 probs) or compact EAGLE-3 (bf16
+    aux and last hidden state, int32 argmax)."""
+    common = {"input_ids": torch.zeros(batch, seq, dtype=torch.int64),
+              "loss_mask": torch.ones(batch, seq, dtype=torch.int64)}
+    aux = torch.ones(batch, seq, 3 * HIDDEN, dtype=torch.bfloat16)
+    if kind == "eagle3_compact":
+        return {"aux_hidden_states": aux, "last_hidden_states": torch.ones(batch, seq, HIDDEN, dtype=torch.bfloat16),
+                "argmax_ids": torch.zeros(batch, seq, dtype=torch.int32), **common}
+    return {"aux_hidden_states": aux, "target_probs": torch.full((batch, seq, DRAFT_VOCAB), 1.0 / DRAFT_VOCAB),
+            "position_mask": torch.ones(batch, seq, 1, dtype=torch.bool), **common}
+
+
+class NullEngine:
+    """Answers every request with ``null_tensors`` of the request's shape (cached per shape and kind)."""
+
+    engine = "null"
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, dict[str, torch.Tensor]] = {}
+        # An lm_head of zeros that takes no memory (one row, broadcast): a compact client's slice of it
+        # (index_select) is the only copy.
+        self._lm_head = types.SimpleNamespace(weight=torch.zeros(1, HIDDEN, dtype=torch.bfloat16).expand(VOCAB, HIDDEN))
+
+    def target_info(self) -> TargetInfo:
+        return INFO
+
+    def set_vocab_mapping(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        pass
+
+    def get_output_embeddings(self) -> types.SimpleNamespace:
+        return self._lm_head
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
+        key = (*input_ids.shape, kind)
+        if key not in self._cache:
+            self._cache[key] = null_tensors(*input_ids.shape, kind)
+        return self._cache[key]
+
+
+def run_worker(broker: str, service: str) -> None:
+    """A worker serving ``NullEngine`` until SIGTERM."""
+    from spec_serve.worker.server import Worker
+
+    # cast: a transport-only stand-in (generate requests and lm_head slices; nothing to close)
+    worker = Worker(cast("TargetEngine", NullEngine()), broker, service=service, capacity=2)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    worker.run()
