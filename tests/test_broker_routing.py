@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from spec_serve.broker.routing import Peer, Router
+from spec_serve.broker.context import Peer
+from spec_serve.broker.routing import Router
 from spec_serve.broker.status import full_status
 from spec_serve.protocol.commands import (
     CLIENT_TAG,

@@ -420,7 +420,7 @@ def test_claimed_capacity_is_capped(cluster):
         print(f"\nclaimed capacity 10^6, the broker counts {claimed[0]['capacity']}")
     finally:
         fake.stop()
-    from spec_serve.broker.routing import MAX_WORKER_CAPACITY
+    from spec_serve.broker.workers import MAX_WORKER_CAPACITY
 
     assert claimed[0]["capacity"] == MAX_WORKER_CAPACITY
 

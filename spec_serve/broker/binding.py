@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING
 
+from spec_serve.broker.clients import ClientTable
+from spec_serve.broker.context import BrokerContext
+from spec_serve.broker.dispatch import Dispatcher
+from spec_serve.broker.services import ServiceQueues
 from spec_serve.broker.state import ClientState, WorkerState
+from spec_serve.broker.workers import WorkerRegistry
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     WORKER_TAG,
@@ -24,17 +28,19 @@ from spec_serve.protocol.commands import (
 from spec_serve.protocol.messages import BindRequest, Bound, Release, WorkerBind
 from spec_serve.telemetry.logs import event
 
-if TYPE_CHECKING:
-    from spec_serve.broker.routing import Router
-
 log = logging.getLogger("spec_serve.broker")
 
 
 class Bindings:
-    """BIND, RELEASE and the end of a binding, over the router's worker pool."""
+    """BIND, RELEASE and the end of a binding, over the registry's workers."""
 
-    def __init__(self, router: Router):
-        self.router = router
+    def __init__(self, ctx: BrokerContext, services: ServiceQueues, workers: WorkerRegistry, clients: ClientTable,
+                 dispatcher: Dispatcher):
+        self.ctx = ctx
+        self.services = services
+        self.workers = workers
+        self.clients = clients
+        self.dispatcher = dispatcher
 
     def bind(self, client: ClientState, msg: Message, now: float) -> None:
         """Give the client a worker of its own: refused at once (BOUND ok=false) when none is free;
@@ -50,33 +56,32 @@ class Bindings:
         worker.bound_to, worker.bind_prefix, worker.bind_request = client.identity, prefix, msg.request_id
         header = WorkerBind(client=client.identity.hex(), reply_to=request.reply_to, prefix=prefix,
                             timeout=float(request.timeout), device_type=request.device_type, data_key=request.data_key)
-        if not self.router.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.BIND.value, msg.service,
-                                                              msg.request_id, header)):
+        if not self.ctx.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.BIND.value, msg.service,
+                                                           msg.request_id, header)):
             worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
             self._refuse(client, msg, f"worker {worker.name} unreachable")
             return
         event(log, logging.INFO, "broker.bound", worker=worker.name, client=client.identity.hex()[:12])
-        self.router.status_stale = True
+        self.ctx.status_stale = True
 
     def _pick(self, client: ClientState, msg: Message) -> WorkerState | None:
         """The worker to bind, preferring an idle one (a busy one finishes the jobs it holds first: BIND
         queues behind them); None, after refusing the BIND, if every worker is bound or leaving."""
-        workers = self.router.workers
-        service = self.router.services.get(msg.service)
-        names = service.workers if service else []
-        candidates = [workers[w] for w in names if workers[w].bound_to is None and not workers[w].leaving]
+        service = self.services.get(msg.service)
+        workers = self.workers.of(service) if service else []
+        candidates = [w for w in workers if w.bound_to is None and not w.leaving]
         if candidates:
             return min(candidates, key=lambda w: (len(w.inflight), w.idle_since))
-        error = (f"all {len(names)} workers of service {msg.service!r} are bound to other clients" if names
+        error = (f"all {len(workers)} workers of service {msg.service!r} are bound to other clients" if workers
                  else f"no worker of service {msg.service!r} is registered")
-        self.router.metrics.errors.labels(code=ErrorCode.UNAVAILABLE.value).inc()
+        self.ctx.metrics.errors.labels(code=ErrorCode.UNAVAILABLE.value).inc()
         self._refuse(client, msg, error)
         return None
 
     def _refuse(self, client: ClientState, msg: Message, error: str) -> None:
         refusal = Bound(ok=False, code=ErrorCode.UNAVAILABLE.value, error=error)
-        self.router.to_client(client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
-                                                       msg.request_id, refusal))
+        self.ctx.to_client(client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
+                                                    msg.request_id, refusal))
 
     def release(self, client: ClientState, msg: Message, now: float) -> None:
         """RELEASE: end the client's binding named by ``prefix``, or all of them without one."""
@@ -85,8 +90,17 @@ class Bindings:
             if prefix is None or prefix == worker.bind_prefix:
                 self.unbind(worker, "released by its client")
 
+    def bound_worker(self, client: ClientState, msg: Message, name: str) -> WorkerState | None:
+        """The worker ``name`` a bound request names (it goes there only, never queued for the pool); None
+        after telling the client it has no such binding."""
+        bound = next((w for w in self.bound_to(client.identity) if w.name == name and w.service == msg.service), None)
+        if bound is None:
+            self.ctx.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
+                                f"no worker {name!r} of {msg.service!r} is bound to this client", unbound=True)
+        return bound
+
     def bound_to(self, client: bytes) -> list[WorkerState]:
-        return [w for w in self.router.workers.values() if w.bound_to == client]
+        return [w for w in self.workers.workers.values() if w.bound_to == client]
 
     def unbind_client(self, client: bytes, reason: str) -> None:
         for worker in self.bound_to(client):
@@ -98,15 +112,14 @@ class Bindings:
         if client is None:
             return
         worker.bound_to, worker.bind_prefix, worker.bind_request = None, None, b""
-        alive = worker.identity in self.router.workers
+        alive = worker.identity in self.workers.workers
         if alive:
-            self.router.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.RELEASE.value, worker.service,
-                                                           b"", Release(prefix)))
-        if notify and client in self.router.clients:
-            self.router.to_client(client, control(CLIENT_TAG, ClientCommand.BOUND.value, worker.service, request_id,
-                                  Bound(ok=False, lost=worker.name, prefix=prefix,
-                                        error=f"bound worker {worker.name} lost: {reason}")))
+            self.ctx.to_worker(worker.identity, control(WORKER_TAG, WorkerCommand.RELEASE.value, worker.service,
+                                                        b"", Release(prefix)))
+        if notify and self.clients.get(client) is not None:
+            lost = Bound(ok=False, lost=worker.name, prefix=prefix, error=f"bound worker {worker.name} lost: {reason}")
+            self.ctx.to_client(client, control(CLIENT_TAG, ClientCommand.BOUND.value, worker.service, request_id, lost))
         event(log, logging.INFO, "broker.unbound", worker=worker.name, client=client.hex()[:12], reason=reason)
-        self.router.status_stale = True
+        self.ctx.status_stale = True
         if alive:
-            self.router.dispatch(self.router.services[worker.service])
+            self.dispatcher.dispatch(self.services[worker.service])

@@ -2,8 +2,9 @@
 
 Clients talk to the frontend, workers to the backend. This module is the plumbing: the two sockets,
 the poll loop, and a table from each command to the handler that serves it. What the broker decides
-lives beside it: routing.py (queues, dispatch, deadlines, retries), binding.py (NCCL bindings),
-vocab_registry.py (draft-vocab mappings), status.py (STATUS pages and the HTTP shim's snapshot).
+lives beside it: routing.py puts the parts together (workers.py the registry, services.py the queues,
+dispatch.py dispatch and re-dispatch, binding.py NCCL bindings, clients.py client state, vocab_registry.py
+draft-vocab mappings), status.py answers STATUS and builds the HTTP shim's snapshot.
 Bulk reply bytes go from worker to client directly; the broker only sees a small DONE. Method names
 follow the Majordomo spec: ``process_client``, ``process_worker``.
 """
@@ -19,8 +20,10 @@ from typing import Any
 
 import zmq
 
+from spec_serve.broker.clients import DEFAULT_CLIENT_HELD_SHARE, DEFAULT_MAX_HELD_BYTES
+from spec_serve.broker.context import Peer
 from spec_serve.broker.parts import Parts
-from spec_serve.broker.routing import DEFAULT_CLIENT_HELD_SHARE, DEFAULT_MAX_HELD_BYTES, Peer, Router
+from spec_serve.broker.routing import Router
 from spec_serve.broker.state import ClientState, WorkerState
 from spec_serve.broker.status import full_status, status_page
 from spec_serve.protocol.commands import (
@@ -128,8 +131,8 @@ class Broker:
                              max_message_bytes=min(max_message_bytes, request_bytes(max_request_tokens)),
                              max_request_deaths=max_request_deaths, max_held_bytes=max_held_bytes,
                              client_held_share=client_held_share)
-        self.parts = Parts(self.router.max_message_bytes, self.router.room, self.router.send_error)
-        self.router.reserved = self.parts.reserved_by
+        self.parts = Parts(self.router.max_message_bytes, self.router.client_table.room, self.router.ctx.send_error)
+        self.router.client_table.reserved = self.parts.reserved_by
         self.metrics = self.router.metrics
         self.heartbeat_interval = heartbeat_interval
         self.ctx = context or zmq.Context.instance()
@@ -304,7 +307,7 @@ class Broker:
                 self.metrics.bad_messages.inc()
                 event(log, logging.WARNING, "broker.bad_message", peer=identity.hex()[:12], error=e)
                 if sock is self.frontend:
-                    self.router.send_error(identity, e.request_id, ErrorCode.BAD_REQUEST, str(e))
+                    self.router.ctx.send_error(identity, e.request_id, ErrorCode.BAD_REQUEST, str(e))
             except Exception as e:  # a bug must not take the broker down
                 self.metrics.bad_messages.inc()
                 log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
@@ -323,8 +326,8 @@ class Broker:
                   reason=why, similar_since_last=held)
         if sock is self.frontend:
             request_id = refused.frames[4].bytes if len(refused.frames) > 4 else b""
-            self.router.send_error(identity, request_id if len(request_id) == REQUEST_ID_BYTES else b"",
-                                   ErrorCode.BAD_REQUEST, f"refused unread: {why}")
+            self.router.ctx.send_error(identity, request_id if len(request_id) == REQUEST_ID_BYTES else b"",
+                                       ErrorCode.BAD_REQUEST, f"refused unread: {why}")
 
     def _wrong_port(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
         """A client on the workers' port, or a worker on the clients' port: tell it which port it
@@ -371,7 +374,7 @@ class Broker:
             raise ProtocolError(str(e), e.request_id or msg.request_id) from None
 
     def _answer_status(self, client: ClientState, msg: Message, now: float) -> None:
-        self.router.to_client(client.identity, control(
+        self.router.ctx.to_client(client.identity, control(
             CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id,
             status_page(self.router, StatusQuery.from_json(msg.header))))
 
@@ -385,7 +388,7 @@ class Broker:
         worker = self.router.worker_seen(identity, now)
         if worker is None:
             # Not registered (e.g. we restarted): ask it to register again.
-            self.router.to_worker(identity, control(WORKER_TAG, WorkerCommand.DISCONNECT.value))
+            self.router.ctx.to_worker(identity, control(WORKER_TAG, WorkerCommand.DISCONNECT.value))
             return
         handler = self._worker_handlers.get(command)
         if handler is None:

@@ -1,6 +1,6 @@
 """What the broker knows: its records of workers, requests, clients and services.
 
-Plain records, no behaviour beyond derived fields; routing.py owns the decisions on them.
+Plain records, no behaviour beyond derived fields; the parts routing.py puts together decide on them.
 """
 
 from __future__ import annotations

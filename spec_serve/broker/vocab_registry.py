@@ -1,7 +1,7 @@
 """The broker's draft-vocab mappings: stored per service by content digest, kept only while live,
 and an exact record of which mappings each worker holds (the broker decides what a worker evicts).
 
-Pure bookkeeping: it builds the SET_VOCAB a worker needs but sends nothing (routing.py does).
+Pure bookkeeping: it builds the SET_VOCAB a worker needs but sends nothing (dispatch.py does).
 """
 
 from __future__ import annotations

@@ -1,0 +1,255 @@
+"""Dispatch and re-dispatch: which worker takes a queued request, and what becomes of a request whose
+worker answered, died, or held it past its deadline.
+
+Dispatch is fair across clients (the service's queue hands them out in round-robin order) and picks the
+least-loaded free worker. A request that was on a worker as it died is a *suspect*: it runs alone, and after
+``max_request_deaths`` such deaths it fails (``killed_workers``) instead of going to another worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+from spec_serve.broker.clients import ClientTable
+from spec_serve.broker.context import BrokerContext
+from spec_serve.broker.services import DONE_STATUSES, ServiceQueues
+from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
+from spec_serve.broker.vocab_registry import VocabRegistry
+from spec_serve.broker.workers import WorkerRegistry
+from spec_serve.protocol.commands import WORKER_TAG, ErrorCode, Message, WorkerCommand, control
+from spec_serve.protocol.messages import Done, SupervisionRequest
+from spec_serve.telemetry.logs import event
+
+log = logging.getLogger("spec_serve.broker")
+
+# Ids of requests failed for killing workers, refused if they come back (a retry that crossed the error).
+MAX_KILLER_IDS = 1024
+
+
+class Dispatcher:
+    """Requests from their queues to workers and back; single-threaded (the broker loop calls it).
+
+    ``unreachable(worker)`` is called when a send to ``worker`` fails: the caller removes it (its requests
+    come back here through ``orphan``)."""
+
+    def __init__(self, ctx: BrokerContext, services: ServiceQueues, workers: WorkerRegistry, clients: ClientTable,
+                 requests: RequestTable, vocab: VocabRegistry, *, max_request_deaths: int,
+                 unreachable: Callable[[WorkerState], None]):
+        if max_request_deaths < 1:
+            raise ValueError("max_request_deaths must be >= 1")
+        self.ctx = ctx
+        self.services = services
+        self.workers = workers
+        self.clients = clients
+        self.requests = requests
+        self.vocab = vocab
+        # A request on this many workers as they died fails (killed_workers) instead of going to another.
+        self.max_request_deaths = max_request_deaths
+        self.unreachable = unreachable
+        self.killers: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # request id -> error
+
+    # ------------------------------------------------------------------ intake
+
+    def seen_before(self, client: ClientState, msg: Message, header: SupervisionRequest, now: float) -> bool:
+        """True if the REQUEST is one the broker already settled: a retry of a request it failed for killing
+        workers (refused again), or of one it still holds (kept once, its deadline extended)."""
+        if msg.request_id in self.killers:  # a retry that crossed its killed_workers error
+            self.ctx.send_error(client.identity, msg.request_id, ErrorCode.KILLED_WORKERS, self.killers[msg.request_id])
+            return True
+        existing = self.requests.get(msg.request_id)
+        if existing is None:
+            return False
+        # A retry of a request we still hold: keep one copy, route errors
+        # to the sender's current connection, and extend its deadline.
+        existing.client = client.identity
+        existing.deadline = max(existing.deadline, now + float(header.timeout))
+        self.ctx.metrics.duplicate_requests.inc()
+        return True
+
+    def accept(self, client: ClientState, request: Request, bound: WorkerState | None, now: float) -> None:
+        """Hold ``request``: straight to the client's ``bound`` worker, or queued for the service's pool."""
+        self.requests[request.request_id] = request
+        client.requests.add(request.request_id)
+        service = self.services.service(request.service, now)
+        self.ctx.metrics.requests.labels(service=request.service).inc()
+        if bound is not None:
+            self.send_request(service, bound, request)
+            return
+        self.services.push(request)
+        self.dispatch(service)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, service: ServiceState) -> None:
+        """Hand queued requests to free workers: round-robin over clients,
+        least-loaded worker first (ties go to the longest idle)."""
+        while service.queues:
+            free = [w for w in self.workers.of(service)
+                    if w.free > 0 and w.bound_to is None and not self._holds_suspect(w)]
+            if not free:
+                return
+            picked = self.services.next_request(service, functools.partial(self._eligible, service, candidates=free))
+            if picked is None:
+                return
+            request, eligible = picked
+            worker = min(eligible, key=lambda w: (len(w.inflight) / w.capacity, w.idle_since))
+            self.send_request(service, worker, request)
+
+    def _eligible(self, service: ServiceState, request: Request, candidates: list[WorkerState]) -> list[WorkerState]:
+        """The candidates that may take ``request``. A suspect (it was on a worker that died) goes only to
+        an idle worker, which then takes nothing else until it is done (``_holds_suspect``): if that
+        worker dies too, the death is the suspect's alone. Never a worker that held it past its deadline.
+        A request retried after a digest mismatch names the worker that produced it (``avoid``), which
+        takes it only when no other unbound worker exists."""
+        candidates = [w for w in candidates if w.identity not in request.missed]
+        if request.killed:
+            candidates = [w for w in candidates if not w.inflight]
+        avoid = request.header.avoid
+        if avoid is None or not any(w.name != avoid and w.bound_to is None for w in self.workers.of(service)):
+            return candidates
+        return [w for w in candidates if w.name != avoid]
+
+    def _holds_suspect(self, worker: WorkerState) -> bool:
+        return any(self.requests[r].killed for r in worker.inflight if r in self.requests)
+
+    def send_request(self, service: ServiceState, worker: WorkerState, request: Request) -> None:
+        """Send ``request`` to ``worker``, preceded by the vocab mapping it names if the worker lacks it."""
+        vocab = request.header.vocab
+        if vocab is not None:
+            if vocab not in worker.mappings and vocab not in service.mappings:
+                self.clients.forget_request(request)
+                self.ctx.send_error(request.client, request.request_id, ErrorCode.BAD_REQUEST,
+                                    f"vocab mapping {vocab!r} is no longer registered", unknown_vocab=True)
+                return
+            set_vocab = self.vocab.install(service, worker, vocab, self.requests)
+            if set_vocab is not None:
+                self.ctx.to_worker(worker.identity, set_vocab)
+        header = dataclasses.replace(request.header, client=request.client.hex())
+        frames = control(WORKER_TAG, WorkerCommand.REQUEST.value, service.name, request.request_id, header,
+                         request.payload)
+        if not self.ctx.to_worker(worker.identity, frames):
+            self.services.push(request, front=True)
+            self.unreachable(worker)
+            return
+        request.worker = worker.identity
+        request.dispatches += 1
+        request.dispatched_at = time.monotonic()
+        worker.inflight.add(request.request_id)
+
+    # ------------------------------------------------------------------ answers and losses
+
+    def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
+        """DONE: the worker answered a request (or failed to deliver it); its slot is free again."""
+        done = Done.from_json(msg.header)
+        worker.inflight.discard(msg.request_id)
+        worker.idle_since = now
+        worker.leaving = worker.leaving or done.status == "engine_dead"
+        request = self.requests.get(msg.request_id)
+        if done.status == "returned" and request is not None and request.worker == worker.identity:
+            # Handed back unrun by a draining worker: to the front of its queue, for another worker now.
+            self._orphaned(worker, request, "returned by its worker", died=False)
+        elif request is not None and request.worker == worker.identity:
+            del self.requests[msg.request_id]
+            client = self.clients.get(request.client)
+            if client is not None:
+                client.requests.discard(msg.request_id)
+            status = done.status if done.status in DONE_STATUSES else "error"
+            self.ctx.metrics.completed.labels(service=worker.service, status=status).inc()
+            if status == "undeliverable" and client is not None:
+                # The worker dropped the reply at once (its slot is free): the client retries now,
+                # instead of waiting out its timeout.
+                self.ctx.send_error(request.client, msg.request_id, ErrorCode.UNAVAILABLE,
+                                    f"worker {worker.name} could not deliver the reply to "
+                                    f"{request.header.reply_to}: {'not reading' if done.error is None else done.error}")
+            if status == "ok":
+                self._count_ok(worker, request, done, now)
+        self.dispatch(self.services[worker.service])
+
+    def _count_ok(self, worker: WorkerState, request: Request, done: Done, now: float) -> None:
+        worker.completed += 1
+        metrics = self.ctx.metrics
+        metrics.tokens.labels(service=worker.service).inc(done.tokens or 0)
+        metrics.reply_bytes.labels(service=worker.service).inc(done.nbytes or 0)
+        metrics.latency.labels(service=worker.service).observe(now - request.enqueued_at)
+
+    def orphan(self, service: ServiceState, worker: WorkerState, reason: str, died: bool) -> None:
+        """``worker`` is gone: each request it held goes back to the front of its queue, or fails (bound, or
+        on ``max_request_deaths`` workers as they ``died``), or is dropped (its client left)."""
+        for request_id in worker.inflight:
+            request = self.requests.get(request_id)
+            if request is None or request.worker != worker.identity:  # gone, or taken from it at its deadline
+                continue
+            self._orphaned(worker, request, reason, died)
+        worker.inflight.clear()
+
+    def _orphaned(self, worker: WorkerState, request: Request, reason: str, died: bool) -> None:
+        request.worker = None
+        if request.header.bound is not None:
+            # Its binding died with the worker: the client re-sends it as frames.
+            self.clients.forget_request(request)
+            self.ctx.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
+                                f"bound worker {worker.name} is gone ({reason})", unbound=True)
+        elif died and self._killed_by(request, worker):
+            return
+        elif request.client in self.clients.clients:
+            self.services.push(request, front=True)
+            self.ctx.metrics.redispatched.inc()
+        else:
+            del self.requests[request.request_id]
+
+    def _killed_by(self, request: Request, worker: WorkerState) -> bool:
+        """Count ``worker``'s death against ``request``; True if that failed the request for good."""
+        request.killed.append(worker.name)
+        if len(request.killed) < self.max_request_deaths:
+            return False  # a suspect from now on: dispatched alone (see _eligible)
+        self.clients.forget_request(request)
+        error = (f"request {request.request_id.hex()} was on {len(request.killed)} workers of "
+                 f"{request.service!r} as they died ({', '.join(request.killed)}); it is not sent to another, "
+                 f"as its input may crash every worker (broker --max-request-deaths {self.max_request_deaths})")
+        self.killers[request.request_id] = error
+        while len(self.killers) > MAX_KILLER_IDS:
+            self.killers.popitem(last=False)
+        self.ctx.metrics.killer_requests.inc()
+        event(log, logging.ERROR, "broker.request_killed_workers", request=request.request_id.hex(),
+              service=request.service, workers=",".join(request.killed))
+        if request.client in self.clients.clients:
+            self.ctx.send_error(request.client, request.request_id, ErrorCode.KILLED_WORKERS, error)
+        return True
+
+    # ------------------------------------------------------------------ deadlines
+
+    def expire(self, now: float) -> None:
+        """Requests past their deadline: on a worker (``deadline_missed``) or still queued (failed)."""
+        for request in [r for r in self.requests.values()
+                        if r.worker is not None and now > r.dispatched_at + float(r.header.timeout)]:
+            self.deadline_missed(request)
+        for service in self.services:
+            self.services.expire(service, now, self.clients.forget_request)
+
+    def deadline_missed(self, request: Request) -> None:
+        """Its worker held it past its timeout: dead for this request. It goes to another worker with a
+        fresh deadline (the slot stays taken until the worker answers; a late DONE is ignored, a late
+        reply the client drops as a duplicate)."""
+        held_by = request.worker
+        if held_by is None:  # only a dispatched request can miss its deadline; expire() picks only those
+            return
+        worker = self.workers.get(held_by)
+        event(log, logging.WARNING, "broker.deadline_missed", request=request.request_id.hex()[:12],
+              worker=worker.name if worker else held_by.hex()[:12])
+        request.missed.add(held_by)
+        request.worker = None
+        if request.header.bound is not None:  # its binding is no use: the client re-sends it as frames
+            self.clients.forget_request(request)
+            name = worker.name if worker else "?"
+            self.ctx.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
+                                f"bound worker {name} missed the request's deadline", unbound=True)
+            return
+        request.deadline = max(request.deadline, time.monotonic() + float(request.header.timeout))
+        self.services.push(request, front=True)
+        self.ctx.metrics.redispatched.inc()
+        self.dispatch(self.services[request.service])
