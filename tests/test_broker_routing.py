@@ -1,5 +1,6 @@
-"""The broker's routing decisions, driven without sockets: the router's ``send`` is a recorder, and
-each test asserts on the messages it would have put on the wire."""
+"""The broker's routing decisions end to end through ``Router`` (all its parts together), driven without
+sockets: the router's ``send`` is a recorder (tests/broker_util.py), and each test asserts on the messages
+it would have put on the wire. Each part also has its own tests (tests/test_broker_*.py)."""
 
 from __future__ import annotations
 
@@ -7,77 +8,16 @@ import time
 
 import pytest
 
+from broker_util import SERVICE, done, make_router, message, ready, submit
 from spec_serve.broker.context import Peer
 from spec_serve.broker.routing import Router
 from spec_serve.broker.status import full_status
-from spec_serve.protocol.commands import (
-    CLIENT_TAG,
-    WORKER_TAG,
-    ClientCommand,
-    ErrorCode,
-    Message,
-    WorkerCommand,
-    control,
-    new_request_id,
-    parse_control,
-)
-
-SERVICE = "svc"
-TARGET_INFO = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 32, "aux_layer_ids": [0, 1],
-               "dspark_layer_ids": [1], "model_name": "tiny", "dtype": "float32", "engine": "fake",
-               "fingerprint": "f" * 32}
-
-
-class Recorder:
-    """A ``send`` that keeps every message, parsed, and reports every peer reachable."""
-
-    def __init__(self):
-        self.sent: list[tuple[Peer, bytes, Message]] = []
-
-    def __call__(self, peer: Peer, identity: bytes, frames: list) -> bool:
-        tag, commands = (CLIENT_TAG, ClientCommand) if peer is Peer.CLIENT else (WORKER_TAG, WorkerCommand)
-        self.sent.append((peer, identity, parse_control(frames, tag, commands)))
-        return True
-
-    def take(self) -> list[tuple[Peer, bytes, Message]]:
-        sent, self.sent = self.sent, []
-        return sent
-
-    def requests_to(self, worker: bytes) -> list[bytes]:
-        """Request ids sent to ``worker`` as REQUEST, in order, since the last ``take``."""
-        return [m.request_id for peer, who, m in self.sent
-                if peer is Peer.WORKER and who == worker and m.command == WorkerCommand.REQUEST.value]
-
-
-def message(tag: bytes, command, request_id: bytes = b"", header: dict | None = None) -> Message:
-    commands = ClientCommand if tag == CLIENT_TAG else WorkerCommand
-    return parse_control(control(tag, command.value, SERVICE, request_id, header), tag, commands)
+from spec_serve.protocol.commands import WORKER_TAG, ClientCommand, ErrorCode, WorkerCommand
 
 
 @pytest.fixture
 def router():
-    recorder = Recorder()
-    r = Router(recorder, heartbeat_interval=1.0, liveness=3, max_message_bytes=1 << 20)
-    r.recorder = recorder
-    return r
-
-
-def ready(router: Router, identity: bytes, now: float, capacity: int = 1) -> None:
-    router.worker_ready(identity, message(WORKER_TAG, WorkerCommand.READY,
-                                          header={"target_info": TARGET_INFO, "capacity": capacity}), now)
-
-
-def submit(router: Router, client: bytes, now: float, timeout: float = 30.0) -> bytes:
-    request_id = new_request_id()
-    state = router.client_seen(client, now)
-    router.enqueue(state, message(CLIENT_TAG, ClientCommand.REQUEST, request_id,
-                                  {"reply_to": "tcp://127.0.0.1:9", "timeout": timeout}), now)
-    return request_id
-
-
-def done(router: Router, worker: bytes, request_id: bytes, now: float) -> None:
-    router.complete(router.worker_seen(worker, now),
-                    message(WORKER_TAG, WorkerCommand.DONE, request_id, {"status": "ok"}), now)
+    return make_router()
 
 
 def test_a_request_goes_to_the_idle_worker(router):

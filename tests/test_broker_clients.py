@@ -1,0 +1,98 @@
+"""``ClientTable`` (broker/clients.py) without sockets: what a client may make the broker hold (requests,
+bytes, draft-vocab mappings) and the target it pins."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from broker_util import SERVICE, TARGET_INFO, make_router, message, ready
+from spec_serve.broker.clients import MAX_REQUESTS_PER_CLIENT
+from spec_serve.broker.state import Request
+from spec_serve.protocol import wire
+from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ErrorCode, new_request_id
+from spec_serve.protocol.messages import SupervisionRequest
+
+
+def request(payload: list | None = None, **header):
+    header = {"reply_to": "tcp://127.0.0.1:9", "timeout": 30, **header}
+    msg = message(CLIENT_TAG, ClientCommand.REQUEST, new_request_id(), header, payload=payload)
+    return msg, SupervisionRequest.from_json(msg.header)
+
+
+def mapping_payload(vocab_size: int = TARGET_INFO["vocab_size"]) -> list:
+    ids = torch.arange(0, vocab_size, 2, dtype=torch.int64)
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[ids] = True
+    return wire.encode({"selected_token_ids": ids, "selected_token_mask": mask})
+
+
+def error_codes(router, client: bytes) -> list[str]:
+    return [m.header["code"] for m in router.recorder.to_client(client)]
+
+
+def test_a_client_may_hold_only_so_many_requests():
+    router = make_router()
+    now = time.monotonic()
+    client = router.client_table.seen(b"client", now)
+    client.requests.update(new_request_id() for _ in range(MAX_REQUESTS_PER_CLIENT))
+    msg, header = request()
+    assert router.client_table.admit(client, msg, header, now) is None
+    assert error_codes(router, b"client") == [ErrorCode.UNAVAILABLE.value]
+
+
+def test_bytes_over_the_message_limit_or_the_held_limit_are_refused():
+    router = make_router(max_message_bytes=1000, max_held_bytes=1500)
+    now = time.monotonic()
+    client = router.client_table.seen(b"client", now)
+    assert router.client_table.admit(client, *request([b"x" * 1001]), now) is None
+    msg, header = request([b"x" * 900])
+    assert router.client_table.admit(client, msg, header, now) == 900
+    router.requests[msg.request_id] = Request(msg.request_id, b"client", SERVICE, header, msg.payload, now + 30, now,
+                                              size=900)  # held by the broker now
+    assert router.client_table.admit(client, *request([b"x" * 900]), now) is None
+    assert error_codes(router, b"client") == [ErrorCode.BAD_REQUEST.value, ErrorCode.UNAVAILABLE.value]
+    assert "--max-held-bytes" in router.recorder.to_client(b"client")[-1].header["error"]
+
+
+def test_a_client_pinned_to_another_target_is_told_it_changed():
+    router = make_router()
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    client = router.client_table.seen(b"client", now)
+    assert router.client_table.admit(client, *request(fingerprint="f" * 32), now) == 0
+    assert client.fingerprints == {SERVICE: "f" * 32} and router.client_table.pinned(SERVICE) == ["f" * 32]
+    assert router.client_table.admit(client, *request(fingerprint="e" * 32), now) is None
+    assert error_codes(router, b"client") == [ErrorCode.TARGET_CHANGED.value]
+
+
+def test_a_mapping_is_stored_once_and_dropped_with_its_last_client():
+    router = make_router()
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    digests = []
+    for identity in (b"client-a", b"client-b"):
+        client = router.client_table.seen(identity, now)
+        router.client_table.register_mapping(client, message(CLIENT_TAG, ClientCommand.SET_VOCAB, new_request_id(),
+                                                             {}, payload=mapping_payload()), now)
+        [ok] = router.recorder.to_client(identity, ClientCommand.VOCAB_OK)
+        digests.append(ok.header["digest"])
+    assert digests[0] == digests[1] and list(router.services[SERVICE].mappings) == digests[:1]
+    router.delete_client(b"client-a")
+    router.client_table.trim_mappings()
+    assert list(router.services[SERVICE].mappings) == digests[:1]  # client-b still holds it
+    router.delete_client(b"client-b")
+    router.client_table.trim_mappings()
+    assert not router.services[SERVICE].mappings and router.vocab.held_bytes == 0
+
+
+def test_a_bad_mapping_is_refused():
+    router = make_router()
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    client = router.client_table.seen(b"client", now)
+    router.client_table.register_mapping(client, message(CLIENT_TAG, ClientCommand.SET_VOCAB, new_request_id(), {},
+                                                         payload=mapping_payload(vocab_size=64)), now)
+    assert error_codes(router, b"client") == [ErrorCode.BAD_REQUEST.value]
+    assert not router.services[SERVICE].mappings

@@ -1,0 +1,110 @@
+"""``Dispatcher`` (broker/dispatch.py) without sockets: suspects run alone, a request that kills workers
+fails after ``max_request_deaths``, ``avoid``, retries kept once, and an unreachable worker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from broker_util import done, make_router, ready, submit
+from spec_serve.protocol.commands import ClientCommand, ErrorCode
+
+
+@pytest.fixture
+def router():
+    return make_router()
+
+
+def expire(router, worker: bytes, now: float, *alive: bytes) -> None:
+    """``worker`` went silent after ``now``: every peer in ``alive`` heartbeats, then the purge after its expiry.
+    (Worker names are their identities' first 6 bytes in hex: these tests' differ there.)"""
+    later = now + router.expiry_window + 0.1
+    for peer in alive:
+        if router.worker_seen(peer, later) is None:
+            router.client_seen(peer, later)
+    router.purge(later)
+    assert worker not in router.workers
+
+
+def test_a_request_on_a_dying_worker_runs_alone_next(router):
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    suspect = submit(router, b"client", now)
+    ready(router, b"B-worker", now, capacity=2)
+    router.recorder.take()
+    expire(router, b"A-worker", now, b"B-worker", b"client")
+    assert router.recorder.requests_to(b"B-worker") == [suspect]
+    assert router.requests[suspect].killed == [b"A-worker".hex()[:12]]
+    router.recorder.take()
+    later = now + router.expiry_window + 0.2
+    other = submit(router, b"client", later)
+    assert router.recorder.requests_to(b"B-worker") == []  # it holds a suspect: nothing beside it
+    done(router, b"B-worker", suspect, later)
+    assert router.recorder.requests_to(b"B-worker") == [other]
+
+
+def test_a_request_fails_after_killing_max_request_deaths_workers(router):
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    poison = submit(router, b"client", now)
+    ready(router, b"B-worker", now)
+    expire(router, b"A-worker", now, b"B-worker", b"client")
+    router.recorder.take()
+    later = now + router.expiry_window + 0.1  # when B-worker was last seen
+    ready(router, b"C-worker", later)
+    expire(router, b"B-worker", later, b"C-worker", b"client")
+    [error] = router.recorder.to_client(b"client")
+    assert error.request_id == poison and error.header["code"] == ErrorCode.KILLED_WORKERS.value
+    assert f"was on 2 workers of 'svc' as they died ({b'A-worker'.hex()[:12]}, {b'B-worker'.hex()[:12]})" in \
+        error.header["error"]
+    assert poison not in router.requests and router.metrics.killer_requests._value.get() == 1
+    router.recorder.take()
+    # a retry that crossed the error is refused the same way, never dispatched
+    router.enqueue(router.client_seen(b"client", now), _retry(poison), now)
+    assert [m.header["code"] for m in router.recorder.to_client(b"client")] == [ErrorCode.KILLED_WORKERS.value]
+    assert router.recorder.requests_to(b"C-worker") == []
+
+
+def _retry(request_id: bytes):
+    from broker_util import message
+    from spec_serve.protocol.commands import CLIENT_TAG
+
+    return message(CLIENT_TAG, ClientCommand.REQUEST, request_id, {"reply_to": "tcp://127.0.0.1:9", "timeout": 30})
+
+
+def test_a_retry_of_a_held_request_is_kept_once(router):
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    request_id = submit(router, b"client", now, timeout=5)
+    router.recorder.take()
+    router.enqueue(router.client_seen(b"client", now + 1), _retry(request_id), now + 1)
+    assert router.recorder.take() == []
+    assert router.requests[request_id].deadline == now + 31 and len(router.requests) == 1
+
+
+def test_avoid_sends_the_retry_to_another_worker(router):
+    now = time.monotonic()
+    ready(router, b"B-worker", now, capacity=2)
+    submit(router, b"client", now)  # B-worker: half loaded
+    ready(router, b"A-worker", now, capacity=4)
+    router.recorder.take()
+    plain = submit(router, b"client", now)
+    assert router.recorder.requests_to(b"A-worker") == [plain]  # the least loaded
+    done(router, b"A-worker", plain, now)
+    router.recorder.take()
+    retry = submit(router, b"client", now, avoid=b"A-worker".hex()[:12])
+    assert router.recorder.requests_to(b"B-worker") == [retry]
+
+
+def test_an_unreachable_worker_is_removed_and_its_request_goes_elsewhere(router):
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    ready(router, b"B-worker", now)
+    router.recorder.unreachable.add(b"A-worker")
+    router.recorder.unreachable.add(b"B-worker")
+    request_id = submit(router, b"client", now)
+    assert not router.workers and router.services["svc"].queue_depth() == 1
+    router.recorder.unreachable.clear()
+    ready(router, b"C-worker", now)
+    assert router.recorder.requests_to(b"C-worker") == [request_id]
