@@ -72,17 +72,18 @@ def make_router(**kw) -> Router:
 
 
 def ready(router: Router, identity: bytes, now: float, capacity: int = 1, info: dict | None = None,
-          service: str = SERVICE) -> None:
-    router.worker_ready(identity, message(WORKER_TAG, WorkerCommand.READY, service=service,
-                                          header={"target_info": info or TARGET_INFO, "capacity": capacity}), now)
+          service: str = SERVICE, **header) -> None:
+    header = {"target_info": info or TARGET_INFO, "capacity": capacity, **header}
+    router.worker_ready(identity, message(WORKER_TAG, WorkerCommand.READY, service=service, header=header), now)
 
 
 def submit(router: Router, client: bytes, now: float, timeout: float = 30.0, service: str = SERVICE,
-           **header) -> bytes:
+           payload: list | None = None, **header) -> bytes:
     request_id = new_request_id()
     state = router.client_seen(client, now)
     header = {"reply_to": "tcp://127.0.0.1:9", "timeout": timeout, **header}
-    router.enqueue(state, message(CLIENT_TAG, ClientCommand.REQUEST, request_id, header, service=service), now)
+    router.enqueue(state, message(CLIENT_TAG, ClientCommand.REQUEST, request_id, header, service=service,
+                                  payload=payload), now)
     return request_id
 
 

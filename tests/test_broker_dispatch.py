@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from broker_util import done, make_router, ready, submit
+from spec_serve.protocol import wire
 from spec_serve.protocol.commands import ClientCommand, ErrorCode
 
 
@@ -45,10 +47,13 @@ def test_a_request_on_a_dying_worker_runs_alone_next(router):
 
 
 def test_a_request_fails_after_killing_max_request_deaths_workers(router):
+    """The error names the request's input (op, kind, tokens, each tensor's shape) and the workers it killed."""
     now = time.monotonic()
-    ready(router, b"A-worker", now)
-    poison = submit(router, b"client", now)
-    ready(router, b"B-worker", now)
+    ready(router, b"A-worker", now, host="gpu-1", pid=101)
+    ids = torch.full((1, 8), 7)
+    payload = wire.encode({"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)})
+    poison = submit(router, b"client", now, payload=payload, kind="eagle3", tokens=8)
+    ready(router, b"B-worker", now, host="gpu-2", pid=202)
     expire(router, b"A-worker", now, b"B-worker", b"client")
     router.recorder.take()
     later = now + router.expiry_window + 0.1  # when B-worker was last seen
@@ -56,8 +61,10 @@ def test_a_request_fails_after_killing_max_request_deaths_workers(router):
     expire(router, b"B-worker", later, b"C-worker", b"client")
     [error] = router.recorder.to_client(b"client")
     assert error.request_id == poison and error.header["code"] == ErrorCode.KILLED_WORKERS.value
-    assert f"was on 2 workers of 'svc' as they died ({b'A-worker'.hex()[:12]}, {b'B-worker'.hex()[:12]})" in \
-        error.header["error"]
+    a, b = b"A-worker".hex()[:12], b"B-worker".hex()[:12]
+    assert (f"request {poison.hex()} (generate eagle3 8 tokens, input_ids [1, 8] I64, attention_mask [1, 8] I64, "
+            f"loss_mask [1, 8] I64) was on 2 workers of 'svc' as they died ({a} (host gpu-1, pid 101); "
+            f"{b} (host gpu-2, pid 202))") in error.header["error"]
     assert poison not in router.requests and router.metrics.killer_requests._value.get() == 1
     router.recorder.take()
     # a retry that crossed the error is refused the same way, never dispatched

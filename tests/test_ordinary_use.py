@@ -336,17 +336,30 @@ def test_a_failed_constructor_leaks_no_descriptor(kwargs):
 # ------------------------------------------------------------ 3. a request that kills workers (last)
 
 
+# The error names the request's input and the workers lost, so the user can find the input.
+KILLED = (r"request [0-9a-f]{32} \(generate dspark 8 tokens, input_ids \[1, 8\] I64, attention_mask \[1, 8\] I64, "
+          r"loss_mask \[1, 8\] I64\) was on 2 workers of 'default' as they died "
+          r"\([0-9a-f]{12} \(host .+, pid \d+\); [0-9a-f]{12} \(host .+, pid \d+\)\)")
+
+
 def test_a_request_that_kills_workers_fails_alone(cluster, tiny_target_dir, engine):
-    """A batch that kills every worker it reaches fails after two deaths (RemoteError naming it); a
-    batch sent beside it and the next one are served by the surviving worker, bit-equal."""
+    """A batch that kills every worker it reaches fails after two deaths (--max-request-deaths 2) with a
+    RemoteError naming its input (op, kind, tokens, each tensor's shape) and the workers lost (host, pid),
+    and spec_serve_killer_requests counts it; a batch sent beside it and the next one are served by the
+    surviving worker, bit-equal."""
     poison = torch.full((1, 8), POISON)
     good = sample_batch(tiny_target_dir, batch=2, seq=16, seed=71)
     with _client(cluster, timeout=45, max_retries=0, prefetch_depth=2) as client:
         beside = client.generate_batch_async(*good, kind="dspark")
         start = time.monotonic()
-        with pytest.raises(RemoteError, match=r"request [0-9a-f]{32} was on 2 workers .* as they died"):
+        with pytest.raises(RemoteError, match=KILLED) as failed:
             client.generate_batch(poison, torch.ones_like(poison), torch.ones_like(poison), kind="dspark")
         assert time.monotonic() - start < 45
         assert_equal_batches(beside.result(timeout=60), engine.generate_batch(*good, kind="dspark"))
         assert_equal_batches(client.generate_batch(*good, kind="dspark"), engine.generate_batch(*good, kind="dspark"))
-    assert sum(p.poll() is None for p in cluster.workers) == 1, "exactly two workers died"
+    dead = [p.pid for p in cluster.workers if p.poll() is not None]
+    assert len(dead) == 2, "exactly two workers died"
+    assert all(f"pid {pid})" in str(failed.value) for pid in dead), failed.value
+    _, metrics = cluster.get("/metrics")
+    assert "spec_serve_killer_requests_total 1.0" in metrics.splitlines()
+    print(f"\npoison request: {failed.value}")

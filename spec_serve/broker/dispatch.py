@@ -8,7 +8,6 @@ least-loaded free worker. A request that was on a worker as it died is a *suspec
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -17,6 +16,7 @@ from collections.abc import Callable
 
 from spec_serve.broker.clients import ClientTable
 from spec_serve.broker.context import BrokerContext
+from spec_serve.broker.poison import PoisonPolicy
 from spec_serve.broker.services import DONE_STATUSES, ServiceQueues
 from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
 from spec_serve.broker.vocab_registry import VocabRegistry
@@ -26,9 +26,6 @@ from spec_serve.protocol.messages import Done, SupervisionRequest
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.broker")
-
-# Ids of requests failed for killing workers, refused if they come back (a retry that crossed the error).
-MAX_KILLER_IDS = 1024
 
 
 class Dispatcher:
@@ -40,26 +37,23 @@ class Dispatcher:
     def __init__(self, ctx: BrokerContext, services: ServiceQueues, workers: WorkerRegistry, clients: ClientTable,
                  requests: RequestTable, vocab: VocabRegistry, *, max_request_deaths: int,
                  unreachable: Callable[[WorkerState], None]):
-        if max_request_deaths < 1:
-            raise ValueError("max_request_deaths must be >= 1")
         self.ctx = ctx
         self.services = services
         self.workers = workers
         self.clients = clients
         self.requests = requests
         self.vocab = vocab
-        # A request on this many workers as they died fails (killed_workers) instead of going to another.
-        self.max_request_deaths = max_request_deaths
+        self.poison = PoisonPolicy(ctx, max_request_deaths)
         self.unreachable = unreachable
-        self.killers: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # request id -> error
 
     # ------------------------------------------------------------------ intake
 
     def seen_before(self, client: ClientState, msg: Message, header: SupervisionRequest, now: float) -> bool:
         """True if the REQUEST is one the broker already settled: a retry of a request it failed for killing
         workers (refused again), or of one it still holds (kept once, its deadline extended)."""
-        if msg.request_id in self.killers:  # a retry that crossed its killed_workers error
-            self.ctx.send_error(client.identity, msg.request_id, ErrorCode.KILLED_WORKERS, self.killers[msg.request_id])
+        killed = self.poison.refusal(msg.request_id)
+        if killed is not None:  # a retry that crossed its killed_workers error
+            self.ctx.send_error(client.identity, msg.request_id, ErrorCode.KILLED_WORKERS, killed)
             return True
         existing = self.requests.get(msg.request_id)
         if existing is None:
@@ -204,19 +198,10 @@ class Dispatcher:
 
     def _killed_by(self, request: Request, worker: WorkerState) -> bool:
         """Count ``worker``'s death against ``request``; True if that failed the request for good."""
-        request.killed.append(worker.name)
-        if len(request.killed) < self.max_request_deaths:
+        error = self.poison.died_on(request, worker)
+        if error is None:
             return False  # a suspect from now on: dispatched alone (see _eligible)
         self.clients.forget_request(request)
-        error = (f"request {request.request_id.hex()} was on {len(request.killed)} workers of "
-                 f"{request.service!r} as they died ({', '.join(request.killed)}); it is not sent to another, "
-                 f"as its input may crash every worker (broker --max-request-deaths {self.max_request_deaths})")
-        self.killers[request.request_id] = error
-        while len(self.killers) > MAX_KILLER_IDS:
-            self.killers.popitem(last=False)
-        self.ctx.metrics.killer_requests.inc()
-        event(log, logging.ERROR, "broker.request_killed_workers", request=request.request_id.hex(),
-              service=request.service, workers=",".join(request.killed))
         if request.client in self.clients.clients:
             self.ctx.send_error(request.client, request.request_id, ErrorCode.KILLED_WORKERS, error)
         return True

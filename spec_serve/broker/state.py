@@ -24,6 +24,8 @@ class WorkerState:
     # digests this worker holds, least recently used first (it drops only what SET_VOCAB evicts)
     mappings: collections.OrderedDict[str, None] = dataclasses.field(default_factory=collections.OrderedDict)
     max_message_bytes: int | None = None
+    host: str | None = None  # as the worker's READY said (for people: error messages, logs)
+    pid: int | None = None
     bound_to: bytes | None = None
     bind_address: str | None = None
     bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)
@@ -36,6 +38,13 @@ class WorkerState:
     @property
     def name(self) -> str:
         return self.identity.hex()[:12]
+
+    @property
+    def where(self) -> str:
+        """Its name, with the host and process it said it runs as."""
+        known = [f"host {self.host}" if self.host else "", f"pid {self.pid}" if self.pid is not None else ""]
+        known = [k for k in known if k]
+        return f"{self.name} ({', '.join(known)})" if known else self.name
 
     @property
     def free(self) -> int:

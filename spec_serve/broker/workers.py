@@ -73,7 +73,8 @@ class WorkerRegistry:
             self.refuse(identity, service, conflict)
             return None
         worker = WorkerState(identity, msg.service, info, capacity, now + self.ctx.expiry_window, time.time(),
-                             idle_since=now, max_message_bytes=ready.max_message_bytes)
+                             idle_since=now, max_message_bytes=ready.max_message_bytes,
+                             host=ready.host[:256] if ready.host else None, pid=ready.pid)
         self.workers[identity] = worker
         service.workers.append(identity)
         self.services.remember_served(msg.service)

@@ -184,8 +184,11 @@ def _insecure_network_option(listeners: str):
 @click.option("--max-message-bytes", default=8 << 30, type=int, envvar="SPEC_SERVE_MAX_MESSAGE_BYTES",
               show_default=True, help="Largest message accepted [env SPEC_SERVE_MAX_MESSAGE_BYTES].")
 @click.option("--max-request-deaths", default=2, type=click.IntRange(min=1), envvar="SPEC_SERVE_MAX_REQUEST_DEATHS",
-              show_default=True, help="A request that was on this many workers as they died fails (killed_workers) "
-                                      "instead of going to another [env SPEC_SERVE_MAX_REQUEST_DEATHS].")
+              show_default=True, help="A request that was on this many workers as they died fails (killed_workers, "
+                                      "naming its input and the workers lost) instead of going to another. 1: a "
+                                      "poison request costs one worker, but any death (OOM, lost host) fails the "
+                                      "requests on it; 2: it costs two workers, and a death with another cause "
+                                      "costs one extra forward [env SPEC_SERVE_MAX_REQUEST_DEATHS].")
 @click.option("--max-request-tokens", default=DEFAULT_MAX_REQUEST_TOKENS, type=click.IntRange(min=1),
               envvar="SPEC_SERVE_MAX_REQUEST_TOKENS", show_default=True,
               help="Tokens one request may carry (rows x sequence length; 24 bytes of ids and masks a token, so "
