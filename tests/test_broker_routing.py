@@ -148,3 +148,33 @@ def test_an_engine_death_leave_still_counts_as_a_death(router):
 
 def _sample(router: Router, name: str, **labels: str) -> float:
     return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_service_nobody_uses_is_forgotten_once_its_workers_are_gone(router):
+    """A stray READY under a junk name: the service exists while its worker is registered, nobody uses it,
+    and it goes with its worker (the old broker kept it for an idle grace of 60 s)."""
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    ready(router, b"junk-wkr", now, service="junk")
+    submit(router, b"client", now)
+    services = full_status(router)["services"]
+    assert (services[SERVICE]["in_use"], services["junk"]["in_use"]) == (True, False)
+    later = now + router.expiry_window + 0.1
+    router.worker_seen(b"worker-a", later)
+    router.client_seen(b"client", later)
+    router.purge(later)
+    assert "junk" not in router.services and "junk" in router.served
+    assert SERVICE in router.services
+
+
+def test_a_service_a_client_named_goes_with_the_client(router):
+    now = time.monotonic()
+    ready(router, b"worker-a", now)
+    request_id = submit(router, b"client", now, service="typo")
+    assert router.services["typo"].queue_depth() == 1
+    router.client_seen(b"client", now)
+    router.purge(now)
+    assert "typo" in router.services  # its request is queued (until the unknown-service grace)
+    router.delete_client(b"client")
+    router.purge(now)
+    assert "typo" not in router.services and request_id not in router.requests

@@ -9,7 +9,7 @@ from broker_util import SERVICE, Recorder
 from spec_serve.broker.context import BrokerContext, Peer
 from spec_serve.broker.services import ServiceQueues
 from spec_serve.broker.state import Request, RequestTable
-from spec_serve.protocol.commands import IDLE_SERVICE_GRACE, UNKNOWN_SERVICE_GRACE, ClientCommand, ErrorCode
+from spec_serve.protocol.commands import UNKNOWN_SERVICE_GRACE, ClientCommand, ErrorCode
 from spec_serve.protocol.messages import SupervisionRequest
 
 
@@ -89,13 +89,13 @@ def test_a_service_no_worker_ever_served_fails_its_queue_after_the_grace():
     assert error.header["code"] == ErrorCode.UNKNOWN_SERVICE.value and "'typo'" in error.header["error"]
 
 
-def test_idle_services_are_forgotten_and_served_names_remembered():
-    queues, _, _ = make_queues()
+def test_unused_services_are_forgotten_at_once_and_served_names_remembered():
+    queues, requests, _ = make_queues()
     now = time.monotonic()
-    for name in ("idle", "used"):
+    for name in ("gone", "used", "queued"):
         queues.service(name, now)
         queues.remember_served(name)
-    queues.forget_idle(now, in_use={"used"})
-    queues.forget_idle(now + IDLE_SERVICE_GRACE + 1, in_use={"used"})
-    assert sorted(queues.services) == ["used"]
-    assert "idle" in queues.served and not queues.unknown("idle", now + 10 * UNKNOWN_SERVICE_GRACE)
+    hold(queues, requests, b"client-a", "q1", now, service="queued")
+    queues.forget_unused(in_use={"used"})
+    assert sorted(queues.services) == ["queued", "used"]
+    assert "gone" in queues.served and not queues.unknown("gone", now + 10 * UNKNOWN_SERVICE_GRACE)

@@ -179,15 +179,17 @@ def _metrics_once_counted(cluster: Cluster, metrics: tuple[str, ...], timeout: f
         time.sleep(0.1)
 
 
-def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
+def test_readiness_goes_503_to_200_and_metrics(tiny_target_dir):
+    """/health (liveness) answers 200 throughout; /ready is 503 until a worker registers, and again once it died."""
     cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port())
     try:
         cluster.start_broker()
-        code, body = cluster.get("/health")
+        code, body = cluster.get("/ready")
         assert code == 503, body
+        assert cluster.get("/health")[0] == 200
         cluster.start_worker(tiny_target_dir)
         cluster.wait_workers(1)
-        code, body = cluster.get("/health")
+        code, body = cluster.get("/ready")
         assert code == 200 and body["workers"] == 1, body
         code, info = cluster.get("/model_info?service=default")
         assert code == 200 and info["engine"] == "hf" and info["num_hidden_layers"] == 8
@@ -209,12 +211,12 @@ def test_health_goes_503_to_200_and_metrics(tiny_target_dir):
         assert out.returncode == 0, out.stderr
         status = json.loads(out.stdout)
         assert status["services"]["default"]["workers"] == 1
-        # Kill the only worker: health falls back to 503 once the broker notices.
+        # Kill the only worker: readiness falls back to 503 once the broker notices; the broker stays alive.
         cluster.workers[0].kill()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and cluster.get("/health")[0] != 503:
+        while time.monotonic() < deadline and cluster.get("/ready")[0] != 503:
             time.sleep(0.2)
-        assert cluster.get("/health")[0] == 503
+        assert cluster.get("/ready")[0] == 503 and cluster.get("/health")[0] == 200
     finally:
         cluster.stop()
 
@@ -242,14 +244,23 @@ def test_http_shim_binds_loopback_by_default():
         cluster.stop()
 
 
-def test_health_ignores_services_no_worker_ever_served():
-    from spec_serve.broker.status import health
+def test_readiness_counts_only_services_in_use_that_had_workers():
+    from spec_serve.broker.status import health, ready
 
-    def svc(ready, ever, queued=0):
-        return {"workers": ready, "ready_workers": ready, "queue_depth": queued, "ever_had_workers": ever}
+    def svc(ready, ever=True, in_use=True, queued=0):
+        return {"workers": ready, "ready_workers": ready, "queue_depth": queued, "ever_had_workers": ever,
+                "in_use": in_use}
 
-    snap = {"workers": [{}], "services": {"default": svc(1, True), "typo": svc(0, False, queued=3)}}
-    assert health(snap)[0] == 200  # a name only clients asked for does not turn health red
-    snap["services"]["default"] = svc(0, True)
-    assert health(snap)[0] == 503  # a served service without a ready worker does
-    assert health({"workers": [], "services": {}})[0] == 503
+    alive = {"age_s": 0.1, "stall_s": 10.0}
+    snap = {"workers": [{}], "loop": alive,
+            "services": {"default": svc(1), "typo": svc(0, ever=False, queued=3), "stray": svc(0, in_use=False)}}
+    assert ready(snap)[0] == 200  # a name only clients asked for, or one nobody uses, does not turn it red
+    assert ready(snap, "stray")[0] == 503 and ready(snap, "default")[0] == 200 and ready(snap, "nope")[0] == 503
+    snap["services"]["default"] = svc(0)
+    assert ready(snap)[0] == 503  # a service in use without a ready worker does
+    assert ready({"workers": [], "services": {}, "loop": alive})[0] == 503
+    assert health({"workers": [], "services": {}, "loop": alive})[0] == 200  # alive with no worker at all
+    assert health({**snap, "loop": {"age_s": 11.0, "stall_s": 10.0}}) == (503, {"status": "stalled",
+                                                                            "loop_age_s": 11.0, "workers": 1})
+    assert health({**snap, "loop": {"age_s": None, "stall_s": 10.0}})[1]["status"] == "stopped"
+    assert ready({**snap, "services": {"default": svc(1)}, "loop": {"age_s": 11.0, "stall_s": 10.0}})[0] == 503

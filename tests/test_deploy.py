@@ -179,9 +179,9 @@ def test_grace_periods_cover_the_drain():
 
 
 def test_kubernetes_objects_hang_together():
-    """Selectors match their pods, the Service reaches the broker's ports, probes ask /health on the port
-    the worker serves it on (bound beyond loopback: kubelet probes the pod), each worker asks a GPU, every
-    mounted volume exists, and the workers reach the Service's worker port."""
+    """Selectors match their pods, the Service reaches the broker's ports, probes ask /health (the broker's
+    readiness: /ready) on the port the process serves it on (bound beyond loopback: kubelet probes the pod),
+    each worker asks a GPU, every mounted volume exists, and the workers reach the Service's worker port."""
     objects = {**k8s_objects(K8S_BROKER), **k8s_objects(K8S_WORKER)}
     service = objects["Service/spec-serve-broker"]
     for name in ("Deployment/spec-serve-broker", "Deployment/spec-serve-worker"):
@@ -196,7 +196,8 @@ def test_kubernetes_objects_hang_together():
             if probe in container:
                 check = container[probe].get("httpGet") or container[probe]["tcpSocket"]
                 assert check["port"] in ports, (name, probe)
-                assert container[probe].get("httpGet", {"path": "/health"})["path"] == "/health", (name, probe)
+                path = "/ready" if (name, probe) == ("Deployment/spec-serve-broker", "readinessProbe") else "/health"
+                assert container[probe].get("httpGet", {"path": path})["path"] == path, (name, probe)
         argv = k8s_argv(container)
         assert str(ports["http"]) == flag_value(argv, "--http-port") and flag_value(argv, "--http-host") == "0.0.0.0"
     broker_labels = objects["Deployment/spec-serve-broker"]["spec"]["template"]["metadata"]["labels"]

@@ -488,7 +488,7 @@ def test_http_shim_cannot_be_starved(cluster):
     time.sleep(1.0)
     fds_during, threads_during = _open_fds(pid), len(os.listdir(f"/proc/{pid}/task"))
     start = time.monotonic()
-    code, body = cluster.get("/health")  # 503 once the fakes above left services without workers: an answer
+    code, body = cluster.get("/health")  # liveness: the broker's loop turns
     health_s = time.monotonic() - start
     with RemoteTargetModel(cluster.frontend, timeout=30, **CLIENT_KW) as client:
         assert client.status()["workers"]
@@ -497,7 +497,7 @@ def test_http_shim_cannot_be_starved(cluster):
           f"{threads_during}; /health {code} in {health_s:.2f}s; still open after the deadline: {open_after}")
     assert fds_during - fds_before <= SHIM_CONNECTIONS + 2
     assert threads_during - threads_before <= 2
-    assert code in (200, 503) and body["status"] in ("ok", "unavailable") and health_s < 5
+    assert code == 200 and body["status"] == "ok" and health_s < 5
     assert open_after == 0
 
 

@@ -38,8 +38,8 @@ from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
 
-GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE and SPEC_SERVE_IDLE_SERVICE_GRACE of the cluster below
-ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S), "SPEC_SERVE_IDLE_SERVICE_GRACE": str(GRACE_S)}
+GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE of the cluster below
+ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S)}
 ENV.pop("SPEC_SERVE_LOG_LEVEL")  # workers log at their default level
 # (Clients here heartbeat as often as this broker expects: CLIENT_KW.)
 
@@ -376,29 +376,28 @@ def test_trust_remote_code(cluster, tiny_target_dir, tmp_path, colocated_target,
 # ------------------------------------------------------------------------------------ operations
 
 
-def _health(cluster) -> int:
-    return cluster.get("/health")[0]
+def _ready(cluster, service: str | None = None) -> int:
+    return cluster.get("/ready" + (f"?service={service}" if service else ""))[0]
 
 
-def test_health_forgets_a_service_whose_workers_left(cluster, tiny_target_dir, tiny_vocab_mapping):
-    """A worker of service `other` leaves: 503 while a client still uses `other`, then, once no
-    client has for SPEC_SERVE_IDLE_SERVICE_GRACE, 200 again (the old broker: 503 forever).
-    The worker also shows --threads taking effect."""
+def test_readiness_counts_a_service_while_a_client_uses_it(cluster, tiny_target_dir, tiny_vocab_mapping):
+    """A worker of service `other` leaves: /ready is 503 while a client still uses `other` (/health stays 200:
+    the broker is alive), then 200 once that client is gone, and `other` is forgotten at once (the old
+    broker: 503 until an idle grace passed). The worker also shows --threads taking effect."""
     proc = cluster.start_worker(tiny_target_dir, "--threads", "3", service="other")
     cluster.wait_workers(1, service="other", timeout=120)
     log = (cluster.log_dir / f"worker{len(cluster.workers) - 1}.log").read_text()
     assert "worker.threads threads=3 source=--threads" in log, log
-    # (Workers of earlier tests' services left: their services expire within a few seconds.)
-    wait_until(lambda: _health(cluster) == 200, timeout=30, what="200 with workers for every service")
+    wait_until(lambda: _ready(cluster) == 200, timeout=30, what="200 with workers for every service in use")
     # A client using `other` (heartbeating as often as this broker expects, or it is forgotten).
     user = RemoteTargetModel(cluster.frontend, service="other", timeout=60, **CLIENT_KW)
     user.set_vocab_mapping(*tiny_vocab_mapping)
     kill(proc)
-    wait_until(lambda: _health(cluster) == 503, timeout=30, what="503 after the worker left")
-    time.sleep(GRACE_S + 1.5)
-    assert _health(cluster) == 503, "a service a client still uses counts"
+    wait_until(lambda: _ready(cluster) == 503, timeout=30, what="503 after the worker left")
+    assert _ready(cluster, "other") == 503 and _ready(cluster, "default") == 200
+    assert cluster.get("/health")[0] == 200
     user.close()
-    wait_until(lambda: _health(cluster) == 200, timeout=30, what="200 once nobody uses `other`")
+    wait_until(lambda: _ready(cluster) == 200, timeout=30, what="200 once nobody uses `other`")
     assert "other" not in cluster.get("/workers")[1]["services"]
 
 

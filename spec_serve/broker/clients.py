@@ -19,6 +19,9 @@ from spec_serve.protocol.messages import SetVocab, SupervisionRequest, VocabOk
 # Requests one client may have queued or in flight at the broker; beyond this
 # it is told to back off. Bounds broker memory whatever clients do.
 MAX_REQUESTS_PER_CLIENT = 256
+# Services one client names at a time (in admitted requests and mappings); each keeps its service known
+# while the client is connected. An honest client names one; beyond this its least recent goes.
+MAX_SERVICES_PER_CLIENT = 16
 # Request and vocab-mapping payload bytes the broker holds at once (queued, in flight, stored);
 # past it a new request is told to back off (unavailable, retried), a larger one is refused.
 DEFAULT_MAX_HELD_BYTES = 1 << 30
@@ -67,6 +70,19 @@ class ClientTable:
         """The target fingerprint each connected client of ``service`` set up with."""
         return [c.fingerprints[service] for c in self.clients.values() if service in c.fingerprints]
 
+    def uses(self, client: ClientState, service: str) -> None:
+        """Note that ``client`` named ``service`` in something the broker admitted."""
+        client.services[service] = None
+        client.services.move_to_end(service)
+        while len(client.services) > MAX_SERVICES_PER_CLIENT:
+            client.services.popitem(last=False)
+
+    def in_use(self) -> set[str]:
+        """The services connected clients named (in requests or mappings they hold): the ones clients ask for."""
+        names = {name for client in self.clients.values() for name in client.services}
+        names.update(name for client in self.clients.values() for name, _ in client.vocab)
+        return names
+
     def forget_request(self, request: Request) -> None:
         """Drop ``request`` from the broker's table and from its client's count."""
         self.requests.pop(request.request_id, None)
@@ -101,6 +117,7 @@ class ClientTable:
             self.ctx.send_error(client.identity, msg.request_id, ErrorCode.UNKNOWN_SERVICE,
                                 self.services.unknown_message(msg.service))
             return None
+        self.uses(client, msg.service)
         return size
 
     def can_hold(self, client: ClientState, request_id: bytes, size: int) -> bool:
@@ -160,6 +177,7 @@ class ClientTable:
                 return
             self.vocab.store(service, digest, msg.payload)
         self.vocab.keep(client, msg.service, digest)
+        self.uses(client, msg.service)
         self.trim_mappings()
         self.ctx.to_client(client.identity, control(
             CLIENT_TAG, ClientCommand.VOCAB_OK.value, msg.service, msg.request_id, VocabOk(digest)))

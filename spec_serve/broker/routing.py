@@ -187,6 +187,10 @@ class Router:
         """DONE."""
         self.dispatcher.complete(worker, msg, now)
 
+    def in_use(self) -> set[str]:
+        """The services someone asks for: named by a connected client, or by a request the broker holds."""
+        return self.client_table.in_use() | {r.service for r in self.requests.values()}
+
     # ------------------------------------------------------------------ heartbeat and purge
 
     def heartbeat(self, now: float) -> None:
@@ -207,8 +211,6 @@ class Router:
             self.delete_client(identity)
         self.dispatcher.expire(now)
         self.client_table.trim_mappings()
-        in_use = {r.service for r in self.requests.values()}
-        in_use.update(name for client in self.clients.values() for name, _ in client.vocab)
-        self.queues.forget_idle(now, in_use)
+        self.queues.forget_unused(self.in_use())
         self.queues.update_metrics()
         self.metrics.inflight.set(sum(1 for r in self.requests.values() if r.worker is not None))

@@ -78,6 +78,9 @@ FRONTEND_TOTAL_BYTES = 16 << 20
 WRONG_PORT_LOG_INTERVAL_S = 60.0
 # How long a stopping broker lets its last words to clients and workers leave before it closes.
 GOODBYE_LINGER_MS = 1000
+# The loop turns at least every 0.25 s; one that has not turned for this long (or twice the peers' expiry
+# window, if longer) is stalled, and /health says so.
+LOOP_STALL_S = 10.0
 
 ClientHandler = Callable[[ClientState, Message, float], None]
 WorkerHandler = Callable[[WorkerState, Message, float], None]
@@ -172,6 +175,9 @@ class Broker:
         self._stalled = False  # a refused message was being discarded at the last tick
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
+        # When the loop last turned (monotonic; None before it runs): read by the HTTP shim's thread.
+        self._loop_at: float | None = None
+        self._loop_stall_s = max(LOOP_STALL_S, 2 * heartbeat_interval * liveness)
         self._stop = threading.Event()
         self._wrong_port_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
 
@@ -218,6 +224,7 @@ class Broker:
         self.update_snapshot()
         try:
             while not self._stop.is_set():
+                self._loop_at = time.monotonic()
                 events = self._poll(poller, tick)
                 if self.backend in events:
                     self._drain(self.backend, self.process_worker)
@@ -233,6 +240,7 @@ class Broker:
             self._say_goodbye()
         finally:
             linger = GOODBYE_LINGER_MS if self._stop.is_set() else 0
+            self._loop_at = None
             for ingress in self.ingress.values():
                 ingress.close()
             self.frontend.close(linger)
@@ -419,9 +427,13 @@ class Broker:
             self._snapshot = snap
 
     def snapshot(self) -> dict[str, Any]:
-        """The latest status, safe to read from another thread (the HTTP shim)."""
+        """The latest status, safe to read from another thread (the HTTP shim), with ``loop``: whether the
+        loop runs (``age_s`` since it last turned, None once stopped) and when it counts as stalled."""
         with self._snapshot_lock:
-            return self._snapshot
+            snap = self._snapshot
+        loop_at = self._loop_at
+        age = None if loop_at is None else round(time.monotonic() - loop_at, 3)
+        return dict(snap, loop={"age_s": age, "stall_s": self._loop_stall_s})
 
 
 def _port_name(endpoint: str) -> str:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from spec_serve.broker.context import BrokerContext
 from spec_serve.broker.state import Request, RequestTable, ServiceState
-from spec_serve.protocol.commands import IDLE_SERVICE_GRACE, UNKNOWN_SERVICE_GRACE, ErrorCode
+from spec_serve.protocol.commands import UNKNOWN_SERVICE_GRACE, ErrorCode
 
 # Service names that ever had a worker, remembered after the service is forgotten (see unknown).
 MAX_SERVED_NAMES = 4096
@@ -41,7 +41,10 @@ class ServiceQueues:
         return iter(list(self.services.values()))
 
     def service(self, name: str, now: float) -> ServiceState:
-        """The service ``name``, created now if it is new."""
+        """The service ``name``, created now if it is new. The one place a service comes into being, for an
+        admitted peer only: a worker whose READY passed the registry's checks, or a client whose REQUEST or
+        SET_VOCAB was admitted (clients.py). A peer the sockets do not admit (CURVE, protected mode) never
+        gets here; an admission rule on names belongs here."""
         service = self.services.get(name)
         if service is None:
             service = self.services[name] = ServiceState(name, now)
@@ -124,16 +127,13 @@ class ServiceQueues:
         known = sorted(s for s, st in self.services.items() if st.workers)
         return f"unknown service {name!r}: no worker serves it; services with workers: {known}"
 
-    def forget_idle(self, now: float, in_use: set[str]) -> None:
-        """Drop services with no worker, no queue and no use (``in_use``: held requests, client mappings) for
-        IDLE_SERVICE_GRACE, so names a peer once used do not pile up (``served`` still remembers those that
-        had workers)."""
+    def forget_unused(self, in_use: set[str]) -> None:
+        """Drop each service with no worker and no queue that nobody uses (``in_use``: named by a connected
+        client's requests or mappings, or by a request the broker holds), so a name a peer once used does not
+        linger: not for readiness, not in STATUS, not in the metrics. ``served`` still remembers those that
+        had workers (their requests wait for workers that restart)."""
         for name, service in list(self.services.items()):
-            if service.workers or service.queues or name in in_use:
-                service.idle_since = None
-            elif service.idle_since is None:
-                service.idle_since = now
-            elif now - service.idle_since > IDLE_SERVICE_GRACE:
+            if not (service.workers or service.queues or name in in_use):
                 del self.services[name]
                 self.ctx.metrics.forget_service(name, DONE_STATUSES)
                 self.ctx.status_stale = True

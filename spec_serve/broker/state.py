@@ -99,6 +99,8 @@ class ClientState:
     # (service, digest) of the mappings it registered and has not released, oldest first
     vocab: collections.OrderedDict[tuple[str, str], None] = dataclasses.field(
         default_factory=collections.OrderedDict)
+    # the services its admitted requests and mappings named, least recent first (ClientTable.uses bounds it)
+    services: collections.OrderedDict[str, None] = dataclasses.field(default_factory=collections.OrderedDict)
 
 
 @dataclasses.dataclass
@@ -113,7 +115,6 @@ class ServiceState:
     # digest -> payload frames as bytes; only live mappings (see VocabRegistry.trim)
     mappings: dict = dataclasses.field(default_factory=dict)
     vocab_size: int | None = None
-    idle_since: float | None = None  # no workers, clients or requests since then
 
     def queue_depth(self) -> int:
         return sum(len(q) for q in self.queues.values())

@@ -22,8 +22,9 @@ STATUS_PAGE_BYTES = MAX_HEADER_BYTES // 2
 def full_status(router: Router) -> dict[str, Any]:
     """Workers, services and queues, all of them: the HTTP shim's snapshot."""
     now = time.monotonic()
+    in_use = router.in_use()
     return dict(_summary(router),
-                services={name: _service_entry(router, s) for name, s in router.services.items()},
+                services={name: _service_entry(router, s, in_use) for name, s in router.services.items()},
                 workers=[_worker_entry(router, w, now) for w in router.workers.values()])
 
 
@@ -59,8 +60,9 @@ def _entries(router: Router, only: str | None, now: float) -> Iterator[tuple[tup
         names, chosen = [only], [router.workers[i] for i in router.services[only].workers]
     else:
         names, chosen = [], []
+    in_use = router.in_use() if names else set()
     for name in names:
-        yield (0, name), _service_entry(router, router.services[name])
+        yield (0, name), _service_entry(router, router.services[name], in_use)
     for worker in sorted(chosen, key=lambda w: (w.service, w.identity.hex())):
         yield (1, worker.service, worker.identity.hex()), _worker_entry(router, worker, now)
 
@@ -79,14 +81,17 @@ def _summary(router: Router) -> dict[str, Any]:
     }
 
 
-def _service_entry(router: Router, service: ServiceState) -> dict[str, Any]:
+def _service_entry(router: Router, service: ServiceState, in_use: set[str]) -> dict[str, Any]:
+    """``ready_workers``: those that take pool requests (not bound, not leaving); ``in_use``: a connected client
+    named the service, or the broker holds a request for it (readiness counts only such services)."""
+    workers = [router.workers[w] for w in service.workers]
     return {
-        "workers": len(service.workers),
-        "ready_workers": sum(1 for w in service.workers if router.workers[w].bound_to is None
-                             and not router.workers[w].leaving),
+        "workers": len(workers),
+        "ready_workers": sum(1 for w in workers if w.bound_to is None and not w.leaving),
         "queue_depth": service.queue_depth(),
         "vocab_mappings": len(service.mappings),
         "ever_had_workers": service.name in router.served,
+        "in_use": service.name in in_use,
     }
 
 
@@ -111,17 +116,41 @@ def _worker_entry(router: Router, w: WorkerState, now: float) -> dict[str, Any]:
 
 
 def health(snapshot: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """200 when every served service has a ready worker (and one exists), else 503.
+    """Liveness: 200 while the broker's loop turns (it last turned within ``loop.stall_s``), else 503. It says
+    nothing about workers: a broker waiting for its first worker is alive (readiness is ``ready``)."""
+    loop = snapshot.get("loop") or {}
+    age = loop.get("age_s")
+    alive = age is not None and age <= loop.get("stall_s", 0)
+    status = "ok" if alive else ("stopped" if age is None else "stalled")
+    return (200 if alive else 503), {"status": status, "loop_age_s": age, "workers": len(snapshot.get("workers", []))}
 
-    A service counts once a worker has registered for it: a name only clients asked for (a typo,
-    or junk) must not turn the health check red.
+
+def ready(snapshot: dict[str, Any], service: str | None = None) -> tuple[int, dict[str, Any]]:
+    """Readiness: 200 when the broker is alive and can serve, else 503.
+
+    For one ``service``: it has a worker that takes pool requests (not bound, not leaving). For the broker:
+    some worker is ready, and every service clients use (a connected client named it, or a request for it is
+    held) that has had workers has a ready one now. A service nobody uses, such as one a stray READY made,
+    does not count: it cannot turn readiness red, and it is forgotten once its workers are gone.
     """
+    alive, _ = health(snapshot)
     services = snapshot.get("services", {})
-    counts = {name: s["ready_workers"] for name, s in services.items() if s["ever_had_workers"]}
-    healthy = bool(counts) and all(n > 0 for n in counts.values())
-    body = {"status": "ok" if healthy else "unavailable", "workers": len(snapshot.get("workers", [])),
-            "ready_workers": counts}
-    return (200 if healthy else 503), body
+    if service is not None:
+        entry = services.get(service)
+        count = entry["ready_workers"] if entry is not None else 0
+        ok = alive == 200 and count > 0
+        body = {"status": "ok" if ok else "unavailable", "service": service, "ready_workers": count}
+        if entry is None:
+            body["error"] = f"no worker serves {service!r}"
+        return (200 if ok else 503), body
+    counted = {name: s["ready_workers"] for name, s in services.items() if s["in_use"] and s["ever_had_workers"]}
+    missing = sorted(name for name, n in counted.items() if n == 0)
+    ok = alive == 200 and any(s["ready_workers"] > 0 for s in services.values()) and not missing
+    body = {"status": "ok" if ok else "unavailable", "workers": len(snapshot.get("workers", [])),
+            "ready_workers": {name: s["ready_workers"] for name, s in services.items()
+                              if s["workers"] or name in counted},
+            "services_without_ready_workers": missing}
+    return (200 if ok else 503), body
 
 
 def model_info(snapshot: dict[str, Any], service: str | None) -> tuple[int, Any]:
@@ -137,14 +166,20 @@ def model_info(snapshot: dict[str, Any], service: str | None) -> tuple[int, Any]
 
 
 def http_routes(snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> dict[str, Route]:
-    """The broker's HTTP shim: ``/health``, ``/model_info[?service=]``, ``/workers``, ``/metrics``, each
-    read from ``snapshot`` (replaced atomically by the broker loop) or the metrics ``registry``."""
+    """The broker's HTTP shim: ``/health`` (liveness; ``?service=NAME``: that service's readiness),
+    ``/ready[?service=NAME]``, ``/model_info[?service=]``, ``/workers``, ``/metrics``, each read from
+    ``snapshot`` (replaced atomically by the broker loop) or the metrics ``registry``."""
     def workers(query: Query) -> Response:
         snap = snapshot()
         return json_response(200, {"workers": snap.get("workers", []), "services": snap.get("services", {})})
 
+    def alive(query: Query) -> Response:
+        service = query.get("service", [None])[0]
+        return json_response(*(health(snapshot()) if service is None else ready(snapshot(), service)))
+
     return {
-        "/health": lambda query: json_response(*health(snapshot())),
+        "/health": alive,
+        "/ready": lambda query: json_response(*ready(snapshot(), query.get("service", [None])[0])),
         "/model_info": lambda query: json_response(*model_info(snapshot(), query.get("service", [None])[0])),
         "/workers": workers,
         "/metrics": lambda query: metrics_response(registry),

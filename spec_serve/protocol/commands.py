@@ -328,8 +328,6 @@ HEARTBEAT_LIVENESS = int(env_float("SPEC_SERVE_HEARTBEAT_LIVENESS", 4))
 # How long a request for a service no worker has ever registered waits before
 # the broker answers UNKNOWN_SERVICE: long enough for workers starting up.
 UNKNOWN_SERVICE_GRACE = env_float("SPEC_SERVE_UNKNOWN_SERVICE_GRACE", 10.0)
-# A service with no worker, no request and no client mapping is forgotten after this long.
-IDLE_SERVICE_GRACE = env_float("SPEC_SERVE_IDLE_SERVICE_GRACE", 60.0)
 # How long a client waits for any answer from a broker it has never heard from before it fails
 # its requests with the address and the likely cause (RemoteTargetModel(connect_timeout=...)).
 CONNECT_TIMEOUT = env_float("SPEC_SERVE_CONNECT_TIMEOUT", 30.0)
