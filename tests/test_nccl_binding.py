@@ -29,6 +29,7 @@ from cluster_util import (
 )
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.protocol.commands import ClientCommand
+from spec_serve.protocol.messages import BindRequest
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 
@@ -117,6 +118,8 @@ def test_bound_path_equals_colocated_and_pool_serves_others(cluster, tiny_target
 
 def test_bind_refused_when_all_bound_falls_back_to_frames(cluster, tiny_target_dir, tiny_vocab_mapping, reference,
                                                           caplog):
+    """Every worker bound: a third client's BIND is refused at once and it sends frames; its request is served
+    by the worker of the newest binding, which the broker ends for it."""
     a = RemoteTargetModel(cluster.frontend, **NCCL_KW)
     try:
         with RemoteTargetModel(cluster.frontend, **NCCL_KW) as b, \
@@ -133,15 +136,32 @@ def test_bind_refused_when_all_bound_falls_back_to_frames(cluster, tiny_target_d
             assert len(lines) == 1 and "are bound to other clients" in lines[0], lines
             assert refused_in < 10, "a refusal must come at once, not after a timeout"
             assert c.bound_worker is None
-            # No pool worker is left: the frames request waits until a binding ends.
-            a.close()
-            assert_equal_batches(future.result(timeout=120), reference.generate_batch(*inputs, kind="dspark"))
+            # No unbound worker is left while c's request waits: the broker ends the newest binding (b's) and
+            # that worker serves c (the old broker left c waiting until a client let go).
+            assert_equal_batches(future.result(timeout=60), reference.generate_batch(*inputs, kind="dspark"))
+            wait_until(lambda: b.bound_worker is None, timeout=10, what="b's binding ended")
+            assert a.bound_worker is not None
             assert c.stats.nccl_batches == 0 and c.bound_worker is None
             assert b.stats.nccl_batches == 1
             print(f"\nrefused in {refused_in:.3f}s: {lines[0]}")
     finally:
         a.close()
     wait_unbound(cluster)
+
+
+def test_a_bind_the_worker_refuses_gives_the_worker_back(cluster, tiny_target_dir, reference):
+    """A BIND the worker refuses (here: a CUDA client for a CPU worker) leaves no binding at the broker: the
+    worker is back in the pool at once (the old broker kept it bound to the client, out of the pool)."""
+    wait_unbound(cluster)
+    with RemoteTargetModel(cluster.frontend, **CLIENT_KW) as client:
+        client.target_info()
+        header = BindRequest(reply_to=client._io.data_endpoint, timeout=10, device_type="cuda")
+        future = client._io.submit(ClientCommand.BIND, "default", header, (), 10, max_retries=0)
+        with pytest.raises(Exception, match="client device is cuda") as refused:
+            future.result(30)
+        wait_unbound(cluster, timeout=10)
+        check(client, reference, tiny_target_dir, 14, "dspark")
+    print(f"\nrefused by the worker: {refused.value}")
 
 
 KILLED_CLIENT = textwrap.dedent("""

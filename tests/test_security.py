@@ -124,14 +124,14 @@ def test_unauthenticated_client_is_refused(cluster, keys, who):
 
 def test_unauthenticated_worker_never_registers(cluster, keys, tiny_target_dir):
     """No keys, an unknown key, or a key admitted on the frontend (a client's): none registers as a worker,
-    so none can serve forged batches. Each learns so before loading its model (the handshake with the
-    broker comes first) and exits with one line naming the cause."""
+    so none can serve forged batches, nor create the service it names. Each learns so before loading its
+    model (the handshake with the broker comes first) and exits with one line naming the cause."""
     before = len(workers(cluster))
     n = len(cluster.workers)
-    cluster.start_worker(tiny_target_dir)  # no keys at all
+    cluster.start_worker(tiny_target_dir, service="intruder")  # no keys at all
     for name in ("stranger", "client"):
         cluster.start_worker(tiny_target_dir, "--curve-secret-key", str(keys[name][1]),
-                             "--curve-server-key", str(keys["broker"][0]))
+                             "--curve-server-key", str(keys["broker"][0]), service="intruder")
     logs = [cluster.log_dir / f"worker{i}.log" for i in (n, n + 1, n + 2)]
     assert [proc.wait(120) for proc in cluster.workers[n:]] == [1, 1, 1]
     after = len(workers(cluster))
@@ -139,7 +139,7 @@ def test_unauthenticated_worker_never_registers(cluster, keys, tiny_target_dir):
     assert not any("worker.ready" in t or "worker.loading" in t for t in texts), texts  # never answered
     assert "handshake failed" in texts[0] and all("refused our CURVE credentials" in t for t in texts[1:]), texts
     print(f"\ncurve: workers registered before {before}, after three unadmitted workers tried: {after}")
-    assert after == before
+    assert after == before and "intruder" not in cluster.get("/workers")[1]["services"]
 
 
 def test_data_socket_admits_only_worker_keys(cluster, keys):
@@ -193,19 +193,30 @@ def _status_answered(endpoint: str, keys, who: str) -> bool:
         sock.close(0)
 
 
-def test_nccl_binding_is_refused_with_curve(cluster, keys):
+def test_nccl_binding_is_refused_with_curve(cluster, keys, tiny_target_dir, tiny_vocab_mapping):
     """The NCCL rendezvous (TCPStore, gloo/NCCL connections) is not authenticated: a CURVE client refuses
-    enable_nccl at once, and a CURVE worker refuses a binding (its replies stay CURVE frames)."""
+    enable_nccl at once, and a CURVE broker refuses a BIND before it takes a worker out of the pool (its
+    workers would refuse it too). An authorized client that sends BIND anyway keeps no worker: the pool
+    serves its ordinary requests (the old broker kept the worker bound to it after the worker refused, and
+    they timed out)."""
     with pytest.raises(ValueError, match="CURVE"):
         RemoteTargetModel(cluster.frontend, security=client_security(keys), enable_nccl=True)
-    with RemoteTargetModel(cluster.frontend, security=client_security(keys), timeout=30, **CLIENT_KW) as client:
+    reference = Reference(tiny_target_dir, tiny_vocab_mapping)
+    with RemoteTargetModel(cluster.frontend, security=client_security(keys), timeout=20, max_retries=0,
+                           **CLIENT_KW) as client:
         client.target_info()
         header = {"reply_to": client._io.data_endpoint, "data_key": client._io.data_key, "timeout": 10,
                   "device_type": "cpu"}
         future = client._io.submit(ClientCommand.BIND, "default", header, (), 10, max_retries=0)
-        with pytest.raises(Exception, match="runs CURVE") as refused:
-            future.result(30)
-    print(f"\ncurve: a BIND to a CURVE worker: {refused.value}")
+        try:
+            refused = str(future.result(30).header)  # the broker's BOUND ok=false
+        except Exception as e:  # the worker's refusal (a broker that let the BIND through)
+            refused = str(e)
+        assert "runs CURVE" in refused
+        assert not [w for w in workers(cluster) if w["state"] == "bound"]
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        assert same(client.generate_batch(*reference.batch(11)), reference.expected(11))
+    print(f"\ncurve: a BIND to a CURVE broker: {refused}")
 
 
 def test_one_key_directory_for_both_sockets_is_refused(tmp_path):

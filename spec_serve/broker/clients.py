@@ -77,6 +77,10 @@ class ClientTable:
         while len(client.services) > MAX_SERVICES_PER_CLIENT:
             client.services.popitem(last=False)
 
+    def users(self, service: str) -> list[ClientState]:
+        """The connected clients that named ``service``."""
+        return [c for c in self.clients.values() if service in c.services]
+
     def in_use(self) -> set[str]:
         """The services connected clients named (in requests or mappings they hold): the ones clients ask for."""
         names = {name for client in self.clients.values() for name in client.services}

@@ -137,27 +137,26 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ answers and losses
 
-    def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
+    def complete(self, worker: WorkerState, request_id: bytes, done: Done, now: float) -> None:
         """DONE: the worker answered a request (or failed to deliver it); its slot is free again."""
-        done = Done.from_json(msg.header)
-        worker.inflight.discard(msg.request_id)
+        worker.inflight.discard(request_id)
         worker.idle_since = now
         worker.leaving = worker.leaving or done.status == "engine_dead"
-        request = self.requests.get(msg.request_id)
+        request = self.requests.get(request_id)
         if done.status == "returned" and request is not None and request.worker == worker.identity:
             # Handed back unrun by a draining worker: to the front of its queue, for another worker now.
             self._orphaned(worker, request, "returned by its worker", died=False)
         elif request is not None and request.worker == worker.identity:
-            del self.requests[msg.request_id]
+            del self.requests[request_id]
             client = self.clients.get(request.client)
             if client is not None:
-                client.requests.discard(msg.request_id)
+                client.requests.discard(request_id)
             status = done.status if done.status in DONE_STATUSES else "error"
             self.ctx.metrics.completed.labels(service=worker.service, status=status).inc()
             if status == "undeliverable" and client is not None:
                 # The worker dropped the reply at once (its slot is free): the client retries now,
                 # instead of waiting out its timeout.
-                self.ctx.send_error(request.client, msg.request_id, ErrorCode.UNAVAILABLE,
+                self.ctx.send_error(request.client, request_id, ErrorCode.UNAVAILABLE,
                                     f"worker {worker.name} could not deliver the reply to "
                                     f"{request.header.reply_to}: {'not reading' if done.error is None else done.error}")
             if status == "ok":

@@ -31,7 +31,7 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
 )
-from spec_serve.protocol.messages import BrokerHeartbeat, Leave, SupervisionRequest
+from spec_serve.protocol.messages import BrokerHeartbeat, Done, Leave, SupervisionRequest
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import BrokerMetrics
 
@@ -52,6 +52,7 @@ class Router:
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         client_held_share: float = DEFAULT_CLIENT_HELD_SHARE,
         metrics: BrokerMetrics | None = None,
+        bind_refusal: str | None = None,
     ):
         self.ctx = BrokerContext(send, heartbeat_interval=heartbeat_interval, liveness=liveness, metrics=metrics)
         self.metrics = self.ctx.metrics
@@ -66,7 +67,8 @@ class Router:
                                         client_held_share=client_held_share)
         self.dispatcher = Dispatcher(self.ctx, self.queues, self.registry, self.client_table, self.requests,
                                      self.vocab, max_request_deaths=max_request_deaths, unreachable=self._unreachable)
-        self.bindings = Bindings(self.ctx, self.queues, self.registry, self.client_table, self.dispatcher)
+        self.bindings = Bindings(self.ctx, self.queues, self.registry, self.client_table, self.dispatcher,
+                                 refusal=bind_refusal)
         # What status.py reads, by name.
         self.workers = self.registry.workers
         self.services = self.queues.services
@@ -184,8 +186,10 @@ class Router:
         self.delete_worker(worker, time.monotonic(), reason="unreachable", died=True)
 
     def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
-        """DONE."""
-        self.dispatcher.complete(worker, msg, now)
+        """DONE: for a request, or for the BIND the worker answered."""
+        done = Done.from_json(msg.header)
+        self.bindings.answered(worker, msg.request_id, done)
+        self.dispatcher.complete(worker, msg.request_id, done, now)
 
     def in_use(self) -> set[str]:
         """The services someone asks for: named by a connected client, or by a request the broker holds."""
@@ -210,6 +214,9 @@ class Router:
         for identity in [c.identity for c in self.clients.values() if c.expiry < now]:
             self.delete_client(identity)
         self.dispatcher.expire(now)
+        self.bindings.expire(now)
+        for service in self.queues:
+            self.bindings.make_room(service)
         self.client_table.trim_mappings()
         self.queues.forget_unused(self.in_use())
         self.queues.update_metrics()

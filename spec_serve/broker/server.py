@@ -81,6 +81,9 @@ GOODBYE_LINGER_MS = 1000
 # The loop turns at least every 0.25 s; one that has not turned for this long (or twice the peers' expiry
 # window, if longer) is stalled, and /health says so.
 LOOP_STALL_S = 10.0
+# Why a CURVE broker refuses BIND at once, before it takes a worker out of the pool (workers refuse it too).
+CURVE_BIND_REFUSAL = ("this broker runs CURVE: an NCCL binding's rendezvous (TCPStore, gloo/NCCL connections) "
+                      "cannot be authenticated, so bindings are refused; replies stay CURVE frames")
 
 ClientHandler = Callable[[ClientState, Message, float], None]
 WorkerHandler = Callable[[WorkerState, Message, float], None]
@@ -133,7 +136,8 @@ class Broker:
         self.router = Router(self._send_to, heartbeat_interval=heartbeat_interval, liveness=liveness,
                              max_message_bytes=min(max_message_bytes, request_bytes(max_request_tokens)),
                              max_request_deaths=max_request_deaths, max_held_bytes=max_held_bytes,
-                             client_held_share=client_held_share)
+                             client_held_share=client_held_share,
+                             bind_refusal=CURVE_BIND_REFUSAL if security is not None else None)
         self.parts = Parts(self.router.max_message_bytes, self.router.client_table.room, self.router.ctx.send_error)
         self.router.client_table.reserved = self.parts.reserved_by
         self.metrics = self.router.metrics

@@ -27,10 +27,10 @@ class WorkerState:
     host: str | None = None  # as the worker's READY said (for people: error messages, logs)
     pid: int | None = None
     bound_to: bytes | None = None
-    bind_address: str | None = None
     bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)
     bind_request: bytes = b""  # the client's BIND request id
-    idle_since: float = 0.0
+    bound_at: float = 0.0  # monotonic time of the BIND
+    idle_since: float = 0.0  # monotonic time of its last DONE (or registration)
     completed: int = 0
     leaving: bool = False  # its engine died, or it drains: no more requests; LEAVE follows its last answers
     draining: bool = False  # it was told to stop (LEAVE with drain): its final LEAVE is no death
