@@ -25,7 +25,7 @@ from spec_serve.broker.context import Peer
 from spec_serve.broker.parts import Parts
 from spec_serve.broker.routing import Router
 from spec_serve.broker.state import ClientState, WorkerState
-from spec_serve.broker.status import full_status, status_page
+from spec_serve.broker.status import Snapshot, status_page
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     DEFAULT_MAX_REQUEST_TOKENS,
@@ -109,6 +109,21 @@ def _binding(role: str, endpoint: str) -> Iterator[None]:
         raise BindError(role, endpoint, reason) from e
 
 
+def _check_listeners(frontend: str, backend: str, security: Security | None, insecure_network: bool) -> None:
+    """Refuse what the broker must not listen with, before it opens a socket: a CURVE broker without both key
+    sets (ValueError), an unauthenticated bind other hosts reach (ExposureError, protected mode)."""
+    # With CURVE, clients' keys on the frontend and workers' keys on the backend, never one set for both
+    # (an admitted client key must not register as a worker).
+    if security is not None and (security.client_keys_dir is None or security.worker_keys_dir is None):
+        raise ValueError("a CURVE broker needs client_keys_dir and worker_keys_dir (separate key sets)")
+    # Protected mode: a port other hosts reach admits only CURVE keys, unless the user said otherwise.
+    for flag, endpoint in (("--frontend", frontend), ("--backend", backend)):
+        host = endpoint_host(endpoint)
+        if host is not None:
+            check_exposure(host, f"the broker's {flag} {endpoint}", authenticated=security is not None,
+                           insecure_network=insecure_network)
+
+
 def _ignore(peer: Any, msg: Message, now: float) -> None:
     """HEARTBEAT: receiving it already extended the peer's expiry."""
 
@@ -143,16 +158,7 @@ class Broker:
         self.metrics = self.router.metrics
         self.heartbeat_interval = heartbeat_interval
         self.ctx = context or zmq.Context.instance()
-        # With CURVE, clients' keys on the frontend and workers' keys on the backend, never one set for both
-        # (an admitted client key must not register as a worker).
-        if security is not None and (security.client_keys_dir is None or security.worker_keys_dir is None):
-            raise ValueError("a CURVE broker needs client_keys_dir and worker_keys_dir (separate key sets)")
-        # Protected mode: a port other hosts reach admits only CURVE keys, unless the user said otherwise.
-        for flag, endpoint in (("--frontend", frontend), ("--backend", backend)):
-            host = endpoint_host(endpoint)
-            if host is not None:
-                check_exposure(host, f"the broker's {flag} {endpoint}", authenticated=security is not None,
-                               insecure_network=insecure_network)
+        _check_listeners(frontend, backend, security, insecure_network)
         self._open(frontend, backend, security)
         self.frontend_endpoint = bound_endpoint(self.frontend)
         self.backend_endpoint = bound_endpoint(self.backend)
@@ -177,11 +183,7 @@ class Broker:
                         self.backend: BoundedReader(self.backend, lambda head: frame_limit(head, 0), router=True)}
         self._refusal_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
         self._stalled = False  # a refused message was being discarded at the last tick
-        self._snapshot: dict[str, Any] = {}
-        self._snapshot_lock = threading.Lock()
-        # When the loop last turned (monotonic; None before it runs): read by the HTTP shim's thread.
-        self._loop_at: float | None = None
-        self._loop_stall_s = max(LOOP_STALL_S, 2 * heartbeat_interval * liveness)
+        self._snapshot = Snapshot(stall_s=max(LOOP_STALL_S, 2 * heartbeat_interval * liveness))
         self._stop = threading.Event()
         self._wrong_port_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
 
@@ -228,7 +230,7 @@ class Broker:
         self.update_snapshot()
         try:
             while not self._stop.is_set():
-                self._loop_at = time.monotonic()
+                self._snapshot.turned(time.monotonic())
                 events = self._poll(poller, tick)
                 if self.backend in events:
                     self._drain(self.backend, self.process_worker)
@@ -244,7 +246,7 @@ class Broker:
             self._say_goodbye()
         finally:
             linger = GOODBYE_LINGER_MS if self._stop.is_set() else 0
-            self._loop_at = None
+            self._snapshot.turned(None)
             for ingress in self.ingress.values():
                 ingress.close()
             self.frontend.close(linger)
@@ -345,22 +347,13 @@ class Broker:
         """A client on the workers' port, or a worker on the clients' port: tell it which port it
         reached (it fails fast with that) and log it, rate-limited. True if it was one."""
         tag = frames[0].bytes if frames else b""
-        clients, workers = _port_name(self.frontend_endpoint), _port_name(self.backend_endpoint)
-        code = ErrorCode.WRONG_PORT.value
-        answer: BrokerError | Refused
-        if sock is self.backend and tag == CLIENT_TAG:
-            port, tag, command = "backend", CLIENT_TAG, ClientCommand.ERROR.value
-            answer = BrokerError(code=code, error=(f"this is the spec-serve broker's worker port ({workers}); "
-                                                   f"clients connect to its client port ({clients}, --frontend)"))
-        elif sock is self.frontend and tag == WORKER_TAG:
-            port, tag, command = "frontend", WORKER_TAG, WorkerCommand.REFUSED.value
-            answer = Refused(code=code, error=(f"this is the spec-serve broker's client port ({clients}); "
-                                               f"workers connect to its worker port ({workers}, --backend)"))
-        else:
+        wrong = _wrong_port_answer(sock is self.backend, tag, self.frontend_endpoint, self.backend_endpoint)
+        if wrong is None:
             return False
+        port, answer = wrong
         self.metrics.bad_messages.inc()
-        self.metrics.errors.labels(code=code).inc()
-        self._send(sock, identity, control(tag, command, "", b"", answer))
+        self.metrics.errors.labels(code=ErrorCode.WRONG_PORT.value).inc()
+        self._send(sock, identity, answer)
         held = self._wrong_port_log.ready(port, time.monotonic())
         if held is not None:
             event(log, logging.WARNING, "broker.wrong_port", port=port, peer=identity.hex()[:12],
@@ -425,19 +418,27 @@ class Broker:
 
     def update_snapshot(self) -> None:
         self.router.status_stale = False
-        snap = full_status(self.router)
-        self.metrics.set_worker_states(snap["workers"])
-        with self._snapshot_lock:
-            self._snapshot = snap
+        self.metrics.set_worker_states(self._snapshot.update(self.router)["workers"])
 
     def snapshot(self) -> dict[str, Any]:
-        """The latest status, safe to read from another thread (the HTTP shim), with ``loop``: whether the
-        loop runs (``age_s`` since it last turned, None once stopped) and when it counts as stalled."""
-        with self._snapshot_lock:
-            snap = self._snapshot
-        loop_at = self._loop_at
-        age = None if loop_at is None else round(time.monotonic() - loop_at, 3)
-        return dict(snap, loop={"age_s": age, "stall_s": self._loop_stall_s})
+        """The latest status, safe to read from another thread (the HTTP shim): status.Snapshot.read."""
+        return self._snapshot.read()
+
+
+def _wrong_port_answer(on_backend: bool, tag: bytes, frontend: str, backend: str) -> tuple[str, list] | None:
+    """For a client (``tag``) on the backend or a worker on the frontend: the port it reached and the answer
+    naming the right one (an ERROR for a client, a REFUSED for a worker); None for a peer on its own port."""
+    clients, workers = _port_name(frontend), _port_name(backend)
+    code = ErrorCode.WRONG_PORT.value
+    if on_backend and tag == CLIENT_TAG:
+        error = BrokerError(code=code, error=(f"this is the spec-serve broker's worker port ({workers}); "
+                                              f"clients connect to its client port ({clients}, --frontend)"))
+        return "backend", control(CLIENT_TAG, ClientCommand.ERROR.value, "", b"", error)
+    if not on_backend and tag == WORKER_TAG:
+        refused = Refused(code=code, error=(f"this is the spec-serve broker's client port ({clients}); "
+                                            f"workers connect to its worker port ({workers}, --backend)"))
+        return "frontend", control(WORKER_TAG, WorkerCommand.REFUSED.value, "", b"", refused)
+    return None
 
 
 def _port_name(endpoint: str) -> str:

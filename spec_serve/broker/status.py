@@ -3,6 +3,7 @@ replies clients ask for, and the routes of its HTTP shim. Reads the router's sta
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -110,6 +111,37 @@ def _worker_entry(router: Router, w: WorkerState, now: float) -> dict[str, Any]:
         "target_info": w.info,
     }
 
+
+class Snapshot:
+    """The broker's status for other threads (the HTTP shim): the latest ``full_status``, replaced whole by
+    the loop once per turn it changed, and when the loop last turned, so that /health can tell a stalled
+    or stopped loop from a running one."""
+
+    def __init__(self, stall_s: float):
+        self.stall_s = stall_s
+        self._status: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._turned_at: float | None = None  # monotonic; None before the loop runs and once it stopped
+
+    def turned(self, now: float | None) -> None:
+        """The loop turns (at ``now``), or stopped (None)."""
+        self._turned_at = now
+
+    def update(self, router: Router) -> dict[str, Any]:
+        """Rebuild the status from ``router`` (the loop's thread only); the new status."""
+        status = full_status(router)
+        with self._lock:
+            self._status = status
+        return status
+
+    def read(self) -> dict[str, Any]:
+        """The latest status with ``loop``: ``age_s`` since the loop last turned (None: not running) and
+        ``stall_s``, past which it counts as stalled. Safe from any thread."""
+        with self._lock:
+            status = self._status
+        turned_at = self._turned_at
+        age = None if turned_at is None else round(time.monotonic() - turned_at, 3)
+        return dict(status, loop={"age_s": age, "stall_s": self.stall_s})
 
 
 # ------------------------------------------------------------------ the broker's HTTP routes
