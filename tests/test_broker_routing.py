@@ -4,10 +4,14 @@ it would have put on the wire. Each part also has its own tests (tests/test_brok
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import time
+from pathlib import Path
 
 import pytest
 
+import spec_serve.broker
 from broker_util import SERVICE, done, make_router, message, ready, submit
 from spec_serve.broker.context import Peer
 from spec_serve.broker.routing import Router
@@ -178,3 +182,17 @@ def test_a_service_a_client_named_goes_with_the_client(router):
     router.delete_client(b"client")
     router.purge(now)
     assert "typo" not in router.services and request_id not in router.requests
+
+
+def test_the_broker_modules_import_one_another_without_a_cycle():
+    """Each part imports only those before it (docs/ARCHITECTURE.md gives the order), counting imports made
+    for type checking only: Router once imported binding.py, and binding.py imported Router."""
+    folder = Path(spec_serve.broker.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {node.module.rpartition(".")[2] for node in ast.walk(tree)
+                            if isinstance(node, ast.ImportFrom) and node.module
+                            and node.module.startswith("spec_serve.broker.")}
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    assert order.index("context") < order.index("routing") and "binding" in graph["routing"]
