@@ -3,8 +3,9 @@
 Clients talk to the frontend, workers to the backend. This module is the plumbing: the two sockets,
 the poll loop, and a table from each command to the handler that serves it. What the broker decides
 lives beside it: routing.py puts the parts together (workers.py the registry, services.py the queues,
-dispatch.py dispatch and re-dispatch, binding.py NCCL bindings, clients.py client state, vocab_registry.py
-draft-vocab mappings), status.py answers STATUS and builds the HTTP shim's snapshot.
+dispatch.py dispatch and re-dispatch, poison.py the poison-request policy, binding.py NCCL bindings,
+clients.py client state, vocab_registry.py draft-vocab mappings), parts.py joins payloads sent in parts,
+status.py answers STATUS and keeps the HTTP shim's snapshot.
 Bulk reply bytes go from worker to client directly; the broker only sees a small DONE. Method names
 follow the Majordomo spec: ``process_client``, ``process_worker``.
 """
