@@ -38,8 +38,12 @@ def eagle3_targets(
     mask is false.
     """
     batch, seq = argmax_ids.shape
-    padded = torch.cat([next_draft_logits, next_draft_logits.new_zeros(batch, 1, next_draft_logits.shape[-1])], dim=1)
-    target_probs = torch.softmax(padded.float(), dim=-1)
+    # The logits padded with a zero row, in float32, written in one buffer (no padded copy in the logits'
+    # dtype): the same values, so the same softmax, bit for bit, as softmax(cat([logits, zeros]).float()).
+    padded = torch.empty(batch, seq, next_draft_logits.shape[-1], dtype=torch.float32, device=next_draft_logits.device)
+    padded[:, :-1].copy_(next_draft_logits)
+    padded[:, -1].zero_()
+    target_probs = torch.softmax(padded, dim=-1)
     position_mask = selected_token_mask[argmax_ids.long()] & shifted_loss_mask.bool()
     position_mask[:, -1] = False
     return target_probs, position_mask.unsqueeze(-1)
