@@ -23,6 +23,7 @@ from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteEr
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.path_port import PathPort
+from spec_serve.client.staging import Staging
 from spec_serve.client.stats import ClientStats
 from spec_serve.paths.base import ClientSetup
 from spec_serve.paths.nccl.client import NcclClient
@@ -138,6 +139,8 @@ class RemoteTargetModel:
         self._selected_mask: torch.Tensor | None = None
         # Expansion runs off the I/O thread (a [B*S,H]x[H,Vd] GEMM must not stall sockets).
         self._expander = expander_thread(self.device)
+        # Frames bound for a GPU land through pinned slabs (staging.py); a CPU client keeps zero-copy views.
+        self._staging = Staging(self.device) if self.device.type == "cuda" else None
         # Where replies come by (paths/registry.py, in its order): with enable_nccl, a worker of our own,
         # tensors over a private 2-rank group (docs/nccl.md; bound lazily by generate calls, every failure
         # falls back to frames); a same-host worker lends them through the plane (same_host_plane; default
@@ -202,7 +205,7 @@ class RemoteTargetModel:
             raise
         expand = self._expansion() if auto or wire_kind is Kind.EAGLE3_COMPACT and kind is Kind.EAGLE3 else None
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
-                          self._digest_check(requests, expects), wire_kind.value, expand)
+                          self._digest_check(requests, expects), wire_kind.value, expand, self._staging)
         result.add_done_callback(lambda _: self._credits.release())
         return result
 
@@ -266,7 +269,7 @@ class RemoteTargetModel:
         request = SupervisionRequest.from_json(self._prepare(header))
         requests: list[tuple[SupervisionRequest, Sequence]] = [(request, [])]
         return assemble([self._submit(*requests[0], expect)], [0], self.device, None,
-                        self._digest_check(requests, [expect])).result()
+                        self._digest_check(requests, [expect]), staging=self._staging).result()
 
     def _check_request_size(self, payload: Sequence, what: str) -> None:
         """Refuse a payload over what the broker or this service's workers accept, before sending it
@@ -428,6 +431,8 @@ class RemoteTargetModel:
             self._paths.close()  # what peers hold for us goes back (an NCCL RELEASE) before the DISCONNECT
             self._io.close()
             self._expander.shutdown(wait=False)
+            if self._staging is not None:
+                self._staging.close()  # after the I/O thread stopped: a landing still running finishes first
 
     def __enter__(self) -> RemoteTargetModel:
         return self

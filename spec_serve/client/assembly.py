@@ -14,6 +14,7 @@ import torch
 from spec_serve.client.compact import COMPACT, Expansion
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received, ReceivedTensor
+from spec_serve.client.staging import Staging, land
 from spec_serve.paths.base import release, settle
 from spec_serve.protocol.messages import Reply
 
@@ -28,7 +29,8 @@ def shard_bounds(rows: int, num_shards: int) -> list[tuple[int, int]]:
 
 def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: torch.device,
              alloc: Callable[[int], torch.Tensor] | None, check: ShardCheck | None = None,
-             asked: str | None = None, expand: Expansion | None = None) -> concurrent.futures.Future:
+             asked: str | None = None, expand: Expansion | None = None,
+             staging: Staging | None = None) -> concurrent.futures.Future:
     """One future for a batch sent as ``len(shards)`` row ranges of ``rows`` rows each (futures of ``Received``).
 
     As each shard's reply arrives (on the I/O thread, while ZeroMQ keeps receiving the others) its
@@ -42,8 +44,9 @@ def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: t
     Shards land per the kind their reply names (``asked`` when it names none: a worker may answer
     compact="auto" requests full or compact); with ``expand``, compact EAGLE-3 shards are expanded once
     every shard landed, off the I/O thread, and the batch resolves to the EAGLE-3 tensors.
+    With ``staging`` (a GPU ``device``), frames land through its pinned slabs (staging.py).
     """
-    batch = _Batch(rows, device, alloc, check, asked, expand)
+    batch = _Batch(rows, device, alloc, check, asked, expand, staging)
     for k, future in enumerate(shards):
         future.add_done_callback(functools.partial(batch.arrived, k))
     return batch.out
@@ -53,11 +56,12 @@ class _Batch:
     """The rows of one batch, filled shard by shard as their replies arrive (on any thread)."""
 
     def __init__(self, rows: list[int], device: torch.device, alloc: Callable[[int], torch.Tensor] | None,
-                 check: ShardCheck | None, asked: str | None, expand: Expansion | None):
+                 check: ShardCheck | None, asked: str | None, expand: Expansion | None, staging: Staging | None):
         self.out: concurrent.futures.Future = concurrent.futures.Future()
         self.rows = rows
         self.starts = [sum(rows[:k]) for k in range(len(rows))]
         self.device, self.alloc, self.check, self.asked, self.expand = device, alloc, check, asked, expand
+        self.staging = staging
         self.lock = threading.Lock()
         # The whole batch's rows per reply kind, each allocated on its first shard.
         self.parts: dict[str | None, dict[str, torch.Tensor]] = {}
@@ -94,13 +98,13 @@ class _Batch:
 
     def _land(self, k: int, tensors: Mapping[str, ReceivedTensor], kind: str | None) -> dict[str, torch.Tensor]:
         if len(self.rows) == 1:
-            landed = self.parts[kind] = materialize(tensors, self.device, self.alloc)
+            landed = self.parts[kind] = materialize(tensors, self.device, self.alloc, self.staging)
             return landed
         part = self.parts.get(kind)
         if part is None:
             part = self.parts[kind] = _allocate_rows(tensors, sum(self.rows), self.device, self.alloc)
         lo, n = self.starts[k], self.rows[k]
-        _copy_rows(tensors, part, lo, n)
+        _copy_rows(tensors, part, lo, n, self.staging)
         return {name: t[lo : lo + n] for name, t in part.items()}
 
     def _finish(self) -> None:
@@ -121,9 +125,10 @@ def _release_unsettled(future: concurrent.futures.Future) -> None:
 
 
 def materialize(tensors: Mapping[str, ReceivedTensor], device: torch.device,
-                alloc: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A reply's tensors on ``device``: a frame's bytes go straight there (no host staging copy); a
-    single-frame CPU tensor stays a zero-copy view of its frame."""
+                alloc: Callable[[int], torch.Tensor] | None = None,
+                staging: Staging | None = None) -> dict[str, torch.Tensor]:
+    """A reply's tensors on ``device``: a frame's bytes go there straight, or through ``staging``'s pinned
+    slabs (a GPU); a single-frame CPU tensor stays a zero-copy view of its frame."""
     out = {}
     for name, part in tensors.items():
         if isinstance(part, torch.Tensor):
@@ -131,7 +136,7 @@ def materialize(tensors: Mapping[str, ReceivedTensor], device: torch.device,
             continue
         t = part.view() if device.type == "cpu" else None
         if t is None:
-            t = part.copy_into(_byte_buffer(part.nbytes, device, alloc))
+            t = land(part, _byte_buffer(part.nbytes, device, alloc), staging)
         out[name] = t
     return out
 
@@ -156,7 +161,8 @@ def _byte_buffer(nbytes: int, device: torch.device, alloc: Callable[[int], torch
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _copy_rows(tensors: Mapping[str, ReceivedTensor], batch: dict[str, torch.Tensor], lo: int, n: int) -> None:
+def _copy_rows(tensors: Mapping[str, ReceivedTensor], batch: dict[str, torch.Tensor], lo: int, n: int,
+               staging: Staging | None) -> None:
     if tensors.keys() != batch.keys():
         raise RemoteError(f"shards disagree on reply tensors: {sorted(tensors)} vs {sorted(batch)}")
     for name, part in tensors.items():
@@ -168,4 +174,4 @@ def _copy_rows(tensors: Mapping[str, ReceivedTensor], batch: dict[str, torch.Ten
         if isinstance(part, torch.Tensor):
             rows.copy_(part)
         else:
-            part.copy_into(rows.view(-1).view(torch.uint8))
+            land(part, rows.view(-1).view(torch.uint8), staging)
