@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from spec_serve.client import api as client_api  # noqa: E402
@@ -48,7 +49,9 @@ def _run(ctx: Context, batches: list, staged: bool, trace: Path | None) -> dict:
                 for f in [client.generate_batch_async(*b) for b in batches]:
                     f.result()
                 _sync(ctx.device)
-            landed = client.stats.replies
+            landed = dict(client.stats.replies)
+            staging = client._staging  # read here for its counters only
+            slabs = staging and {"pinned": staging.allocations, "copies": staging.copies, "waits": staging.waits}
     finally:
         if not staged:
             client_api.Staging = original  # type: ignore[assignment]
@@ -56,20 +59,26 @@ def _run(ctx: Context, batches: list, staged: bool, trace: Path | None) -> dict:
         prof.export_chrome_trace(str(trace))
     tokens = sum(int(b[1].sum()) for b in batches)
     verified = sum(ctx.verify(b, out, compact=True, device=ctx.device) for b, out in zip(batches, outputs))
-    return {"tok_s": tokens / seconds, "verified": f"{verified}/{len(batches)}", "prof": prof, "replies": dict(landed)}
+    return {"tok_s": tokens / seconds, "verified": f"{verified}/{len(batches)}", "prof": prof, "replies": landed,
+            "slabs": slabs}
 
 
 def _own_us(event, cuda: bool) -> float:
-    """The op's own time on the GPU (a CPU client: on the CPU, the smoke run without a GPU)."""
-    keys = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
-    return float(next((getattr(event, k) for k in keys if hasattr(event, k)), 0.0))
+    """Time of a GPU activity (kernel, memcpy, memset) of the client; a CPU client: an op's own CPU time (the
+    smoke run without a GPU). CPU ops also carry their kernels' device time: counted once, as the kernels."""
+    if not cuda:
+        return float(event.self_cpu_time_total)
+    if event.device_type != DeviceType.CUDA:
+        return 0.0
+    return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
 
 
 def _summary(name: str, result: dict, batches: int, cuda: bool) -> str:
     rows = [e for e in result["prof"].key_averages() if _own_us(e, cuda) > 0]
     rows.sort(key=lambda e: _own_us(e, cuda), reverse=True)
     total = sum(_own_us(e, cuda) for e in rows)
-    lines = [f"== {name}: {result['tok_s']:,.0f} tok/s, verified {result['verified']}, replies {result['replies']}",
+    lines = [f"== {name}: {result['tok_s']:,.0f} tok/s, verified {result['verified']}, replies {result['replies']}, "
+             f"slabs {result['slabs']}",
              f"   client {'device' if cuda else 'CPU'} time: {total / 1e3 / batches:.1f} ms a batch "
              f"({total / 1e3:.1f} ms over {batches})",
              f"   {'op':<64} {'ms/batch':>9} {'calls':>7}"]
