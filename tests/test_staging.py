@@ -201,5 +201,7 @@ def test_gpu_frames_land_through_recycled_pinned_slabs(monkeypatch, tiny_target_
                 assert client.stats.compact_replies == (6 if compact else 0)  # auto over frames: compact
                 staging = client._staging
                 assert staging is not None and client.stats.replies["frames"] >= 6
-                assert staging.allocations == 2 and staging.copies > 10 * staging.allocations  # recycled
+                # Bounded by the ring (2 here) and recycled: on an H200 each copy had completed before the next
+                # fill, so one slab served them all (the first GPU run pinned 1, not the 2 this once asserted).
+                assert 1 <= staging.allocations <= 2 and staging.copies > 10 * staging.allocations
             assert staging.slabs() == 0  # dropped on close
