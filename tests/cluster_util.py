@@ -264,16 +264,35 @@ class Reference:
 
         return sample_batch(self.target_dir, batch, seq, seed=seed)
 
-    def expected(self, seed: int, batch: int = 2, seq: int = 16, kind: str = "eagle3") -> dict:
-        key = (seed, batch, seq, kind)
+    def expected(self, seed: int, batch: int = 2, seq: int = 16, kind: str = "eagle3", shards: int = 1) -> dict:
+        """The colocated answer as a client with ``shards`` shards receives it: each shard's rows computed
+        by themselves (the contract's exact part; see ``assert_contract``)."""
+        from spec_serve.tools.verify import colocated_reference
+
+        key = (seed, batch, seq, kind, shards)
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = self.engine.generate_batch(*self.batch(seed, batch, seq), kind=kind)
+                self._cache[key] = colocated_reference(self.engine, self.batch(seed, batch, seq), kind,
+                                                       shards=shards)
             return self._cache[key]
 
 
+def assert_contract(got: dict, engine, inputs, kind: str = "eagle3", shards: int = 1, **kw):
+    """The contract (docs/equality.md) for a batch a client with ``shards`` shards got: each shard bit-equal
+    (``torch.equal``) to ``engine``'s colocated forward of the same rows in the same composition; the
+    assembled batch bit-equal to the unsharded forward where this machine's kernels are batch-invariant for
+    the two compositions (measured: both are computed colocated), else within the derived tolerance.
+    ``kw``: compact, device, selected (``spec_serve.tools.verify.check_contract``). Returns the check."""
+    from spec_serve.tools.verify import check_contract
+
+    check = check_contract(got, engine, tuple(inputs), kind, shards=shards, **kw)
+    assert check.ok, check.describe()
+    return check
+
+
 def assert_equal_batches(got: dict, want: dict) -> None:
-    """Same names, dtypes, shapes, and bit-equal values (``torch.equal``) as the colocated batch."""
+    """Same names, dtypes, shapes, and bit-equal values (``torch.equal``) as the colocated batch of the same
+    composition (for a sharded batch, ``assert_contract``)."""
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name

@@ -1,20 +1,26 @@
-"""Is a remote batch what the colocated forward gives for the same input? (``spec-serve bench`` and
-``benchmarks/gpu_matrix.py``).
+"""Is a remote batch what the colocated forward gives for the same input? (``spec-serve bench``,
+``benchmarks/gpu_matrix.py`` and the tests.)
 
-The reference is computed as a remote client receives it: each shard's rows by themselves (what each
-worker computed: a GPU picks GEMM kernels by shape, so rows computed with others may differ in low
-bits), concatenated; a compact batch expanded on the client's device after gathering, from the
-lm_head slice the client caches. Equality is ``torch.equal``, tensor by tensor.
+The contract (docs/equality.md) in two parts. Each shard is bit-equal (``torch.equal``, tensor by
+tensor) to the colocated forward of the same rows in the same batch composition: the reference is
+computed as a remote client receives it, each shard's rows by themselves, concatenated; a compact batch
+expanded on the client's device after gathering, from the lm_head slice the client caches. The
+assembled batch equals the unsharded forward bit for bit where the kernels are batch-invariant for
+the two compositions (measured here: both are computed colocated), and lies within the target's
+derived ``CompositionTolerance`` of it elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from spec_serve.client.api import shard_bounds
+from spec_serve.supervision.contract import Kind
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, measure
 
 
 def sharded_forward(engine, batch: tuple[torch.Tensor, ...], wire_kind: str,
@@ -63,3 +69,68 @@ def mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) 
                 return f"{name}: max abs diff {diff:.3g}"
             return f"{name}: {int((g != w).sum())} elements differ"
     return None
+
+
+def tolerance_for(engine) -> CompositionTolerance:
+    """``engine``'s derived composition tolerance: its dtype, depth and longest reduction (the MLP's
+    intermediate size; 4 x hidden where the config does not say)."""
+    config = engine.model.config
+    hidden = int(config.hidden_size)
+    reduction = max(hidden, int(getattr(config, "intermediate_size", None) or 4 * hidden))
+    return CompositionTolerance.derive(engine.model.dtype, int(config.num_hidden_layers), reduction)
+
+
+def reference_logits(engine, batch: tuple[torch.Tensor, ...]) -> ReferenceLogits:
+    """The full-vocab logits of ``engine``'s unsharded forward of ``batch``, as the tolerance of
+    ``target_probs`` and of an argmax needs them."""
+    last = engine.generate_batch(*batch, kind=Kind.EAGLE3_COMPACT.value)["last_hidden_states"]
+    with torch.inference_mode():
+        return ReferenceLogits.of(engine.get_output_embeddings()(last))
+
+
+@dataclasses.dataclass
+class ContractCheck:
+    """One batch against the contract: ``shard_mismatch`` (None: every shard bit-equal to the colocated
+    forward of its rows); ``invariant`` (the kernels gave the per-shard and the unsharded compositions the
+    same bits); ``violations`` of the tolerance by the assembled batch where they did not, and its
+    ``deviation`` from the unsharded forward (per tensor that differs)."""
+
+    shards: list[tuple[int, int]]
+    shard_mismatch: str | None
+    invariant: bool
+    violations: list[str]
+    deviation: dict[str, dict[str, float]]
+
+    @property
+    def ok(self) -> bool:
+        return self.shard_mismatch is None and not self.violations
+
+    def describe(self) -> str:
+        if self.shard_mismatch is not None:
+            return f"a shard differs from the colocated forward of its rows: {self.shard_mismatch}"
+        if self.invariant:
+            return f"bit-equal per shard {self.shards} and to the unsharded forward (batch-invariant kernels)"
+        worst = ", ".join(f"{name} " + " ".join(f"{k} {v:.2g}" for k, v in m.items())
+                          for name, m in self.deviation.items())
+        within = "within the tolerance" if not self.violations else "OUTSIDE the tolerance: " + "; ".join(
+            self.violations)
+        return f"bit-equal per shard {self.shards}; the kernels are batch-variant here: {within} ({worst})"
+
+
+def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.Tensor, ...], kind: str, *,
+                   shards: int = 1, compact: bool = False, device: torch.device | str | None = None,
+                   selected: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   tolerance: CompositionTolerance | None = None) -> ContractCheck:
+    """``got``, a client's batch (``shards``, ``compact`` and ``device`` as it was configured), against both
+    parts of the contract, with ``engine`` colocated (see the module docstring)."""
+    bounds = shard_bounds(batch[0].shape[0], shards)
+    per_shard = colocated_reference(engine, batch, kind, shards=shards, compact=compact, device=device,
+                                    selected=selected)
+    wrong = mismatch(got, per_shard)
+    whole = per_shard if len(bounds) == 1 else colocated_reference(engine, batch, kind, compact=compact,
+                                                                     device=device, selected=selected)
+    if mismatch(per_shard, whole) is None:
+        return ContractCheck(bounds, wrong, True, [], {})
+    logits = None if kind == Kind.DSPARK.value else reference_logits(engine, batch)
+    violations = (tolerance or tolerance_for(engine)).violations(per_shard, whole, logits)
+    return ContractCheck(bounds, wrong, False, violations, measure(per_shard, whole))
