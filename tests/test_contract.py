@@ -134,3 +134,24 @@ def test_the_helper_names_the_shard_that_differs(engine, tiny_target_dir):
                                              "target_last_hidden_states"):
         assert_contract(got, engine, batch, "dspark", shards=2)
 
+
+def test_compact_expansion_does_not_depend_on_where_its_operands_lie(engine, tiny_target_dir, tiny_vocab_mapping):
+    """A client expands compact replies on tensors that are views of received frames (8 bytes off a 64-byte
+    boundary); MKL's GEMM of a few rows gives other low bits there. The expansion equals the colocated one
+    (fresh, aligned tensors) bit for bit wherever its operands lie."""
+    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+
+    compact = engine.generate_batch(*sample_batch(tiny_target_dir, 3, 2, seed=3), kind="eagle3_compact")
+    weight = lm_head_slice(engine.get_output_embeddings().weight, tiny_vocab_mapping[0])
+    want = expand_compact(compact, weight, tiny_vocab_mapping[1])
+
+    def off_boundary(t: torch.Tensor, floats: int) -> torch.Tensor:
+        buffer = torch.empty(t.numel() + 16, dtype=t.dtype)
+        view = buffer[floats : floats + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+
+    for floats in (1, 2, 4, 8):
+        got = expand_compact(dict(compact, last_hidden_states=off_boundary(compact["last_hidden_states"], floats)),
+                             off_boundary(weight, floats), tiny_vocab_mapping[1])
+        assert all(torch.equal(got[k], want[k]) for k in want), floats

@@ -55,6 +55,17 @@ def lm_head_slice(output_embedding_weight: torch.Tensor, selected_token_ids: tor
     return output_embedding_weight.detach().index_select(0, rows).contiguous()
 
 
+# The alignment of a fresh tensor (torch's CPU allocator aligns to 64 bytes; CUDA's to more).
+ALIGNMENT = 64
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh copy of it where its memory is not ``ALIGNMENT``-aligned (a view of a received
+    frame): MKL's fp32 GEMM of a few rows gives other low bits for an operand 8 bytes off (measured), and
+    the colocated expansion runs on fresh tensors."""
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 # no_grad, not inference_mode: the results feed the trainer, and inference tensors cannot be
 # saved for backward.
 @torch.no_grad()
@@ -70,9 +81,9 @@ def expand_compact(
     missing = [name for name in RESPONSE_TENSORS[Kind.EAGLE3_COMPACT] if name not in batch]
     if missing:
         raise ValueError(f"not a compact EAGLE-3 batch: lacks {missing}")
-    last = batch["last_hidden_states"]
+    last = _aligned(batch["last_hidden_states"])
     device = last.device
-    weight = lm_head_slice.to(device, last.dtype)
+    weight = _aligned(lm_head_slice.to(device, last.dtype))
     next_draft_logits = F.linear(last[:, 1:], weight)
     target_probs, position_mask = eagle3_targets(
         next_draft_logits, batch["argmax_ids"].to(device), selected_token_mask.to(device), batch["loss_mask"].to(device)
