@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# On a CPU the number of math threads is part of a forward's composition: MKL splits a GEMM of a few rows
+# between threads differently, and the low bits follow (docs/equality.md). The workers a test starts run
+# with OMP_NUM_THREADS (spec_serve.tools.launch: 1 unless set), so this process's colocated references do
+# too. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Keep a small draft vocab so EAGLE-3 batches exercise index_select and the t2d mask.
 TINY_DRAFT_VOCAB = 256
