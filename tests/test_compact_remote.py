@@ -2,9 +2,11 @@
 
 The worker ships aux + final hidden state + argmax (kind "eagle3_compact"); the client rebuilds
 target_probs and position_mask from a draft-vocab lm_head slice it fetched once. Its result must
-equal, bit for bit, ``expand_compact`` of the colocated HFTarget's compact output on the client's
-device (the same function on the same inputs), and its position_mask must equal the full EAGLE-3
-one exactly (the argmax is the target's own).
+meet the contract (docs/equality.md) with ``expand_compact`` of the colocated HFTarget's compact output
+on the client's device (the same function on the same inputs): each shard bit-equal to the forward of
+its rows. Against a full EAGLE-3 batch of the same composition, its position_mask and aux states are
+equal exactly (the argmax is the target's own), its target_probs within the tolerance of one GEMM of
+another shape (the [Vd,H] slice instead of the [V,H] lm_head).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster_util import assert_contract
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.supervision.tolerance import Bound, deviation
 from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICES
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
+from spec_serve.tools.verify import reference_logits
 
 
 def _nbytes(batch):
@@ -33,36 +38,39 @@ def test_compact_remote_equals_colocated(cluster, tiny_target_dir, tiny_vocab_ma
     engine = colocated_target()
     ids_map, mask_map = tiny_vocab_mapping
     colocated_slice = lm_head_slice(engine.get_output_embeddings().weight, ids_map)
+    # The lm_head GEMM alone differs between a compact and a full batch: one reduction of length H.
+    one_gemm = Bound.derive(torch.float32, stages=1, reduction=engine.hidden_size)
     with RemoteTargetModel(cluster.frontend, compact=True, num_shards=2, prefetch_depth=2, timeout=60) as remote, \
-            RemoteTargetModel(cluster.frontend, timeout=60) as full_remote:
+            RemoteTargetModel(cluster.frontend, num_shards=2, timeout=60) as full_remote:
         remote.set_vocab_mapping(ids_map, mask_map)
         full_remote.set_vocab_mapping(ids_map, mask_map)
         assert torch.equal(remote.lm_head_slice(), colocated_slice)
         futures = []
+        sent = remote.stats.sent
         for seed in range(3):
             batch = sample_batch(tiny_target_dir, 4, 48, seed=seed)
             futures.append((batch, remote.generate_batch_async(*batch, kind="eagle3")))
         for batch, future in futures:
             got = future.result()
-            want = expand_compact(engine.generate_batch(*batch, kind="eagle3_compact"), colocated_slice, mask_map)
-            assert got.keys() == want.keys()
-            for name in want:
-                assert torch.equal(got[name], want[name]), name
-            # Same contract as the anchor's full EAGLE-3 batch: exact mask and ids, probs to rounding.
+            assert_contract(got, engine, batch, "eagle3", shards=2, compact=True, selected=tiny_vocab_mapping)
+            # Same contract as the anchor's full EAGLE-3 batch of the same composition: exact mask and ids,
+            # probs to the rounding of one GEMM (scaled by the logits' magnitude, see tolerance.py).
             full = full_remote.generate_batch(*batch, kind="eagle3")
             assert torch.equal(got["position_mask"], full["position_mask"])
             assert torch.equal(got["aux_hidden_states"], full["aux_hidden_states"])
-            torch.testing.assert_close(got["target_probs"], full["target_probs"], rtol=1e-4, atol=1e-6)
+            limit = one_gemm.scaled(2 * reference_logits(engine, batch).scale)
+            rel_norm, max_error = deviation(got["target_probs"], full["target_probs"])
+            assert rel_norm <= limit.rel_norm and max_error <= limit.max_error, (rel_norm, max_error, limit)
             # No next token at S-1: remote full, remote compact and colocated all give NeMo's softmax of zeros.
             uniform = torch.softmax(torch.zeros(len(ids_map)), dim=-1).expand(batch[0].shape[0], -1)
             colocated = engine.generate_batch(*batch, kind="eagle3")
             for probs in (got["target_probs"], full["target_probs"], colocated["target_probs"]):
                 assert torch.equal(probs[:, -1], uniform)
+        assert remote.stats.sent - sent == 3 * 2  # every batch sent as two shards
         # Asking for the compact kind explicitly returns the raw compact tensors.
         batch = sample_batch(tiny_target_dir, 2, 32, seed=9)
         raw = remote.generate_batch(*batch, kind="eagle3_compact")
-        want_raw = engine.generate_batch(*batch, kind="eagle3_compact")
-        assert all(torch.equal(raw[k], want_raw[k]) for k in want_raw)
+        assert_contract(raw, engine, batch, "eagle3_compact", shards=2)
         wire_full = _nbytes(full_remote.generate_batch(*batch, kind="eagle3"))
         assert _nbytes(raw) < wire_full
 

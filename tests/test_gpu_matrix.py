@@ -1,5 +1,6 @@
 """benchmarks/gpu_matrix.py, the GPU equality matrix, in its CPU mode: every cell runs through a real
-broker and worker (the pooled reply path forced on) and is all equal; a cell that cannot run is
+broker and worker (the pooled reply path forced on) and meets the contract (each shard bit-equal; the
+assembled batch bit-equal to the unsharded forward or within the tolerance); a cell that cannot run is
 reported as such instead of stopping the run."""
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_matrix.py"
@@ -56,6 +55,8 @@ def test_matrix_on_cpu_is_all_equal(tmp_path):
     assert report["all_equal"] and len(report["cells"]) == 24
     for row in report["cells"]:
         assert row["status"] == "ok" and row["equal"] == row["total"] == 2, row
+        if row["shards"] > 1:  # the contract's second part was checked for every sharded batch
+            assert row["unsharded_equal"] + row["unsharded_within"] == 2, row
     assert all(r["nccl_batches"] == 2 for r in report["cells"] if r["path"] == "nccl")
     assert all(r["plane_replies"] == 0 for r in report["cells"] if r["path"] == "frames")
     assert all(r["plane_replies"] == 2 * r["shards"] for r in report["cells"] if r["path"] == "plane")
@@ -74,4 +75,22 @@ def test_a_cell_that_cannot_run_is_reported(tiny_target_dir, tiny_vocab_mapping,
     row = matrix.run_with_timeout(cell, "tcp://127.0.0.1:9", refs, cell_timeout=2)  # nothing listens there
     assert row["status"] in ("error", "timeout") and time.monotonic() - start < 30
     assert row["status"] in matrix.format_matrix([row], [])
-    assert torch.equal(refs.get(0, cell)["input_ids"], refs.get(0, cell)["input_ids"])  # references are cached
+
+
+def test_references_are_computed_once_and_statuses_follow_the_contract(tiny_vocab_mapping, colocated_target):
+    matrix = _module()
+    engine = colocated_target()
+    forwards = []
+    forward = engine.generate_batch
+    engine.generate_batch = lambda *a, **kw: forwards.append(a[0].shape[0]) or forward(*a, **kw)
+    refs = matrix.References(engine, matrix.make_batches(1, 2, 16, 512), tiny_vocab_mapping)
+    sharded = matrix.Cell("frames", "eagle3", False, 1, 2, "cpu")
+    first = refs.get(0, sharded)
+    assert refs.get(0, sharded) is first and forwards == [1, 1]  # one forward per shard, then cached
+    composition = refs.composition(0, sharded)
+    assert refs.composition(0, sharded) is composition and forwards == [1, 1, 2]  # + the unsharded forward
+    assert composition["invariant"] or not composition["violations"], composition
+    row = {"equal": 2, "total": 2, "unsharded_equal": 1, "unsharded_within": 1}
+    assert matrix._status(row) == "ok"
+    assert matrix._status(dict(row, unsharded_within=0)) == "OUTSIDE_TOLERANCE"
+    assert matrix._status(dict(row, equal=1)) == "DIFFERS"

@@ -21,6 +21,7 @@ import torch
 from cluster_util import (
     FORGIVING_CLIENT_KW,
     FORGIVING_ENV,
+    assert_contract,
     assert_equal_batches,
     listening_addresses,
     network_address,
@@ -59,7 +60,7 @@ def reference(colocated_target):
 
 def check(client, reference, target_dir, seed: int, kind: str, batch: int = 3, seq: int = 24) -> None:
     inputs = sample_batch(target_dir, batch, seq, seed=seed)
-    assert_equal_batches(client.generate_batch(*inputs, kind=kind), reference.generate_batch(*inputs, kind=kind))
+    assert_contract(client.generate_batch(*inputs, kind=kind), reference, inputs, kind, client.num_shards)
 
 
 def bound_workers(cluster, service="default") -> dict[str, str]:
@@ -89,7 +90,7 @@ def test_bound_path_equals_colocated_and_pool_serves_others(cluster, tiny_target
         inputs = [sample_batch(tiny_target_dir, 4, 16, seed=s) for s in (3, 4)]
         futures = [bound.generate_batch_async(*x, kind=k) for x, k in zip(inputs, ("eagle3", "dspark"))]
         for x, k, f in zip(inputs, ("eagle3", "dspark"), futures):
-            assert_equal_batches(f.result(timeout=120), reference.generate_batch(*x, kind=k))
+            assert_contract(f.result(timeout=120), reference, x, k, shards=2)
         stats = bound.stats
         # 2 single calls x 2 shards + 2 prefetched x 2 shards: all delivered by the group, none as frames.
         assert stats.nccl_batches == 8 and stats.nccl_fallbacks == 0, stats
@@ -261,7 +262,7 @@ def test_gpu_nccl_equals_colocated_and_throughput(tiny_target_dir, tiny_vocab_ma
                     for kind in ("eagle3", "dspark"):
                         got = client.generate_batch(*x, kind=kind)
                         assert all(t.device == torch.device("cuda:1") for t in got.values())
-                        assert_equal_batches(got, colocated.generate_batch(*x, kind=kind))
+                        assert_contract(got, colocated, x, kind, client.num_shards)
                 rates[mode] = rate(lambda: remote_run(client))
                 if mode == "nccl":
                     assert client.bound_worker is not None

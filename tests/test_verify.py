@@ -1,11 +1,13 @@
-"""spec_serve.tools.verify: references as a client receives them, and bit-for-bit comparison."""
+"""spec_serve.tools.verify: references as a client receives them, bit-for-bit comparison, the contract check."""
 
 from __future__ import annotations
 
 import torch
 
+from spec_serve.client.assembly import shard_bounds
+from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.tools.verify import colocated_reference, mismatch
+from spec_serve.tools.verify import check_contract, colocated_reference, mismatch
 
 
 def test_mismatch_names_what_differs():
@@ -17,14 +19,31 @@ def test_mismatch_names_what_differs():
     assert "tensors" in mismatch(a, {"x": a["x"]})
 
 
-def test_sharded_and_compact_references_on_cpu(colocated_target, tiny_target_dir, tiny_vocab_mapping):
-    """On CPU a row's outputs do not depend on its batch-mates: per-shard references equal the whole
-    batch's, and the compact reference is the engine's compact batch expanded."""
+def test_shard_bounds_split_rows_into_near_equal_parts():
+    assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert shard_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert shard_bounds(2, 4) == [(0, 1), (1, 2)]  # never an empty shard
+    assert shard_bounds(4, 1) == [(0, 4)]
+
+
+def test_references_compute_each_shard_alone(colocated_target, tiny_target_dir, tiny_vocab_mapping):
+    """A sharded reference is each shard's rows computed by themselves (the forward each worker ran), and
+    the compact one is that, expanded after gathering; check_contract accepts the reference itself."""
     engine = colocated_target()
+    rows_seen = []
+    forward = engine.generate_batch
+    engine.generate_batch = lambda ids, *a, **kw: rows_seen.append(ids.shape[0]) or forward(ids, *a, **kw)
     batch = sample_batch(tiny_target_dir, 3, 24, seed=4)
-    whole = engine.generate_batch(*batch, kind="eagle3")
-    assert mismatch(colocated_reference(engine, batch, "eagle3", shards=2), whole) is None
+    sharded = colocated_reference(engine, batch, "eagle3", shards=2)
+    assert rows_seen == [2, 1]
+    rows_seen.clear()
     compact = colocated_reference(engine, batch, "eagle3", shards=3, compact=True, selected=tiny_vocab_mapping)
-    assert mismatch(compact, colocated_reference(engine, batch, "eagle3", compact=True, selected=tiny_vocab_mapping)) \
-        is None
-    assert torch.equal(compact["aux_hidden_states"], whole["aux_hidden_states"])
+    assert rows_seen == [1, 1, 1]
+    raw = colocated_reference(engine, batch, "eagle3_compact", shards=3)
+    weight = lm_head_slice(engine.get_output_embeddings().weight, tiny_vocab_mapping[0])
+    assert mismatch(compact, expand_compact(raw, weight, tiny_vocab_mapping[1])) is None
+    for got, kind, shards, kw in ((sharded, "eagle3", 2, {}),
+                                  (compact, "eagle3", 3, {"compact": True, "selected": tiny_vocab_mapping})):
+        check = check_contract(got, engine, batch, kind, shards=shards, **kw)
+        assert check.ok and check.shard_mismatch is None, check.describe()
+        print(f"\n{kind} shards={shards}: {check.describe()}")
