@@ -30,7 +30,7 @@ def cluster(tiny_target_dir, tmp_path_factory):
 def _run_load(cluster, reference, mapping, steps: int, num_shards: int = 1) -> None:  # noqa: C901
     # One load run with its sampler and rank threads as closures over the shared tally: read as one piece.
     for seed in range(DISTINCT):
-        reference.expected(seed, 4, 16)
+        reference.expected(seed, 4, 16, shards=num_shards)
     tally = Tally()
     rss = [rss_kib(cluster.broker.pid)]
     stop = threading.Event()
@@ -51,9 +51,9 @@ def _run_load(cluster, reference, mapping, steps: int, num_shards: int = 1) -> N
                     futures.append((seed, client.generate_batch_async(*reference.batch(seed, 4, 16))))
                     tally.add(sent=1)
                     if len(futures) >= 4:  # keep the pipeline full but consume results
-                        _check(futures.pop(0), reference, tally)
+                        _check(futures.pop(0), reference, tally, num_shards)
                 for item in futures:
-                    _check(item, reference, tally)
+                    _check(item, reference, tally, num_shards)
         except Exception as e:
             tally.error(e)
 
@@ -78,7 +78,8 @@ def _run_load(cluster, reference, mapping, steps: int, num_shards: int = 1) -> N
     assert growth < 64 * 1024, "broker memory grew by more than 64 MiB"
 
 
-def _check(item, reference, tally):
+def _check(item, reference, tally, shards: int):
+    """Bit-equal to the colocated forward of each shard's rows (the contract, docs/equality.md)."""
     seed, fut = item
     try:
         got = fut.result(timeout=300)
@@ -86,7 +87,7 @@ def _check(item, reference, tally):
         tally.error(e)
         return
     tally.add(completed=1)
-    tally.add(**({"verified": 1} if same(got, reference.expected(seed, 4, 16)) else {"wrong": 1}))
+    tally.add(**({"verified": 1} if same(got, reference.expected(seed, 4, 16, shards=shards)) else {"wrong": 1}))
 
 
 def test_32_ranks(cluster, tiny_target_dir, tiny_vocab_mapping):

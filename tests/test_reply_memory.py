@@ -11,7 +11,7 @@ these workers) with a pool of one slab, and the
 client is a slow reader: its data socket queues one message (RCVHWM 1) and it reads no reply until
 the worker has run every forward it was sent (or waits for its slab), so replies sit half-sent in
 the worker's libzmq while later forwards want the slab. Every batch must still equal the colocated
-forward, bit for bit.
+forward of each of its shards, bit for bit.
 """
 
 from __future__ import annotations
@@ -91,6 +91,16 @@ def batches(tiny_target_dir, colocated_target):
     return [(batch, reference.generate_batch(*batch, kind="eagle3")) for batch in inputs]
 
 
+@pytest.fixture(scope="module")
+def two_shards(batches, colocated_target):
+    """The colocated answer to each test batch as a client with ``num_shards=2`` receives it: each shard's
+    rows computed by themselves (the contract, docs/equality.md)."""
+    from spec_serve.tools.verify import colocated_reference
+
+    reference = colocated_target()
+    return [colocated_reference(reference, batch, "eagle3", shards=2) for batch, _ in batches]
+
+
 def _completed(cluster, service: str) -> int:
     (worker,) = workers(cluster, service)
     return worker["completed"]
@@ -115,7 +125,8 @@ def _wait_until_worker_settles(cluster, service: str, target: int) -> None:
     ("pooled", 2),  # tcp loopback
     ("packing", 2),  # the shards of a batch computed in one packed forward: their replies share a slab
 ])
-def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_vocab_mapping, service, shards):
+def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, two_shards, tiny_vocab_mapping, service,
+                                          shards):
     # verify="off": the end-to-end digest would catch a reused slab and retry; this test watches the data
     # path itself.
     with RemoteTargetModel(cluster.frontend, service=service, prefetch_depth=PREFETCH, num_shards=shards,
@@ -132,7 +143,7 @@ def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, tiny_v
         assert client.stats.retried == 0 and client.stats.plane_replies == 0
         if service == "packing":
             assert client.stats.batched > 0
-    for (batch, want), got in zip(batches, results):
+    for (batch, _), want, got in zip(batches, two_shards, results):
         if service == "packing":  # a packed forward matches the padded one within a tolerance (docs/packing.md)
             report = packing.compare(got, want, batch[1])
             assert packing.violations(report, packing.TOLERANCE[torch.float32]) == [], report
@@ -187,19 +198,19 @@ def test_request_inputs_may_be_refilled_once_submitted(cluster, batches, tiny_vo
         assert_equal_batches(future.result(timeout=60), want)
 
 
-def test_held_batches_keep_their_receive_buffers(cluster, batches, tiny_vocab_mapping):
+def test_held_batches_keep_their_receive_buffers(cluster, batches, two_shards, tiny_vocab_mapping):
     """A CPU client assembles sharded replies into recycled buffers (hostpool.RecyclingAllocator): one is
     reused only once no tensor of the batch it held is alive, so a batch a trainer keeps stays intact
     while later batches flow, and dropped ones are recycled."""
     with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, prefetch_depth=2, timeout=60,
                            **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
-        (first, first_want), rest = batches[0], batches[1:]
+        ((first, _), first_want), rest = (batches[0], two_shards[0]), list(zip(batches[1:], two_shards[1:]))
         held = client.generate_batch(*first, kind="eagle3")
         held_view = held["aux_hidden_states"][1:]  # a view alone keeps the buffer too
         del held
         for _ in range(2):
-            for batch, want in rest:
+            for (batch, _), want in rest:
                 assert_equal_batches(client.generate_batch(*batch, kind="eagle3"), want)
         assert torch.equal(held_view, first_want["aux_hidden_states"][1:])
         assert client._io.recv_alloc.reuses > 0
@@ -210,14 +221,14 @@ def test_held_batches_keep_their_receive_buffers(cluster, batches, tiny_vocab_ma
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_copies_from_recycled_buffers_survive_their_reuse(cluster, batches, tiny_vocab_mapping):
+def test_gpu_copies_from_recycled_buffers_survive_their_reuse(cluster, batches, two_shards, tiny_vocab_mapping):
     """A CPU client's batch copied to a GPU with ``non_blocking=True`` and dropped at once: its recycled
     buffer is reused by the next batch, and the copy must still hold the first batch's values."""
     with RemoteTargetModel(cluster.frontend, service="pooled", num_shards=2, timeout=60, **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         copies = []
         for _ in range(2):
-            for batch, want in batches:
+            for (batch, _), want in zip(batches, two_shards):
                 got = client.generate_batch(*batch, kind="eagle3")
                 copies.append(({k: v.to("cuda:0", non_blocking=True) for k, v in got.items()}, want))
                 del got
