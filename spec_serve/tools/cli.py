@@ -812,8 +812,10 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
 
     Builds the tiny target (no download), starts a broker and workers as
     subprocesses, runs client ranks that share them (sharded and unsharded,
-    EAGLE-3 and DSpark, prefetch on), checks each result with torch.equal
-    against the colocated HF forward, prints a table, and shuts down.
+    EAGLE-3 and DSpark, prefetch on), checks each shard with torch.equal
+    against the colocated HF forward of its rows (and a sharded batch against
+    the whole batch's: bit-equal, or within the derived tolerance where the
+    kernels are batch-variant), prints a table, and shuts down.
 
     \b
     Examples:

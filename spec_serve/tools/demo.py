@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import tempfile
 import threading
 import time
@@ -18,6 +19,7 @@ from spec_serve.engines.hf import HFTarget
 from spec_serve.supervision.vocab import build_vocab_mapping
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
+from spec_serve.tools.verify import check_contract
 
 KINDS = ("eagle3", "dspark")
 
@@ -32,6 +34,7 @@ class RankReport:
     verified: int = 0
     mismatched: int = 0
     retried: int = 0
+    within_tolerance: int = 0  # sharded batches the kernels computed otherwise than the whole batch
 
 
 def _nbytes(batch: dict[str, torch.Tensor]) -> int:
@@ -40,7 +43,8 @@ def _nbytes(batch: dict[str, torch.Tensor]) -> int:
 
 def run_rank(rank: int, broker: str, reference: HFTarget, target_dir: str, mapping, steps: int, batch: int,
              seq: int, tick, shards: int) -> RankReport:
-    """One training rank: prefetch depth 2, alternating kinds, each result checked bit for bit."""
+    """One training rank: prefetch depth 2, alternating kinds, each result checked against the contract:
+    each shard bit for bit, the assembled batch against the whole batch's forward (docs/equality.md)."""
     report = RankReport(rank, shards)
     with RemoteTargetModel(broker, prefetch_depth=2, num_shards=shards, timeout=60) as target:
         target.check_target_info(reference.target_info())
@@ -54,13 +58,15 @@ def run_rank(rank: int, broker: str, reference: HFTarget, target_dir: str, mappi
                 while inflight:
                     kind, inputs, future = inflight.pop(0)
                     got = future.result()
-                    want = reference.generate_batch(*inputs, kind=kind)
-                    same = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+                    check = check_contract(got, reference, inputs, kind, shards=shards)
                     report.requests += 1
                     report.tokens += int(inputs[1].sum())
                     report.bytes += _nbytes(got)
-                    report.verified += same
-                    report.mismatched += not same
+                    report.verified += check.ok
+                    report.mismatched += not check.ok
+                    report.within_tolerance += check.ok and not check.invariant
+                    if not check.ok:
+                        click.echo(f"\nrank {rank}: {check.describe()}", err=True)
                     tick()
         report.retried = target.stats.retried
     return report
@@ -73,6 +79,9 @@ def run_demo(ranks: int = 3, workers: int = 2, steps: int = 6, batch: int = 4, s
         if target is None:
             click.echo("building the tiny target (random Llama, local tokenizer) ...")
             target = str(make_tiny_target(Path(tmp) / "tiny"))
+        # The colocated references run with the workers' math threads (launch: OMP_NUM_THREADS, 1 unless
+        # set): on a CPU another thread count may give other low bits (docs/equality.md).
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         reference = HFTarget(target)
         ids, attn, loss = sample_batch(target, 16, seq, seed=7)
         mapping = build_vocab_mapping(ids, loss, reference.vocab_size, reference.vocab_size // 2)
@@ -93,7 +102,10 @@ def run_demo(ranks: int = 3, workers: int = 2, steps: int = 6, batch: int = 4, s
             elapsed = time.perf_counter() - start
         _print_table(reports, elapsed)
     ok = all(r.mismatched == 0 for r in reports)
-    click.echo("all tensors equal to the colocated forward" if ok else "MISMATCH against the colocated forward")
+    within = sum(r.within_tolerance for r in reports)
+    note = f"; {within} sharded batches within the tolerance of the whole batch's forward" if within else ""
+    click.echo(f"all tensors equal to the colocated forward{note}" if ok
+               else "MISMATCH against the colocated forward")
     return ok
 
 
