@@ -25,6 +25,7 @@ TESTS=(
   tests/test_packing.py
 )
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t composition-suite-XXXX)}
+mkdir -p "$LOG_DIR"
 status=0
 summary=()
 for setting in "${SETTINGS[@]}"; do
