@@ -3,8 +3,11 @@ change under a client. Real broker and worker processes on the tiny target.
 
 Workers started with the test-only ``SPEC_SERVE_TEST_CORRUPT_REPLIES=N`` flip one bit of their next
 N generate replies *after* the reply's digest was taken on the worker's device, as a reused slab,
-a stale receive buffer or a bad link would. A second tiny target with another seed (same
-architecture and name, another fingerprint) plays the other checkpoint.
+a stale receive buffer or a bad link would: each flip in another tensor of the reply, at an offset
+spread over it (most far past its first 4 KiB). Every check runs on each path a reply can take to a
+client of this host: frames (the same-host plane off) and the same-host plane; and over the NCCL pair
+group (gloo). A second tiny target with another seed (same architecture and name, another
+fingerprint) plays the other checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from prometheus_client import REGISTRY
 from cluster_util import (
     FORGIVING_CLIENT_KW,
     FORGIVING_ENV,
+    assert_contract,
     assert_equal_batches,
     same,
     start_swap_worker,
@@ -76,6 +80,26 @@ def inputs(target_dir, seed: int, batch: int = 4, seq: int = 16):
     return sample_batch(target_dir, batch, seq, seed=seed)
 
 
+PATHS = ("frames", "plane")
+
+
+def path_kw(path: str) -> dict:
+    """The client options that make replies reach it by ``path``, and its usual options."""
+    return {"same_host_plane": path == "plane", **CLIENT_KW}
+
+
+def assert_path(stats, path: str) -> None:
+    """The replies really came by ``path``."""
+    assert (stats.plane_replies > 0) if path == "plane" else (stats.plane_replies == 0), (path, stats)
+
+
+def corruptions(cluster, worker: str) -> list[tuple[str, int]]:
+    """(tensor, byte offset) of each flip ``worker`` made, from its log."""
+    text = (cluster.log_dir / f"{worker}.log").read_text()
+    return [(line.split("tensor=")[1].split()[0], int(line.split("offset=")[1].split()[0]))
+            for line in text.splitlines() if "worker.test_corruption" in line]
+
+
 def failures(service: str, check: str) -> float:
     return REGISTRY.get_sample_value("spec_serve_client_integrity_failures_total",
                                      {"service": service, "check": check}) or 0.0
@@ -91,18 +115,22 @@ def wait_exit(proc: subprocess.Popen, timeout: float = 120) -> int:
 # ------------------------------------------------------------------------------------ digests
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned(cluster, tiny_target_dir,
-                                                                              tiny_vocab_mapping, reference, caplog):
+                                                                              tiny_vocab_mapping, reference, caplog,
+                                                                              path):
     before = failures("flaky", "digest")
     with caplog.at_level(logging.ERROR, logger="spec_serve.client"), \
-            RemoteTargetModel(cluster.frontend, service="flaky", num_shards=2, prefetch_depth=2, **CLIENT_KW) as client:
+            RemoteTargetModel(cluster.frontend, service="flaky", num_shards=2, prefetch_depth=2,
+                              **path_kw(path)) as client:
         assert client.verify == "all"
         client.set_vocab_mapping(*tiny_vocab_mapping)
         batches = [inputs(tiny_target_dir, seed) for seed in range(6)]
         futures = [client.generate_batch_async(*x) for x in batches]
         for x, future in zip(batches, futures):
-            assert_equal_batches(future.result(timeout=120), reference.generate_batch(*x))
+            assert_contract(future.result(timeout=120), reference, x, "eagle3", shards=2)
         stats = client.stats
+    assert_path(stats, path)
     # 6 batches x 2 shards, both workers busy: the corrupting one answered some. Each of its replies was
     # caught and retried on the sound worker (a retry on the corrupting one would have failed the batch).
     assert stats.digest_mismatches >= 1, stats
@@ -112,20 +140,27 @@ def test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned(cl
     assert len(lines) == stats.digest_mismatches  # captured at ERROR
     corrupting = {line.split("worker=")[1].split()[0] for line in lines}
     assert len(corrupting) == 1 and all("request=" in line and "retry=True" in line for line in lines), lines
-    print(f"\n{stats.digest_mismatches} corrupted replies caught and retried; {lines[0]}")
+    # Each caught flip is named by the tensor it hit; the flips spread over tensors and far into them.
+    flips = corruptions(cluster, "worker0")
+    assert {line.split("tensors=")[1].split()[0] for line in lines} <= {name for name, _ in flips}
+    assert any(offset >= 4096 for _, offset in flips), flips
+    print(f"\n{path}: {stats.digest_mismatches} corrupted replies caught and retried; flips so far {flips}")
 
 
-def test_a_second_mismatch_fails_the_batch_with_a_clear_error(cluster, tiny_target_dir, tiny_vocab_mapping):
-    with RemoteTargetModel(cluster.frontend, service="bad", **CLIENT_KW) as client:
+@pytest.mark.parametrize("path", PATHS)
+def test_a_second_mismatch_fails_the_batch_with_a_clear_error(cluster, tiny_target_dir, tiny_vocab_mapping, path):
+    with RemoteTargetModel(cluster.frontend, service="bad", **path_kw(path)) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         with pytest.raises(IntegrityError, match="on the retry too") as error:
             client.generate_batch(*inputs(tiny_target_dir, 10))
         assert client.stats.digest_mismatches == 2 and client.stats.digest_checks == 2, client.stats
+        assert_path(client.stats, path)
     print(f"\n{error.value}")
 
 
-def test_verify_off_skips_the_check(cluster, tiny_target_dir, tiny_vocab_mapping, reference):
-    with RemoteTargetModel(cluster.frontend, service="bad", verify="off", **CLIENT_KW) as client:
+@pytest.mark.parametrize("path", PATHS)
+def test_verify_off_skips_the_check(cluster, tiny_target_dir, tiny_vocab_mapping, reference, path):
+    with RemoteTargetModel(cluster.frontend, service="bad", verify="off", **path_kw(path)) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         x = inputs(tiny_target_dir, 11)
         got = client.generate_batch(*x)
@@ -166,6 +201,8 @@ def test_corrupted_nccl_reply_is_caught_and_resent_as_frames(cluster, tiny_targe
         stats = client.stats
         assert (stats.nccl_batches, stats.digest_mismatches, stats.digest_checks) == (1, 1, 3), stats
         assert (stats.compact_replies, stats.lm_head_slices) == (1, 1), stats
+        (flip,) = corruptions(cluster, "worker3")  # "once": one flip, far past the tensor's first 4 KiB
+        assert flip[0] == "aux_hidden_states" and flip[1] >= 4096, flip
         x = inputs(tiny_target_dir, 31)
         assert_equal_batches(client.generate_batch(*x), reference.generate_batch(*x))
         assert client.stats.nccl_batches == 2 and client.bound_worker is not None  # bound again

@@ -46,9 +46,10 @@ class FramesWorker(WorkerSide):
         try:
             out: list[Outgoing | None] = []
             for i, item in enumerate(items):
-                frames = wire.encode({k: host[(i, k)] for k in item.tensors})
+                tensors = {k: host[(i, k)] for k in item.tensors}
+                frames = wire.encode(tensors)
                 if item.request.is_generate:
-                    self.faults.corrupt_frames(frames, ready)
+                    self.faults.corrupt_frames(frames, ready, tensors)
                 out.append(Outgoing(item.reply, frames, self.name, ready,
                                     loan=SlabShare(lease) if lease is not None else None))
             if lease is not None:

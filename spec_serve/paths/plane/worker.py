@@ -55,7 +55,7 @@ class PlaneWorker(WorkerSide):
         export = plane.export({"plane": item.request.plane}, item.tensors, self.copy_stream) if plane else None
         if export is None:
             return None
-        self.faults.corrupt_lent(export.data, export.ready)
+        self.faults.corrupt_lent(export.data, export.ready, item.tensors)
         reply = dataclasses.replace(item.reply, plane=export.descriptor)
         return Outgoing(reply, export.frames, export.descriptor["kind"], export.ready, loan=export,
                         lent_bytes=export.nbytes)
