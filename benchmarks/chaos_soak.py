@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -34,9 +35,13 @@ FAST_ENV = {"SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2", "SPEC_SERVE_HEARTBEAT_LIVENE
 
 
 def soak(target: str, duration: float, workers: int, ranks: int, kill_every: float, seed: int,  # noqa: C901, PLR0915
-         distinct: int = 16, log_dir: Path | None = None) -> dict:
+         distinct: int = 16, log_dir: Path | None = None, max_retries: int = 10) -> dict:
+    """``max_retries``: the clients' own retries; 0 leaves every recovery to the broker's re-dispatch."""
     # The soak is one scenario (cluster, training ranks, a killer thread, the tally): read as one piece.
     rng = random.Random(seed)
+    # The references run with the workers' math threads (launch: OMP_NUM_THREADS, 1 unless set): on a CPU
+    # another thread count may give other low bits (docs/equality.md).
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     reference = HFTarget(target)
     ids, _, loss = sample_batch(target, batch=8, seq=64, seed=0)
     mapping = build_vocab_mapping(ids, loss, reference.vocab_size, reference.vocab_size // 2,
@@ -57,7 +62,7 @@ def soak(target: str, duration: float, workers: int, ranks: int, kill_every: flo
 
     with local_cluster(target, workers=workers, env=FAST_ENV, log_dir=log_dir) as cluster:
         def rank(r: int):
-            with RemoteTargetModel(cluster.frontend, prefetch_depth=4, timeout=30, max_retries=10,
+            with RemoteTargetModel(cluster.frontend, prefetch_depth=4, timeout=30, max_retries=max_retries,
                                    heartbeat_interval=0.2, liveness=15) as client:
                 client.set_vocab_mapping(*mapping)
                 inflight: list = []

@@ -143,11 +143,20 @@ def test_client_death_frees_what_it_held(cluster, tiny_target_dir, tiny_vocab_ma
     assert rss - base_rss < 20 * 1024, "broker memory grew by more than 20 MiB"
 
 
+def _redispatched(cluster) -> float:
+    _, metrics = cluster.get("/metrics")
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("spec_serve_redispatched_total"))
+
+
 def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_vocab_mapping):
-    """SIGKILL the slow worker while it holds requests: every result arrives once and is correct."""
+    """SIGKILL the slow worker while it holds requests: the broker re-dispatches them (counted), and every
+    result arrives once and is correct. The client's own retries are off, so only the broker can have
+    recovered them (a broker that dropped them would leave the client to time out)."""
     victim = cluster.slow_worker
     tally = Tally()
-    with _client(cluster, tiny_vocab_mapping, prefetch_depth=8) as client:
+    redispatched_before = _redispatched(cluster)
+    with _client(cluster, tiny_vocab_mapping, prefetch_depth=8, max_retries=0) as client:
         box = {}
         runner = threading.Thread(target=lambda: run_requests(client, reference, range(200, 216), tally))
         runner.start()
@@ -163,13 +172,15 @@ def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_voc
         assert not runner.is_alive(), "a rank hung"
         stats = client.stats
     cluster.workers.remove(victim)
-    _, metrics = cluster.get("/metrics")
-    redispatched = [line for line in metrics.splitlines() if line.startswith("spec_serve_redispatched")]
+    redispatched = _redispatched(cluster) - redispatched_before
     print(f"\nworker death: held={held} detection={box['detect_s']:.2f}s (liveness window {LIVENESS_WINDOW:g}s) "
-          f"{tally.as_dict()} retried={stats.retried} duplicates_dropped={stats.duplicates} {redispatched}")
+          f"{tally.as_dict()} retried={stats.retried} duplicates_dropped={stats.duplicates} "
+          f"redispatched={redispatched:g}")
     assert box["detect_s"] < 10
     assert tally.sent == tally.completed == tally.verified == 16, tally.errors
     assert tally.wrong == 0
+    assert stats.retried == 0
+    assert redispatched >= 1, "the broker re-dispatched nothing: the dead worker held no request"
 
 
 def test_broker_restart(cluster, reference, tiny_target_dir, tiny_vocab_mapping):
