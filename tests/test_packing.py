@@ -78,6 +78,25 @@ def test_packed_rows_match_their_own_padded_forward(tiny_target_dir, colocated_t
                 assert not bool(packed["argmax_ids"][next_pad].any())
 
 
+def test_positions_restart_at_zero_for_every_row(tiny_target_dir, colocated_target):
+    """Each packed row's position_ids run 0..n-1, as the row alone has them, and they are what the model is
+    given. (On the tiny random target a row with positions running on differs from its padded forward by
+    about 1e-5 only: its attention barely depends on positions, so the tolerance cannot tell; this does.)"""
+    engine = colocated_target()
+    requests = [sample_batch(tiny_target_dir, 3, 24, seed=4), _edge_batch(tiny_target_dir)]
+    lengths = [n for _, attn, _ in requests for n in attn.sum(1).tolist()]
+    want = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert torch.equal(packing.PackedLayout.build(requests).position_ids, want)
+    given = []
+    hook = engine._base.register_forward_pre_hook(lambda _, args, kwargs: given.append(kwargs["position_ids"]),
+                                                  with_kwargs=True)
+    try:
+        engine.generate_packed(requests, "dspark")
+    finally:
+        hook.remove()
+    assert len(given) == 1 and torch.equal(given[0].cpu(), want)
+
+
 def test_rows_never_attend_across_rows(tiny_target_dir, colocated_target):
     """The document mask is the whole point: with one segment spanning all rows instead (what
     position_ids alone gave under SDPA, issue 16) every row after the first is far off."""
