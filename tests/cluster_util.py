@@ -134,9 +134,12 @@ class RawZmtpPeer:
             return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
         return bytes([flags, len(body)]) + body
 
-    def flood(self, first_frames: list[bytes], total: int, chunk: int = 1 << 20, timeout: float = 60.0) -> int:
+    def flood(self, first_frames: list[bytes], total: int, chunk: int = 1 << 20,
+              timeout: float = 60.0) -> tuple[int, bool]:
         """Send ``first_frames``, then ``chunk``-byte frames, all marked MORE, up to ``total`` bytes: a message
-        that never ends. Returns the bytes sent before the receiver cut the connection (``total`` if never)."""
+        that never ends. Returns the bytes sent, and whether the receiver cut the connection (a reset, a
+        broken pipe, or end of stream): a receiver that merely stops reading (a send that times out) or
+        takes it all did not."""
         frame = self.frame(bytes(chunk), more=True)
         sent, deadline = 0, time.monotonic() + timeout
         try:
@@ -145,9 +148,23 @@ class RawZmtpPeer:
             while sent < total and time.monotonic() < deadline:
                 self.sock.sendall(frame)
                 sent += chunk
+        except TimeoutError:  # the receiver stopped reading: cut only if it also closed the connection
+            return sent, self._closed_by_peer()
         except OSError:  # broken pipe, reset: the receiver shut the connection
-            return sent
-        return sent
+            return sent, True
+        return sent, self._closed_by_peer()
+
+    def _closed_by_peer(self, wait: float = 2.0) -> bool:
+        """End of stream (or a reset) within ``wait`` seconds; a peer that only keeps quiet is still there."""
+        self.sock.settimeout(wait)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
 
     def many_frames(self, first_frames: list[bytes], count: int, timeout: float = 60.0) -> int:
         """One whole message: ``first_frames``, then ``count`` empty frames (2 bytes each on the wire), the

@@ -70,15 +70,17 @@ def cluster(tiny_target_dir, tmp_path_factory):
 
 
 def _flood(pid: int, endpoint: str, first_frames: list[bytes], socket_type: bytes = b"DEALER") -> tuple[int, int]:
-    """(bytes sent before the connection was cut, peak RSS growth of ``pid``) for one never-ending message."""
+    """(bytes sent before the connection was cut, peak RSS growth of ``pid``) for one never-ending message;
+    fails unless the receiver cut the connection (a send that times out, or a receiver that took it all,
+    is not a cut)."""
     reset_peak_rss(pid)
     before = peak_rss_kib(pid) << 10
     peer = RawZmtpPeer(endpoint, socket_type)
     try:
-        sent = peer.flood(first_frames, FLOOD)
-        time.sleep(0.3)  # what was in flight lands (or not)
+        sent, cut = peer.flood(first_frames, FLOOD)
     finally:
         peer.close()
+    assert cut, f"the flooding peer was not cut off: {sent >> 20} of {FLOOD >> 20} MiB sent, connection still open"
     return sent, (peak_rss_kib(pid) << 10) - before
 
 

@@ -29,10 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from click.testing import CliRunner
 
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
+from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
 from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
@@ -253,7 +255,7 @@ def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
         c.start_worker(tiny_target_dir, "--wait-for-broker", "120")
         log = tmp_path / "worker0.log"
         wait_until(lambda: "worker.waiting_for_broker" in log.read_text(), timeout=120, what="waiting")
-        time.sleep(1.5)  # a few retries with no broker
+        # The positive event above comes first: it waits, so nothing has loaded (the order is checked below too).
         assert "worker.loading" not in log.read_text(), "the model loads only once a broker answered"
         c.start_broker()
         wait_until(lambda: "worker.ready" in log.read_text(), timeout=120, what="worker.ready")
@@ -380,6 +382,21 @@ def _ready(cluster, service: str | None = None) -> int:
     return cluster.get("/ready" + (f"?service={service}" if service else ""))[0]
 
 
+def _register_and_leave(cluster, service: str) -> None:
+    """A raw peer registers as a worker of ``service`` (the cluster's target info), then goes silent."""
+    info = cluster.get("/workers")[1]["workers"][0]["target_info"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(cluster.backend)
+    try:
+        sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, service,
+                                    header={"target_info": info, "capacity": 1}))
+        wait_until(lambda: any(w["service"] == service for w in cluster.get("/workers")[1]["workers"]), timeout=30,
+                   what=f"a worker of {service} registered")
+    finally:
+        sock.close()
+
+
 def test_readiness_counts_a_service_while_a_client_uses_it(cluster, tiny_target_dir, tiny_vocab_mapping):
     """A worker of service `other` leaves: /ready is 503 while a client still uses `other` (/health stays 200:
     the broker is alive), then 200 once that client is gone, and `other` is forgotten at once (the old
@@ -394,6 +411,12 @@ def test_readiness_counts_a_service_while_a_client_uses_it(cluster, tiny_target_
     user.set_vocab_mapping(*tiny_vocab_mapping)
     kill(proc)
     wait_until(lambda: _ready(cluster) == 503, timeout=30, what="503 after the worker left")
+    # A positive event first: a service whose only worker left later than `other`'s, and that no client
+    # uses, is forgotten; so the broker has judged `other` too, and only its client keeps it.
+    _register_and_leave(cluster, "control")
+    wait_until(lambda: "control" not in cluster.get("/workers")[1]["services"], timeout=30,
+               what="the unused service forgotten")
+    assert "other" in cluster.get("/workers")[1]["services"]
     assert _ready(cluster, "other") == 503 and _ready(cluster, "default") == 200
     assert cluster.get("/health")[0] == 200
     user.close()
