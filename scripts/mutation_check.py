@@ -60,8 +60,9 @@ MUTATIONS = (
              "        self.stats.digest_checks += 1\n"
              "        if answer.plane is None and not answer.nccl:\n"
              "            return None  # MUTATION: frames counted, never compared\n",
-             ("tests/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned",
-              "tests/test_integrity.py::test_a_second_mismatch_fails_the_batch_with_a_clear_error")),
+             ("tests/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned"
+              "[frames]",
+              "tests/test_integrity.py::test_a_second_mismatch_fails_the_batch_with_a_clear_error[frames]")),
     Mutation("digest_4k", "the digest covers every byte of every tensor",
              "spec_serve/protocol/digest.py",
              "    data = data.view(torch.uint8)\n",
@@ -105,7 +106,7 @@ def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, float]:
             return f"NOT APPLIED: the text to mutate is not (once) in {mutation.path}", 0.0
         target.write_text(text.replace(mutation.old, mutation.new))
         # The copy comes first on sys.path, for pytest and for the workers it starts (python -m in its cwd).
-        env = {**os.environ, "PYTHONPATH": str(root)}
+        env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "400"}  # pytest's summary lines whole
         start = time.monotonic()
         try:
             proc = subprocess.run([python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *mutation.tests],
@@ -115,8 +116,8 @@ def run(mutation: Mutation, python: str, timeout: float) -> tuple[str, float]:
         seconds = time.monotonic() - start
         lines = proc.stdout.splitlines()
         passed = [line.split()[1] for line in lines if line.startswith("PASSED ")]
-        failed = [line.split(" - ")[0].split()[1] + " - " + line.split(" - ", 1)[-1][:160]
-                  for line in lines if line.startswith(("FAILED ", "ERROR "))]
+        failed = [line.split()[1] + ": " + line.split(" - ", 1)[-1][:200]
+                  for line in lines if line.startswith(("FAILED tests/", "ERROR tests/"))]
         if passed or not failed:
             return "GREEN: not caught by " + ", ".join(passed or ["any test"]), seconds
         return "RED:\n    " + "\n    ".join(failed), seconds
