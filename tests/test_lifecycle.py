@@ -31,6 +31,7 @@ from cluster_util import (
     CLIENT_KW,
     FAST_ENV,
     Reference,
+    assert_contract,
     assert_equal_batches,
     hold_plane_copies,
     kill,
@@ -244,7 +245,7 @@ def test_the_cli_worker_stopped_in_a_real_forward_exits_0(cluster, tiny_target_d
         time.sleep(0.3)  # X got it at once; its forward takes seconds
         proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-2000:]
-        assert_equal_batches(future.result(timeout=120), colocated_target().generate_batch(*batch, kind="dspark"))
+        assert_contract(future.result(timeout=120), colocated_target(), batch, "dspark", shards=2)
     stop = _line(log, r"worker\.stop ")
     if how == "sigint":
         assert "served=1 " in stop and "outcome=drained" in stop, stop

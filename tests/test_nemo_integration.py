@@ -28,11 +28,15 @@ from spec_serve.client import api
 from spec_serve.engines import packing
 from spec_serve.integrations.nemo import Eagle3Batch, SpecServeEagle3Target, SpecServeRecipeMixin, batch_class
 from spec_serve.integrations.nemo.packed import Documents
+from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, deviation
 from spec_serve.tools.launch import free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 
 SUPERVISION = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
 FP32 = packing.TOLERANCE[torch.float32]
+# The tiny target's composition tolerance (float32, 8 layers, MLP 256): what a packed row may differ by from
+# NeMo's colocated packed forward of it (another composition), for target_probs and near-tie flips.
+TINY = CompositionTolerance.derive(torch.float32, num_layers=8, reduction=256)
 PACKED_WIDTH = 96
 NEMO_INSTALLED = importlib.util.find_spec("nemo_automodel") is not None
 NEEDS_NEMO = pytest.mark.skipif(not NEMO_INSTALLED, reason="NeMo AutoModel (nemo_automodel) is not installed: "
@@ -123,7 +127,12 @@ def _assert_matches_nemo_packed(fed: dict, batch: dict, nemo_colocated, mapping)
     within[:, 1:] = ~last[:, :-1]
     report.update(packing.compare({"target_probs": fed["target_probs"]}, {"target_probs": probs}, within))
     assert packing.violations(report, FP32) == [], report
-    assert torch.equal(fed["position_mask"][~last], position_mask[~last])  # float32: no flips
+    # position_mask: equal but at near-ties of NeMo's (already shifted) logits (docs/equality.md).
+    top = want.logits.float().topk(2, dim=-1).values
+    logits = ReferenceLogits(float(want.logits.abs().max()), top[..., 0] - top[..., 1])
+    read = fed["position_mask"].clone()
+    read[last] = position_mask[last]  # a document's last slot: checked below
+    assert TINY.violations({"position_mask": read}, {"position_mask": position_mask}, logits) == []
     # A document's last slot: no next token of its own. spec-serve says so (uniform, False); NeMo's holds the
     # next document's first prediction, which its trainer never reads: doc_remaining is 0 there.
     assert bool((batch["doc_remaining"][last] == 0).all())
@@ -404,8 +413,16 @@ def test_nemo_recipe_reaches_compact_sharding_and_packing(cluster, monkeypatch, 
             _assert_one_row_per_document(batch, sent, reply.result())
             probs, position_mask = _compute_target_distribution(want.logits, ids, mask, want.loss_mask)
             read = fed["doc_remaining"] > 0  # what NeMo's trainer reads
-            assert torch.equal(fed["position_mask"][read], position_mask[read])
-            assert torch.allclose(fed["target_probs"][read], probs[read], atol=1e-5, rtol=0)
+            # Another composition (NeMo's block-causal packed forward): flips only at near-ties, target_probs
+            # within the derived bound (docs/equality.md), not a number seen on one machine.
+            top = want.logits.float().topk(2, dim=-1).values
+            logits = ReferenceLogits(float(want.logits.abs().max()), top[..., 0] - top[..., 1])
+            flips = fed["position_mask"].clone()
+            flips[~read] = position_mask[~read]
+            assert TINY.violations({"position_mask": flips}, {"position_mask": position_mask}, logits) == []
+            bound = TINY.logits.scaled(2 * logits.scale)
+            rel_norm, max_error = deviation(fed["target_probs"][read], probs[read])
+            assert rel_norm <= bound.rel_norm and max_error <= bound.max_error, (rel_norm, max_error, bound)
         assert len(batches) == len(requests) == expanded["count"] > 1
         workers = recipe.target_wrapper.client.status("packed")["workers"]
         assert all(w["completed"] > 0 for w in workers if w["service"] == "packed")
