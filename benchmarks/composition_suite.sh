@@ -20,6 +20,8 @@ TESTS=(
   tests/test_engine_sglang.py::test_fake_sglang_matches_hf
   tests/test_ordinary_use.py::test_any_number_of_vocab_mappings_over_time
   tests/test_samehost.py::test_replies_come_through_the_plane
+  tests/test_paths.py::test_spool_end_to_end_from_one_registry_line
+  tests/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned
   tests/test_nccl_binding.py
   tests/test_reply_memory.py
   tests/test_packing.py

@@ -16,16 +16,26 @@ import torch
 
 from cluster_util import assert_contract
 from spec_serve.client.api import RemoteTargetModel
-from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.supervision.eagle3 import lm_head_slice
 from spec_serve.supervision.tolerance import Bound, deviation
 from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICES
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.tools.verify import reference_logits
+from spec_serve.tools.verify import colocated_reference, reference_logits
 
 
 def _nbytes(batch):
     return sum(t.numel() * t.element_size() for t in batch.values())
+
+
+def _assert_probs_within_one_gemm(got: torch.Tensor, full: torch.Tensor, engine, batch) -> None:
+    """A compact batch's target_probs against a full batch of the same composition: only the lm_head GEMM
+    differs (the [Vd,H] slice instead of the [V,H] lm_head), one reduction of length H, scaled by the
+    logits' magnitude (tolerance.py)."""
+    one_gemm = Bound.derive(torch.float32, stages=1, reduction=engine.hidden_size)
+    limit = one_gemm.scaled(2 * reference_logits(engine, batch).scale)
+    rel_norm, max_error = deviation(got, full)
+    assert rel_norm <= limit.rel_norm and max_error <= limit.max_error, (rel_norm, max_error, limit)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +48,6 @@ def test_compact_remote_equals_colocated(cluster, tiny_target_dir, tiny_vocab_ma
     engine = colocated_target()
     ids_map, mask_map = tiny_vocab_mapping
     colocated_slice = lm_head_slice(engine.get_output_embeddings().weight, ids_map)
-    # The lm_head GEMM alone differs between a compact and a full batch: one reduction of length H.
-    one_gemm = Bound.derive(torch.float32, stages=1, reduction=engine.hidden_size)
     with RemoteTargetModel(cluster.frontend, compact=True, num_shards=2, prefetch_depth=2, timeout=60) as remote, \
             RemoteTargetModel(cluster.frontend, num_shards=2, timeout=60) as full_remote:
         remote.set_vocab_mapping(ids_map, mask_map)
@@ -58,9 +66,7 @@ def test_compact_remote_equals_colocated(cluster, tiny_target_dir, tiny_vocab_ma
             full = full_remote.generate_batch(*batch, kind="eagle3")
             assert torch.equal(got["position_mask"], full["position_mask"])
             assert torch.equal(got["aux_hidden_states"], full["aux_hidden_states"])
-            limit = one_gemm.scaled(2 * reference_logits(engine, batch).scale)
-            rel_norm, max_error = deviation(got["target_probs"], full["target_probs"])
-            assert rel_norm <= limit.rel_norm and max_error <= limit.max_error, (rel_norm, max_error, limit)
+            _assert_probs_within_one_gemm(got["target_probs"], full["target_probs"], engine, batch)
             # No next token at S-1: remote full, remote compact and colocated all give NeMo's softmax of zeros.
             uniform = torch.softmax(torch.zeros(len(ids_map)), dim=-1).expand(batch[0].shape[0], -1)
             colocated = engine.generate_batch(*batch, kind="eagle3")
@@ -89,8 +95,9 @@ def _slices_metric(service: str) -> float:
 def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_target_dir, tiny_vocab_mapping,
                                                                 colocated_target):
     """compact="auto", the default: a reply that leaves the worker's host (frames; here the plane is off, as a
-    client on another host has it) comes compact and is expanded here, bit-equal to the colocated compact
-    batch expanded, within the [Vd,H] GEMM's rounding of the full batch (tests/test_hf_engine.py); the
+    client on another host has it) comes compact and is expanded here: the contract (docs/equality.md) with
+    the colocated compact batch expanded, within the [Vd,H] GEMM's rounding of the full batch of the same
+    composition (tests/test_hf_engine.py); the
     lm_head slice is fetched once per mapping, counted. Through the plane the same client setup gets full
     replies and fetches nothing."""
     engine = colocated_target()
@@ -106,11 +113,10 @@ def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_ta
         futures = [remote.generate_batch_async(*batch, kind="eagle3") for batch in batches]
         for batch, future in zip(batches, futures):
             got = future.result()
-            want = expand_compact(engine.generate_batch(*batch, kind="eagle3_compact"), colocated_slice, mask_map)
-            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-            full = engine.generate_batch(*batch, kind="eagle3")
+            assert_contract(got, engine, batch, "eagle3", shards=2, compact=True, selected=tiny_vocab_mapping)
+            full = colocated_reference(engine, batch, "eagle3", shards=2)  # the same composition, full
             assert all(torch.equal(got[k], full[k]) for k in full if k != "target_probs")
-            assert float((got["target_probs"] - full["target_probs"]).abs().max()) <= 1e-6
+            _assert_probs_within_one_gemm(got["target_probs"], full["target_probs"], engine, batch)
         stats = remote.stats
         assert stats.compact_replies == 6 and stats.plane_replies == 0
         assert stats.replies["frames"] == 6 + 1  # the six shards and the one lm_head slice
@@ -123,8 +129,7 @@ def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_ta
     with RemoteTargetModel(cluster.frontend, num_shards=2, timeout=60) as local:
         local.set_vocab_mapping(ids_map, mask_map)
         for batch in batches:
-            got, full = local.generate_batch(*batch, kind="eagle3"), engine.generate_batch(*batch, kind="eagle3")
-            assert got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
+            assert_contract(local.generate_batch(*batch, kind="eagle3"), engine, batch, "eagle3", shards=2)
         assert local.stats.plane_replies == 6 and local.stats.compact_replies == 0
         assert local.stats.lm_head_slices == 0
 

@@ -89,8 +89,15 @@ def path_kw(path: str) -> dict:
 
 
 def assert_path(stats, path: str) -> None:
-    """The replies really came by ``path``."""
+    """The replies really came by ``path``: frames carry EAGLE-3 compact (compact="auto"), the plane full."""
     assert (stats.plane_replies > 0) if path == "plane" else (stats.plane_replies == 0), (path, stats)
+    assert (stats.compact_replies > 0) == (path == "frames"), (path, stats)
+
+
+def as_received(path: str, mapping) -> dict:
+    """The contract's options for an EAGLE-3 batch that came by ``path`` (``assert_contract``,
+    ``colocated_reference``): over frames compact, expanded here with the draft-vocab ``mapping``."""
+    return {"compact": True, "selected": mapping} if path == "frames" else {}
 
 
 def corruptions(cluster, worker: str) -> list[tuple[str, int]]:
@@ -128,13 +135,16 @@ def test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned(cl
         batches = [inputs(tiny_target_dir, seed) for seed in range(6)]
         futures = [client.generate_batch_async(*x) for x in batches]
         for x, future in zip(batches, futures):
-            assert_contract(future.result(timeout=120), reference, x, "eagle3", shards=2)
+            assert_contract(future.result(timeout=120), reference, x, "eagle3", shards=2,
+                            **as_received(path, tiny_vocab_mapping))
         stats = client.stats
     assert_path(stats, path)
     # 6 batches x 2 shards, both workers busy: the corrupting one answered some. Each of its replies was
     # caught and retried on the sound worker (a retry on the corrupting one would have failed the batch).
     assert stats.digest_mismatches >= 1, stats
-    assert stats.digest_checks == 12 + stats.digest_mismatches, stats
+    # Compact replies (frames) also had the lm_head slice they needed fetched and checked, once.
+    assert stats.digest_checks == 12 + stats.digest_mismatches + stats.lm_head_slices, stats
+    assert stats.lm_head_slices == (path == "frames"), stats
     assert failures("flaky", "digest") - before == stats.digest_mismatches
     lines = [r.getMessage() for r in caplog.records if "client.digest_mismatch" in r.getMessage()]
     assert len(lines) == stats.digest_mismatches  # captured at ERROR
@@ -160,13 +170,16 @@ def test_a_second_mismatch_fails_the_batch_with_a_clear_error(cluster, tiny_targ
 
 @pytest.mark.parametrize("path", PATHS)
 def test_verify_off_skips_the_check(cluster, tiny_target_dir, tiny_vocab_mapping, reference, path):
-    with RemoteTargetModel(cluster.frontend, service="bad", verify="off", **path_kw(path)) as client:
+    # Full replies on both paths (compact=False): every tensor reaches the caller as it came, so any flip shows.
+    with RemoteTargetModel(cluster.frontend, service="bad", verify="off", **{**path_kw(path), "compact": False}) \
+            as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
         x = inputs(tiny_target_dir, 11)
         got = client.generate_batch(*x)
         # Unchecked, the corrupted reply reaches the caller: what "off" gives up.
         assert not same(got, reference.generate_batch(*x))
         assert client.stats.digest_checks == 0 and client.stats.digest_mismatches == 0
+        assert (client.stats.plane_replies > 0) == (path == "plane") and client.stats.compact_replies == 0
 
 
 def test_verify_sampled_checks_one_request_in_eight(cluster, tiny_target_dir, tiny_vocab_mapping, monkeypatch):
