@@ -19,9 +19,10 @@ OUT=${OUT:-.}
 mkdir -p "$OUT"
 SITE=${SPEC_SERVE_SITE:-/tmp/site}
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ! python3 -c "import zmq" 2>/dev/null; then
-  ls .whl/*.whl >/dev/null 2>&1 || { echo "pyzmq is not importable and no wheel is in .whl/: carry one there"; exit 2; }
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl || exit 2
+# Every wheel carried in .whl/ (pyzmq, and any module the check below names as missing), not only pyzmq.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    || { echo "pip install of .whl/*.whl into $SITE failed"; exit 2; }
 fi
 export CUDA_VISIBLE_DEVICES=
 missing=$(python3 -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "transformers", "zmq",
