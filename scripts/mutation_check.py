@@ -48,10 +48,11 @@ MUTATIONS = (
               "tests/test_verify.py::test_references_compute_each_shard_alone",
               "tests/test_ordinary_use.py::test_any_number_of_vocab_mappings_over_time")),
     Mutation("redispatch", "the broker re-dispatches a dead worker's in-flight requests",
-             "spec_serve/broker/routing.py",
-             "            service.queues.setdefault(request.client, collections.deque())"
-             ".appendleft(request.request_id)\n            self.metrics.redispatched.inc()",
-             "            del self.requests[request.request_id]  # MUTATION: dropped silently",
+             "spec_serve/broker/dispatch.py",
+             "        elif request.client in self.clients.clients:\n"
+             "            self.services.push(request, front=True)\n            self.ctx.metrics.redispatched.inc()\n",
+             "        elif request.client in self.clients.clients:\n"
+             "            del self.requests[request.request_id]  # MUTATION: dropped silently\n",
              ("tests/test_reliability.py::test_worker_death_redispatches",
               "tests/test_load.py::test_chaos_soak_short")),
     Mutation("digest_frames", "the client checks the digest of replies that arrive as frames",
@@ -75,11 +76,11 @@ MUTATIONS = (
              "            positions.append(torch.arange(sum(lengths)))  # MUTATION: positions run on across rows",
              ("tests/test_packing.py::test_positions_restart_at_zero_for_every_row",)),
     Mutation("unknown_service_error", "the broker answers a request no worker took before its deadline",
-             "spec_serve/broker/routing.py",
-             "                        self.send_error(client_id, request_id, ErrorCode.TIMEOUT,\n"
+             "spec_serve/broker/services.py",
+             "                    self.ctx.send_error(client_id, request_id, ErrorCode.TIMEOUT,\n"
              "                                        f\"no worker of {service.name!r} took the request before its "
              "deadline\")",
-             "                        pass  # MUTATION: the deadline passes in silence",
+             "                    pass  # MUTATION: the deadline passes in silence",
              ("tests/test_cluster.py::test_unknown_service_is_a_clear_error",)),
 )
 
