@@ -11,6 +11,7 @@
 #   bash benchmarks/cpu_suite_on_gpu_host.sh tests/test_contract.py tests/test_cluster.py
 #   COMPOSITION=1 bash benchmarks/cpu_suite_on_gpu_host.sh       # the cross-composition tests under each
 #                                                                # MKL_CBWR setting (composition_suite.sh)
+#   COMPOSITION=1 bash benchmarks/cpu_suite_on_gpu_host.sh unset COMPATIBLE   # chosen settings only
 # XDIST=N runs N pytest workers (pytest-xdist). Writes $OUT/cpu_suite_on_gpu_host.log (and .xml).
 # Success: pytest's last line has no "failed" and no "error"; COMPOSITION=1: every MKL_CBWR line rc=0.
 set -uo pipefail
@@ -35,7 +36,7 @@ print(f"python {platform.python_version()}, torch {torch.__version__} (MKL {torc
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; $(date -u '+%Y-%m-%d %H:%M UTC')"
 
 if [ -n "${COMPOSITION:-}" ]; then
-  PYTHON=python3 LOG_DIR="$OUT/composition-logs" bash benchmarks/composition_suite.sh | tee "$OUT/composition_suite.log"
+  PYTHON=python3 LOG_DIR="$OUT/composition-logs" bash benchmarks/composition_suite.sh "$@" | tee "$OUT/composition_suite.log"
   exit "${PIPESTATUS[0]}"
 fi
 
