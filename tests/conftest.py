@@ -28,6 +28,7 @@ suite slows down.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -43,6 +44,23 @@ def run_tmp_dir(tmp_path_factory) -> Path:
     of the workers' (each worker's ``tmp_path_factory`` is private to it)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True)
+def _spec_serve_logging_as_found():
+    """A command run in-process (click's CliRunner) configures logging for the whole process (``logs.setup``:
+    a stderr handler, no propagation, its level); undo that after each test. Otherwise a test's log capture
+    depends on which files its xdist worker ran before (pytest hands a non-propagating logger its capture
+    handlers directly, and a test that turns propagation back on sees every record twice)."""
+    from spec_serve.telemetry import logs
+
+    logger = logging.getLogger("spec_serve")
+    propagate, level = logger.propagate, logger.level
+    yield
+    for handler in [h for h in logger.handlers if h.get_name() == logs.HANDLER_NAME]:
+        logger.removeHandler(handler)
+    logger.propagate = propagate
+    logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")
