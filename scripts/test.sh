@@ -6,11 +6,26 @@
 #   SPEC_SERVE_TEST_WORKERS=N  pytest processes for the main run (pytest-xdist) [2]; 0: one process
 #   SPEC_SERVE_SKIP_VLLM=1     skip the real vLLM-on-CPU engine tests (they build their own venv)
 #   extra arguments go to the main pytest run, e.g. `bash scripts/test.sh -k wire`
+#
+# Two stages run side by side: the vLLM stage (scripts/vllm_stage.sh: build .venv-vllm, mostly waiting on
+# pip, then the vLLM tests) in the background at a low CPU priority (nice 10), and the main stage (.venv,
+# lint, types, the main pytest run) in the foreground, which it barely slows: the vLLM stage takes the CPU
+# the main stage leaves idle, and all of it once the main stage is done. Its output follows the main one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${SPEC_SERVE_VENV:-.venv}
 WORKERS=${SPEC_SERVE_TEST_WORKERS:-2}
+START=$SECONDS
+
+VLLM_PID=
+if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
+  VLLM_LOG=$(mktemp "${TMPDIR:-/tmp}/spec-serve-vllm-stage.XXXXXX")
+  setsid nice -n 10 bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
+  VLLM_PID=$!
+  # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
+  trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; true' EXIT
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -42,10 +57,15 @@ if [ "$WORKERS" != 0 ]; then
   PARALLEL=(-n "$WORKERS" --dist loadfile)
 fi
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${PARALLEL[@]}" "$@"
+echo "main stage done at $((SECONDS - START)) s"
 
-if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
-  bash .ci/setup_vllm_venv.sh
-  VLLM_VENV=${SPEC_SERVE_VLLM_VENV:-.venv-vllm}
-  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    --durations=10 -m vllm tests/test_engine_vllm.py
+if [ -n "$VLLM_PID" ]; then
+  echo "waiting for the vLLM stage (scripts/vllm_stage.sh) ..."
+  status=0
+  wait "$VLLM_PID" || status=$?
+  VLLM_PID=
+  cat "$VLLM_LOG"
+  rm -f "$VLLM_LOG"
+  echo "vLLM stage done at $((SECONDS - START)) s"
+  exit "$status"
 fi

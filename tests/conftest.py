@@ -19,7 +19,8 @@ whole to one of several pytest processes ("xdist workers"), in file order. So a 
   heartbeats) and ``wait_until``; never sleep a fixed time to let something happen.
 - Keep CLI subprocesses light: a command that only parses flags or fails on a bad value imports no
   torch (``tests/test_cheap_processes.py``); use ``CliRunner`` in-process where the test needs no process.
-- ``@pytest.mark.slow`` is for soaks only; ``scripts/test.sh`` runs them in a stage of their own.
+- ``@pytest.mark.slow`` is for long soaks only, which CI does not run (``--run-slow`` runs them); the short
+  chaos soak stays in the main run.
 
 ``--durations`` in ``scripts/test.sh`` shows the slowest tests of every run: look there first when the
 suite slows down.
