@@ -6,6 +6,7 @@ the trainer never need to know which engine answered. See DESIGN.md.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping, Sequence
