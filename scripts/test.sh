@@ -17,15 +17,7 @@ PY=${PYTHON:-python3}
 VENV=${SPEC_SERVE_VENV:-.venv}
 WORKERS=${SPEC_SERVE_TEST_WORKERS:-2}
 START=$SECONDS
-
 VLLM_PID=
-if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
-  VLLM_LOG=$(mktemp "${TMPDIR:-/tmp}/spec-serve-vllm-stage.XXXXXX")
-  setsid nice -n 10 bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
-  VLLM_PID=$!
-  # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
-  trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; true' EXIT
-fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -39,6 +31,16 @@ fi
 # torch is pinned to the CPU build that this workplace's pip serves from local disk.
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" "${DEPS[@]}" -e '.[dev]'
+
+# From here the vLLM stage runs beside this one (after .venv is installed: both install this checkout
+# editable, and two builds at once would share its egg-info).
+if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
+  VLLM_LOG=$(mktemp "${TMPDIR:-/tmp}/spec-serve-vllm-stage.XXXXXX")
+  setsid nice -n 10 bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
+  VLLM_PID=$!
+  # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
+  trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; true' EXIT
+fi
 
 # ip netns for the multi-host test (root only; the test skips with a reason otherwise).
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then
