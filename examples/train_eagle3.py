@@ -149,13 +149,14 @@ def train(args) -> int:  # noqa: PLR0915
 
 
 def demo(args) -> int:
-    """Build the tiny target, start a broker and 2 workers here, and torchrun 2 ranks against them."""
+    """Build the tiny target (or take --target), start a broker and 2 workers here, and torchrun 2 ranks
+    against them."""
     from spec_serve.tools.launch import local_cluster
     from spec_serve.tools.tiny import make_tiny_target
 
     with tempfile.TemporaryDirectory(prefix="spec-serve-eagle3-") as tmp:
-        target_dir = make_tiny_target(Path(tmp) / "tiny")
-        print(f"tiny target in {target_dir}; starting a broker and 2 workers ...", flush=True)
+        target_dir = Path(args.target) if args.target else make_tiny_target(Path(tmp) / "tiny")
+        print(f"target in {target_dir}; starting a broker and 2 workers ...", flush=True)
         with local_cluster(target_dir, workers=2, env={"OMP_NUM_THREADS": "1"}) as cluster:
             print(f"broker at {cluster.frontend}; launching 2 training ranks", flush=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -168,7 +169,8 @@ def demo(args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", help="broker frontend endpoint, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--target", help="the target's model directory (its tokenizer and config are read here)")
+    p.add_argument("--target", help="the target's model directory (its tokenizer and config are read here); "
+                                    "with --demo, served instead of a freshly built tiny target")
     p.add_argument("--curve-secret-key", default=os.environ.get("SPEC_SERVE_CURVE_SECRET_KEY"),
                    help="this rank's CURVE secret key, for a CURVE broker [env SPEC_SERVE_CURVE_SECRET_KEY]")
     p.add_argument("--curve-server-key", default=os.environ.get("SPEC_SERVE_CURVE_SERVER_KEY"),

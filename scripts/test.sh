@@ -1,19 +1,46 @@
 #!/usr/bin/env bash
 # Set up the test environment from scratch (idempotent), lint and type-check, and run the whole test suite.
 # This is the README's test command, and exactly what CI runs (.ci/run).
-#   SPEC_SERVE_SKIP_VLLM=1  skip the real vLLM-on-CPU engine tests (they build their own venv)
+#   SPEC_SERVE_LATEST_DEPS=1   test against the newest releases pyproject.toml allows, instead of the versions
+#                              CI last passed with (.ci/constraints.txt; refresh it with scripts/pin_deps.sh)
+#   SPEC_SERVE_TEST_WORKERS=N  pytest processes for the main run (pytest-xdist) [2]; 0: one process
+#   SPEC_SERVE_SKIP_VLLM=1     skip the real vLLM-on-CPU engine tests (they build their own venv)
 #   extra arguments go to the main pytest run, e.g. `bash scripts/test.sh -k wire`
+#
+# Two stages run side by side: the vLLM stage (scripts/vllm_stage.sh: build .venv-vllm, mostly waiting on
+# pip, then the vLLM tests) in the background at a low CPU priority (nice 10), and the main stage (.venv,
+# lint, types, the main pytest run) in the foreground, which it barely slows: the vLLM stage takes the CPU
+# the main stage leaves idle, and all of it once the main stage is done. Its output follows the main one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${SPEC_SERVE_VENV:-.venv}
+WORKERS=${SPEC_SERVE_TEST_WORKERS:-2}
+START=$SECONDS
+VLLM_PID=
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+if [ -n "${SPEC_SERVE_LATEST_DEPS:-}" ]; then
+  DEPS=(--upgrade --upgrade-strategy eager)
+else
+  DEPS=(-c .ci/constraints.txt)
+fi
 # torch is pinned to the CPU build that this workplace's pip serves from local disk.
-"$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0
-"$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]'
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" "${DEPS[@]}" -e '.[dev]'
+
+# From here the vLLM stage runs beside this one (after .venv is installed: both install this checkout
+# editable, and two builds at once would share its egg-info).
+if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
+  VLLM_LOG=$(mktemp "${TMPDIR:-/tmp}/spec-serve-vllm-stage.XXXXXX")
+  setsid nice -n 10 bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
+  VLLM_PID=$!
+  # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
+  trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; true' EXIT
+fi
 
 # ip netns for the multi-host test (root only; the test skips with a reason otherwise).
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then
@@ -25,10 +52,22 @@ fi
 "$VENV/bin/ruff" check .
 "$VENV/bin/mypy"
 
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Each test file goes whole to one of $WORKERS processes, so a module's cluster is started once
+# (tests/conftest.py says what that asks of a test). The slowest tests are listed at the end.
+PARALLEL=()
+if [ "$WORKERS" != 0 ]; then
+  PARALLEL=(-n "$WORKERS" --dist loadfile)
+fi
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${PARALLEL[@]}" "$@"
+echo "main stage done at $((SECONDS - START)) s"
 
-if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
-  bash .ci/setup_vllm_venv.sh
-  VLLM_VENV=${SPEC_SERVE_VLLM_VENV:-.venv-vllm}
-  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/test_engine_vllm.py
+if [ -n "$VLLM_PID" ]; then
+  echo "waiting for the vLLM stage (scripts/vllm_stage.sh) ..."
+  status=0
+  wait "$VLLM_PID" || status=$?
+  VLLM_PID=
+  cat "$VLLM_LOG"
+  rm -f "$VLLM_LOG"
+  echo "vLLM stage done at $((SECONDS - START)) s"
+  exit "$status"
 fi

@@ -87,10 +87,10 @@ def submit(router: Router, client: bytes, now: float, timeout: float = 30.0, ser
     return request_id
 
 
-def done(router: Router, worker: bytes, request_id: bytes, now: float, status: str = "ok") -> None:
+def done(router: Router, worker: bytes, request_id: bytes, now: float, status: str = "ok", **header) -> None:
     seen = router.worker_seen(worker, now)
     assert seen is not None
-    router.complete(seen, message(WORKER_TAG, WorkerCommand.DONE, request_id, {"status": status}), now)
+    router.complete(seen, message(WORKER_TAG, WorkerCommand.DONE, request_id, {"status": status, **header}), now)
 
 
 def keep_alive(router: Router, now: float, *peers: bytes) -> None:

@@ -1,8 +1,38 @@
-"""Shared fixtures: one tiny random Llama target per test session, and colocated engines on it."""
+"""Shared fixtures (one tiny random Llama target per run, colocated engines on it), and how tests stay
+fast and safe to run in parallel.
+
+``scripts/test.sh`` runs the suite with pytest-xdist, ``-n 2 --dist loadfile``: each test file goes
+whole to one of several pytest processes ("xdist workers"), in file order. So a new test must:
+
+- Share processes within its file: a module-scoped ``cluster`` fixture (``local_cluster``) is built once
+  per file. Add a test to a file whose cluster fits, or give it a service of its own on that cluster
+  (``cluster.start_worker(..., service="mine")``); start a cluster of its own only when the test kills,
+  reconfigures or exhausts it. Every cluster costs a broker and worker processes (imports, model load).
+- Take the tiny target from ``tiny_target_dir`` (built once per run, shared by every xdist worker), never
+  build another of the same shape: pass ``--target`` to the commands that would (``spec-serve bench``,
+  ``examples/train_eagle3.py``). ``make_tiny_target`` is for tests of other shapes.
+- Assume nothing global: session fixtures are per xdist worker; ports come from ``free_port()``; /dev/shm,
+  processes and ports are shared with the other xdist workers (and other runs on the host), so assert on
+  what the test's own processes created. Run-wide cleanup belongs in the controller
+  (``pytest_sessionfinish`` below).
+- Wait on events, not time: where a test waits on liveness, use ``cluster_util.FAST_ENV`` (0.2 s
+  heartbeats) and ``wait_until``; never sleep a fixed time to let something happen.
+- Keep CLI subprocesses light: a command that only parses flags or fails on a bad value imports no
+  torch (``tests/test_cheap_processes.py``); use ``CliRunner`` in-process where the test needs no process.
+- ``@pytest.mark.slow`` is for long soaks only, which CI does not run (``--run-slow`` runs them); the short
+  chaos soak stays in the main run.
+
+``--durations`` in ``scripts/test.sh`` shows the slowest tests of every run: look there first when the
+suite slows down.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +46,46 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 TINY_DRAFT_VOCAB = 256
 
 
+def run_tmp_dir(tmp_path_factory) -> Path:
+    """A temporary directory every process of this run shares: the run's own, or under xdist the parent
+    of the workers' (each worker's ``tmp_path_factory`` is private to it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True)
+def _spec_serve_logging_as_found():
+    """A command run in-process (click's CliRunner) configures logging for the whole process (``logs.setup``:
+    a stderr handler, no propagation, its level); undo that after each test. Otherwise a test's log capture
+    depends on which files its xdist worker ran before (pytest hands a non-propagating logger its capture
+    handlers directly, and a test that turns propagation back on sees every record twice)."""
+    from spec_serve.telemetry import logs
+
+    logger = logging.getLogger("spec_serve")
+    propagate, level = logger.propagate, logger.level
+    yield
+    for handler in [h for h in logger.handlers if h.get_name() == logs.HANDLER_NAME]:
+        logger.removeHandler(handler)
+    logger.propagate = propagate
+    logger.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
-    """Path of a tiny random ``LlamaForCausalLM`` (8 layers, H=128, V=512) built once per session."""
+    """Path of a tiny random ``LlamaForCausalLM`` (8 layers, H=128, V=512), built once per run: the first
+    xdist worker to need it builds it under a lock, the others wait and share it. Read-only."""
     from spec_serve.tools.tiny import make_tiny_target
 
-    return make_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-llama")
+    root = run_tmp_dir(tmp_path_factory)
+    path = root / "tiny-llama"
+    with open(root / "tiny-llama.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.is_dir():
+            partial = root / "tiny-llama.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            make_tiny_target(partial)
+            partial.rename(path)  # whole or absent: a build that died is redone
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +119,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    import os
-
     if config.getoption("--run-slow") or os.environ.get("SPEC_SERVE_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow or SPEC_SERVE_RUN_SLOW=1")
@@ -68,7 +130,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     """A worker a test SIGKILLs leaves its same-host plane segments for the next worker on the host to reap
     (docs/ARCHITECTURE.md); after the last test no worker follows, so reap them here: a test run leaves no
-    /dev/shm file of a dead test worker behind."""
+    /dev/shm file of a dead test worker behind. Under xdist, in the controller, once every xdist worker
+    finished (each xdist worker's session finishes on its own, while others still run tests)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     from spec_serve.paths.plane import shm
 
     reaped = shm.reap()

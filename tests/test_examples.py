@@ -14,11 +14,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.timeout(600)
-def test_train_eagle3_demo_loss_goes_down():
-    # The demo builds the tiny target, starts a broker and 2 workers, and torchruns 2 gloo ranks
-    # (DDP over the draft) that share the workers. Few steps: the whole run is mostly process start-up.
+def test_train_eagle3_demo_loss_goes_down(tiny_target_dir):
+    # The demo starts a broker and 2 workers on the tiny target (the session's, not one more build), and
+    # torchruns 2 gloo ranks (DDP over the draft) that share the workers. Few steps: the whole run is
+    # mostly process start-up.
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_eagle3.py"), "--demo", "--steps", "20", "--log-every", "5"],
+        [sys.executable, str(EXAMPLES / "train_eagle3.py"), "--demo", "--target", str(tiny_target_dir),
+         "--steps", "20", "--log-every", "5"],
         capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     output = proc.stdout + proc.stderr

@@ -100,6 +100,9 @@ def test_worker_http_port_reports_health_and_metrics(tiny_target_dir, tiny_vocab
                 got = client.generate_batch(*reference.batch(seed), kind="dspark")
                 assert_equal_batches(got, reference.expected(seed, kind="dspark"))
             assert client.stats.plane_replies == 2
+        # The worker counts a reply once ZeroMQ took it, so its client may hold it a moment before: wait for both.
+        served = ("spec_serve_worker_requests_total", (("status", "ok"),))
+        wait_until(lambda: _samples(base).get(served) == 2, 30, what="the worker counting both replies")
         _check_figures(_samples(base), tokens=sum(int(reference.batch(seed)[1].sum()) for seed in (1, 2)))
 
         kill(cluster.broker)

@@ -8,6 +8,7 @@ least-loaded free worker. A request that was on a worker as it died is a *suspec
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -27,6 +28,11 @@ from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.broker")
 
+# Dispatched requests whose client left before their worker's DONE came, kept so that DONE is still
+# counted: a client may close as soon as it holds its reply, which then races the worker's DONE. A
+# request whose DONE never comes (its worker died) stays until this many newer ones pushed it out.
+MAX_DETACHED_IDS = 1024
+
 
 class Dispatcher:
     """Requests from their queues to workers and back; single-threaded (the broker loop calls it).
@@ -45,6 +51,8 @@ class Dispatcher:
         self.vocab = vocab
         self.poison = PoisonPolicy(ctx, max_request_deaths)
         self.unreachable = unreachable
+        # request id -> (its worker, when it was enqueued): see MAX_DETACHED_IDS
+        self.detached: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ intake
 
@@ -151,24 +159,37 @@ class Dispatcher:
             client = self.clients.get(request.client)
             if client is not None:
                 client.requests.discard(request_id)
-            status = done.status if done.status in DONE_STATUSES else "error"
-            self.ctx.metrics.completed.labels(service=worker.service, status=status).inc()
+            status = self._count_done(worker, done, request.enqueued_at, now)
             if status == "undeliverable" and client is not None:
                 # The worker dropped the reply at once (its slot is free): the client retries now,
                 # instead of waiting out its timeout.
                 self.ctx.send_error(request.client, request_id, ErrorCode.UNAVAILABLE,
                                     f"worker {worker.name} could not deliver the reply to "
                                     f"{request.header.reply_to}: {'not reading' if done.error is None else done.error}")
-            if status == "ok":
-                self._count_ok(worker, request, done, now)
+        elif self.detached.get(request_id, (None,))[0] == worker.identity:
+            _, enqueued_at = self.detached.pop(request_id)
+            if done.status != "returned":  # handed back unrun: nobody waits for it any more
+                self._count_done(worker, done, enqueued_at, now)
         self.dispatch(self.services[worker.service])
 
-    def _count_ok(self, worker: WorkerState, request: Request, done: Done, now: float) -> None:
-        worker.completed += 1
+    def detach(self, request: Request) -> None:
+        """``request`` is on a worker and its client left: it is forgotten, but its DONE is still counted."""
+        assert request.worker is not None
+        self.detached[request.request_id] = (request.worker, request.enqueued_at)
+        while len(self.detached) > MAX_DETACHED_IDS:
+            self.detached.popitem(last=False)
+
+    def _count_done(self, worker: WorkerState, done: Done, enqueued_at: float, now: float) -> str:
+        """Count a request's DONE in the metrics; returns its status as counted."""
+        status = done.status if done.status in DONE_STATUSES else "error"
         metrics = self.ctx.metrics
-        metrics.tokens.labels(service=worker.service).inc(done.tokens or 0)
-        metrics.reply_bytes.labels(service=worker.service).inc(done.nbytes or 0)
-        metrics.latency.labels(service=worker.service).observe(now - request.enqueued_at)
+        metrics.completed.labels(service=worker.service, status=status).inc()
+        if status == "ok":
+            worker.completed += 1
+            metrics.tokens.labels(service=worker.service).inc(done.tokens or 0)
+            metrics.reply_bytes.labels(service=worker.service).inc(done.nbytes or 0)
+            metrics.latency.labels(service=worker.service).observe(now - enqueued_at)
+        return status
 
     def orphan(self, service: ServiceState, worker: WorkerState, reason: str, died: bool) -> None:
         """``worker`` is gone: each request it held goes back to the front of its queue, or fails (bound, or

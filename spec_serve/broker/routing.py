@@ -131,8 +131,9 @@ class Router:
         for request_id in client.requests:
             request = self.requests.pop(request_id, None)
             if request is not None and request.worker is not None:
-                # Its worker finishes and discards the reply, but the slot is free
-                # now: a vanished client must not hold a worker for the reply timeout.
+                # Its worker finishes (its DONE is still counted), but the slot is free now: a vanished
+                # client must not hold a worker for the reply timeout.
+                self.dispatcher.detach(request)
                 worker = self.registry.get(request.worker)
                 if worker is not None:
                     worker.inflight.discard(request_id)

@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from spec_serve.broker.state import ClientState, RequestTable, ServiceState, WorkerState
-from spec_serve.protocol import wire
+from spec_serve.protocol import wire_format
 from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
 from spec_serve.protocol.messages import WorkerSetVocab
-from spec_serve.supervision.contract import validate_vocab_mapping
-from spec_serve.supervision.vocab import mapping_digest
+from spec_serve.supervision.vocab_rule import mapping_digest, validate_mapping
 
 # Draft-vocab mappings one client keeps registered (per service and in all); an honest client needs its
 # current one plus those its pending requests name. Beyond this its oldest registration is dropped.
@@ -35,12 +34,13 @@ class VocabRegistry:
         self.held_bytes = 0
 
     def digest(self, payload: list, vocab_size: int | None) -> str:
-        """The digest of the mapping a SET_VOCAB ``payload`` carries, checked against ``vocab_size``."""
+        """The digest of the mapping a SET_VOCAB ``payload`` carries, checked against ``vocab_size``; read
+        as numpy arrays (the broker never imports torch)."""
         try:
-            tensors = wire.decode(payload, max_bytes=self.max_message_bytes)
-            ids, mask = tensors["selected_token_ids"], tensors["selected_token_mask"]
-            validate_vocab_mapping(ids, mask, vocab_size)
-        except (wire.WireError, KeyError, ValueError) as e:
+            spans, _ = wire_format.parse_raw(payload, max_bytes=self.max_message_bytes)
+            ids, mask = spans["selected_token_ids"].array(), spans["selected_token_mask"].array()
+            validate_mapping(ids, mask, vocab_size)
+        except (KeyError, ValueError) as e:  # WireError is a ValueError
             raise BadMapping(f"bad vocab mapping: {e}") from None
         return mapping_digest(ids, mask)
 

@@ -15,7 +15,7 @@ from spec_serve.broker.services import ServiceQueues
 from spec_serve.broker.state import ServiceState, WorkerState
 from spec_serve.protocol.commands import WORKER_TAG, Message, ProtocolError, WorkerCommand, control, encode_header
 from spec_serve.protocol.messages import Ready, Refused
-from spec_serve.supervision.contract import TargetInfo
+from spec_serve.supervision.target_info import TargetInfo
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.broker")

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ENGINES = {
     "hf": ("spec_serve.engines.hf", "HFTarget", None),
     "vllm": ("spec_serve.engines.vllm", "VLLMTarget", "vllm"),
@@ -40,6 +38,8 @@ def engine_dead(exc: BaseException) -> bool:
     """Whether ``exc`` leaves the engine unable to serve: :class:`EngineDead` (vLLM's EngineDeadError
     is turned into it), a torch out-of-memory error, or a CUDA/accelerator error (after one, every
     later kernel on the device fails too)."""
+    import torch  # here, not at the top: `spec-serve --help` imports engines.options, which needs no torch
+
     if isinstance(exc, (EngineDead, torch.OutOfMemoryError)):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8

@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from spec_serve.supervision.contract import Kind, TargetInfo
+from spec_serve.supervision.contract import Kind
+from spec_serve.supervision.target_info import TargetInfo
 
 
 class HasWeight(Protocol):

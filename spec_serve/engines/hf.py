@@ -19,7 +19,8 @@ import torch
 from spec_serve.engines import compiled, packing
 from spec_serve.engines.checkpoint import fingerprint, parse_dtype
 from spec_serve.supervision import assemble, contract
-from spec_serve.supervision.contract import Kind, TargetInfo
+from spec_serve.supervision.contract import Kind
+from spec_serve.supervision.target_info import TargetInfo
 from spec_serve.supervision.vocab import VocabMappingSlot
 
 

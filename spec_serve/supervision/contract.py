@@ -10,9 +10,11 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
+
+from spec_serve.supervision.target_info import TargetInfo
+from spec_serve.supervision.vocab_rule import IDS_RULE, MASK_RULE, validate_mapping
 
 
 class Kind(str, enum.Enum):
@@ -114,77 +116,20 @@ def validate_request(
         raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo} max {hi}")
 
 
-@dataclasses.dataclass(frozen=True)
-class TargetInfo:
-    """What a worker serves; checked by the client at setup."""
-
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    aux_layer_ids: tuple[int, ...]
-    dspark_layer_ids: tuple[int, ...]
-    model_name: str
-    dtype: str
-    engine: str
-    fingerprint: str
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        d["dspark_layer_ids"] = list(self.dspark_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TargetInfo:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        missing = fields - set(d)
-        if missing:
-            raise ValueError(f"target info lacks fields {sorted(missing)}")
-        kw = {k: d[k] for k in fields}
-        kw["aux_layer_ids"] = tuple(int(i) for i in kw["aux_layer_ids"])
-        kw["dspark_layer_ids"] = tuple(int(i) for i in kw["dspark_layer_ids"])
-        return cls(**kw)
-
-    def mismatches(self, other: TargetInfo | Mapping[str, Any], *, ignore: Sequence[str] = ()) -> dict[str, tuple]:
-        """Fields whose values differ, as ``{field: (ours, theirs)}``.
-
-        ``other`` may be a partial mapping: only the fields it names are compared.
-        """
-        theirs = other.to_dict() if isinstance(other, TargetInfo) else dict(other)
-        ours = self.to_dict()
-        out = {}
-        for k, v in theirs.items():
-            if k in ignore:
-                continue
-            if k not in ours:
-                raise ValueError(f"unknown target info field {k!r}")
-            a = list(v) if isinstance(v, (tuple, list)) else v
-            if ours[k] != a:
-                out[k] = (ours[k], a)
-        return out
-
-
 def validate_vocab_mapping(
     selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor, vocab_size: int | None = None
 ) -> None:
-    """Raise ``ValueError`` unless (ids, mask) is a consistent draft-vocab mapping.
+    """Raise ``ValueError`` unless (ids, mask) is a consistent draft-vocab mapping (``vocab_rule.py``).
 
     ``selected_token_ids``: int64 ``[Vd]``, distinct target ids in ``[0, V)``;
     ``selected_token_mask``: bool ``[V]``, True exactly at those ids.
     """
     ids, mask = selected_token_ids, selected_token_mask
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError("selected_token_ids must be a non-empty 1-D int64 tensor")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
-        raise ValueError("selected_token_mask must be a 1-D bool tensor")
-    if vocab_size is not None and mask.numel() != vocab_size:
-        raise ValueError(f"selected_token_mask has {mask.numel()} entries, the target vocab has {vocab_size}")
-    if int(ids.min()) < 0 or int(ids.max()) >= mask.numel():
-        raise ValueError(f"selected_token_ids must lie in [0, {mask.numel()})")
-    if torch.unique(ids).numel() != ids.numel():
-        raise ValueError("selected_token_ids must be distinct")
-    if int(mask.sum()) != ids.numel() or not bool(mask[ids].all()):
-        raise ValueError("selected_token_mask must be True exactly at selected_token_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise ValueError(IDS_RULE)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(MASK_RULE)
+    validate_mapping(ids.detach().cpu().numpy(), mask.detach().cpu().numpy(), vocab_size)
 
 
 # name -> (dtype, shape): what a reply must hold.

@@ -8,7 +8,6 @@ draft index order follows target id order.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 
 import torch
@@ -94,11 +93,3 @@ class VocabMappingSlot:
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Copies of the current ``(selected_token_ids, selected_token_mask)`` on CPU, or ``None``."""
         return None if self._cpu is None else (self._cpu[0].clone(), self._cpu[1].clone())
-
-
-def mapping_digest(ids: torch.Tensor, mask: torch.Tensor) -> str:
-    """Content address of a draft-vocab mapping: equal mappings, equal digests."""
-    h = hashlib.sha256()
-    h.update(ids.contiguous().view(-1).numpy().tobytes())
-    h.update(mask.contiguous().view(-1).to(dtype=mask.dtype).numpy().tobytes())
-    return h.hexdigest()[:32]

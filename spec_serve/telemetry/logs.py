@@ -7,14 +7,17 @@ import os
 import sys
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+# The name of the stderr handler ``setup`` adds: one per process, whoever else handles these records.
+HANDLER_NAME = "spec_serve.stderr"
 
 
 def setup(level: str | int | None = None) -> None:
     """Configure the root spec_serve logger once (WARNING unless told otherwise)."""
     level = level or os.environ.get("SPEC_SERVE_LOG_LEVEL", "WARNING")
     root = logging.getLogger("spec_serve")
-    if not root.handlers:
+    if not any(h.get_name() == HANDLER_NAME for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
+        handler.set_name(HANDLER_NAME)
         handler.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(handler)
         root.propagate = False

@@ -403,6 +403,7 @@ def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, nam
         nbytes, outputs = 0, []  # the timed results, kept (the futures hold them anyway) and verified after
         for i, f in enumerate(futures):
             out = f.result()
+            _mark_done(done_at, i, f)  # result() may return before the done callback has run
             if i >= warmup:
                 nbytes += _nbytes(out)
                 outputs.append(out)

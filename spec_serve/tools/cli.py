@@ -96,7 +96,7 @@ def _endpoint(mode: str, expect: str, default_port: int):
     """A click callback validating an endpoint flag that ``mode`` ("bind" or "connect") uses; its
     error names the flag."""
     def callback(ctx, param, value):
-        from spec_serve.transport import sockets  # imports torch: not at `spec-serve --help`
+        from spec_serve.transport import sockets  # imports pyzmq: not at `spec-serve --help`
 
         if value is None:  # a default the command works out itself
             return None

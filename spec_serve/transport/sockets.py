@@ -44,7 +44,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from spec_serve.protocol.wire import MAX_FRAME_BYTES
+from spec_serve.protocol.wire_format import MAX_FRAME_BYTES
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.security")

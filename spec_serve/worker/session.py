@@ -28,7 +28,7 @@ from spec_serve.protocol.commands import (
     parse_control,
 )
 from spec_serve.protocol.messages import Disconnect, Done, Leave, Ready, Refused
-from spec_serve.supervision.contract import TargetInfo
+from spec_serve.supervision.target_info import TargetInfo
 from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
