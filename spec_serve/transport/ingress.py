@@ -57,6 +57,10 @@ GRANT_BYTES = 64 << 10
 _TCP_INFO_LEN = 136
 _BYTES_RECEIVED_OFFSET = 128  # struct tcp_info.tcpi_bytes_received (Linux >= 4.1)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+# Bytes arriving on a descriptor wake its EPOLLIN waiters, but epoll reports an edge only if the descriptor is
+# still ready when asked, and libzmq has usually read them by then. A TCP socket is writable, so asking for
+# EPOLLOUT too reports every such wake-up.
+_ARRIVALS = select.EPOLLIN | select.EPOLLOUT | select.EPOLLET
 # A CURVE frame travels as a MESSAGE command: 8-byte name, 8-byte nonce, 16-byte MAC, 1 flags byte.
 _CURVE_FRAME_OVERHEAD = 33
 
@@ -101,6 +105,8 @@ class Ingress:
         self.bytes: dict[int, int] = {}
         self.count: dict[int, int] = {}
         self._sock = sock
+        # Watcher thread only: fd -> (bytes, messages) delivered through connections on it that have ended.
+        self._retired: dict[int, tuple[int, int]] = {}
         self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str]] = collections.deque()
         # Owner progress (``waiting``): polls entered, whether it is in one now; None: not reported.
         self._polls: int | None = None
@@ -261,7 +267,7 @@ class _Watcher(threading.Thread):
         for ingress, (monitor, conns) in list(self._watched.items()):
             if ingress._closed.is_set():
                 for conn in list(conns.values()):
-                    self._forget(conns, conn)
+                    self._forget(ingress, conns, conn)
                 poller.unregister(monitor)
                 monitor.close(0)
                 del self._watched[ingress]
@@ -281,24 +287,27 @@ class _Watcher(threading.Thread):
             if msg["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 peer = _borrow(fd, socket.socket.getpeername)
                 if peer is not None and _borrow(fd, _received) is not None:
-                    # Counted from the connection's first byte: a flood that began before this event is not forgiven.
-                    conn = conns[fd] = self._owners[fd] = _Conn(fd, peer, -ingress.bytes.get(fd, 0),
-                                                                ingress.count.get(fd, 0))
+                    # Counted from the connection's first byte: a flood that began before this event is not forgiven,
+                    # and what the owner was handed from it before is its own (only an ended connection's is not).
+                    delivered, count = ingress._retired.get(fd, (0, 0))
+                    conn = conns[fd] = self._owners[fd] = _Conn(fd, peer, -delivered, count)
                     self._listen(fd)
                     conn.held = -1  # checked in this round
             elif fd in conns:
-                self._forget(conns, conns[fd])
+                self._forget(ingress, conns, conns[fd])
 
     def _listen(self, fd: int) -> None:
         try:
-            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
+            self._epoll.register(fd, _ARRIVALS)
         except FileExistsError:  # a reused descriptor whose old registration is still there
-            self._epoll.modify(fd, select.EPOLLIN | select.EPOLLET)
+            self._epoll.modify(fd, _ARRIVALS)
         except OSError:  # already closed: the sweep still finds nothing to check
             pass
 
-    def _forget(self, conns: dict[int, _Conn], conn: _Conn) -> None:
+    def _forget(self, ingress: Ingress, conns: dict[int, _Conn], conn: _Conn) -> None:
+        """Stop watching ``conn``; what was delivered through its descriptor so far is not the next one's."""
         conns.pop(conn.fd, None)
+        ingress._retired[conn.fd] = (ingress.bytes.get(conn.fd, 0), ingress.count.get(conn.fd, 0))
         if self._owners.get(conn.fd) is conn:  # not if the descriptor already serves a newer connection
             del self._owners[conn.fd]
             try:
@@ -320,7 +329,7 @@ class _Watcher(threading.Thread):
                 continue  # nothing arrived and nothing was delivered: its count stands
             received = _borrow(fd, _received)
             if received is None:
-                self._forget(conns, conn)
+                self._forget(ingress, conns, conn)
                 continue
             self._account(ingress, conn, received, count)
             if conn.held > per_connection and not conn.draining:
@@ -345,7 +354,7 @@ class _Watcher(threading.Thread):
         conn.held = excess
 
     def _drop(self, ingress: Ingress, conns: dict[int, _Conn], conn: _Conn, why: str) -> None:
-        self._forget(conns, conn)
+        self._forget(ingress, conns, conn)
         if _borrow(conn.fd, _shutdown_if(conn.peer)):
             ingress.dropped += 1
             event(log, logging.WARNING, "ingress.dropped", socket=ingress.name, peer=f"{conn.peer[0]}:{conn.peer[1]}",
