@@ -65,16 +65,23 @@ log = logging.getLogger("spec_serve.broker")
 
 # Messages drained from one socket before looking at the other (fairness).
 DRAIN_BATCH = 64
+# Each socket's bounds (transport/ingress.py): the bytes on the wire of a message that is not whole yet,
+# per connection (over the largest message a peer of that side sends, and a read of libzmq's) and for all
+# together; and a connection's backlog, what it may hold undelivered while the broker is too busy to read:
+# READ_AHEAD whole messages (libzmq reads no further ahead: the socket's RCVHWM), one read, one unfinished.
+# libzmq keeps up to 32 times the wire bytes for a message of empty frames (64 bytes a frame, 2 on the wire).
 # Workers send the broker control messages only: no frame above a header, little per connection.
 BACKEND_FRAME_BYTES = MAX_HEADER_BYTES + 4096
 BACKEND_CONNECTION_BYTES = 2 * MAX_HEADER_BYTES
 BACKEND_TOTAL_BYTES = 8 << 20
+BACKEND_READ_AHEAD = 16
+BACKEND_BACKLOG_BYTES = (BACKEND_READ_AHEAD + 2) * BACKEND_CONNECTION_BYTES
 # Clients send payloads in parts (protocol.commands.in_parts): no message above a part and a header.
-# Bytes on the wire that libzmq holds before a message is whole, per connection and for all together;
-# libzmq keeps up to 32 times that for a message of empty frames (64 bytes a frame, 2 on the wire).
 FRONTEND_FRAME_BYTES = max(PART_BYTES, MAX_HEADER_BYTES) + 4096
 FRONTEND_CONNECTION_BYTES = PART_BYTES + 2 * MAX_HEADER_BYTES
 FRONTEND_TOTAL_BYTES = 16 << 20
+FRONTEND_READ_AHEAD = 4
+FRONTEND_BACKLOG_BYTES = (FRONTEND_READ_AHEAD + 2) * FRONTEND_CONNECTION_BYTES
 # A peer on the wrong port is answered every time, but logged once per this many seconds.
 WRONG_PORT_LOG_INTERVAL_S = 60.0
 # How long a stopping broker lets its last words to clients and workers leave before it closes.
@@ -180,8 +187,9 @@ class Broker:
         }
         # Messages are read frame by frame; one with more frames than its kind has is refused unread.
         self.readers = {self.frontend: BoundedReader(self.frontend, lambda head: frame_limit(head, PART_FRAMES),
-                                                     router=True),
-                        self.backend: BoundedReader(self.backend, lambda head: frame_limit(head, 0), router=True)}
+                                                     router=True, ingress=self.ingress[self.frontend]),
+                        self.backend: BoundedReader(self.backend, lambda head: frame_limit(head, 0), router=True,
+                                                    ingress=self.ingress[self.backend])}
         self._refusal_log = Throttle(WRONG_PORT_LOG_INTERVAL_S)
         self._stalled = False  # a refused message was being discarded at the last tick
         self._snapshot = Snapshot(stall_s=max(LOOP_STALL_S, 2 * heartbeat_interval * liveness))
@@ -199,14 +207,19 @@ class Broker:
                                     max_frame_bytes=FRONTEND_FRAME_BYTES)
         self.backend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.worker_keys,
                                    max_frame_bytes=BACKEND_FRAME_BYTES)
+        # Set before binding: a connection's pipe takes the high-water mark it had when it connected.
+        self.frontend.setsockopt(zmq.RCVHWM, FRONTEND_READ_AHEAD)
+        self.backend.setsockopt(zmq.RCVHWM, BACKEND_READ_AHEAD)
         front = None
         try:
             with _binding("frontend", frontend):
                 front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
-                                per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES)
+                                per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES,
+                                backlog=FRONTEND_BACKLOG_BYTES)
             with _binding("backend", backend):
                 back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
-                               per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES)
+                               per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES,
+                               backlog=BACKEND_BACKLOG_BYTES)
         except BindError:  # the one that failed closed its socket; close the rest
             if front is not None:
                 front.close()
@@ -232,11 +245,11 @@ class Broker:
         try:
             while not self._stop.is_set():
                 self._snapshot.turned(time.monotonic())
-                events = self._poll(poller, tick)
-                if self.backend in events:
-                    self._drain(self.backend, self.process_worker)
-                if self.frontend in events:
-                    self._drain(self.frontend, self.process_client)
+                poller.poll(int(tick * 1000))
+                # Every turn reads both sockets until a read finds nothing: that read tells their ingress
+                # watchers no whole message waits, even on a turn the poll did not wake for them.
+                self._drain(self.backend, self.process_worker)
+                self._drain(self.frontend, self.process_client)
                 now = time.monotonic()
                 if now >= next_tick:
                     self._tick(now)
@@ -253,16 +266,6 @@ class Broker:
             self.frontend.close(linger)
             self.backend.close(linger)
             event(log, logging.INFO, "broker.stop")
-
-    def _poll(self, poller: zmq.Poller, timeout_s: float) -> dict:
-        """Wait for either socket; the ingress watchers know we are waiting (not too busy to read)."""
-        for ingress in self.ingress.values():
-            ingress.waiting(True)
-        try:
-            return dict(poller.poll(int(timeout_s * 1000)))
-        finally:
-            for ingress in self.ingress.values():
-                ingress.waiting(False)
 
     def _tick(self, now: float) -> None:
         """Once a heartbeat interval: expire what is overdue and heartbeat every peer. While a refused message
@@ -309,7 +312,6 @@ class Broker:
             frames = self.readers[sock].read()
             if frames is None:  # nothing more now, or a refused message still being thrown away
                 return
-            self.ingress[sock].delivered(frames.frames if isinstance(frames, Overlong) else frames)
             if isinstance(frames, Overlong):
                 self._refuse(sock, frames)
                 continue

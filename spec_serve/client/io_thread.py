@@ -148,7 +148,8 @@ class ClientIO(threading.Thread):
         self.data = make_socket(self.ctx, zmq.PULL, security=security, admit=self.data_keys)
         # Workers may push at most the replies we wait for (and one late duplicate) before we see them whole.
         self.data_ingress = Ingress(self.data, "client.data", total=self._reply_room, bind=data_bind)
-        self._readers[self.data] = BoundedReader(self.data, lambda head: reply_frame_limit(self.max_message_bytes))
+        self._readers[self.data] = BoundedReader(self.data, lambda head: reply_frame_limit(self.max_message_bytes),
+                                                 ingress=self.data_ingress)
         self.data_endpoint = bound_endpoint(self.data)
         if data_bind.startswith("ipc://"):
             self._ipc_files.append(data_bind[len("ipc://"):])
@@ -294,14 +295,8 @@ class ClientIO(threading.Thread):
             self._shut_down()
 
     def _poll(self) -> dict:
-        """Wait for a socket or a call; the data socket's ingress watcher knows we are waiting (so replies
-        that wait while we are busy are not taken for a peer that never ends its message)."""
-        assert self.data_ingress is not None  # opened in __init__
-        self.data_ingress.waiting(True)
-        try:
-            return dict(self._poller.poll(int(min(self.heartbeat_interval, 0.1) * 1000)))
-        finally:
-            self.data_ingress.waiting(False)
+        """Wait for a socket or a call."""
+        return dict(self._poller.poll(int(min(self.heartbeat_interval, 0.1) * 1000)))
 
     def _run_calls(self, events: dict) -> None:
         """What user threads handed us (``call``)."""
@@ -318,8 +313,9 @@ class ClientIO(threading.Thread):
         if self.dealer in events:
             self._broker_expiry = now + self.heartbeat_interval * self.liveness
             self._drain(self.dealer, self._on_control)
-        if self.data in events:
-            self._drain(self.data, self.replies.on_data)
+        # Read every turn until a read finds nothing: that read tells the data socket's ingress watcher no
+        # whole reply waits, even on a turn the poll did not wake for it.
+        self._drain(self.data, self.replies.on_data)
 
     def _keep_alive(self, now: float) -> None:
         """Heartbeat the broker; a fresh socket when it stayed silent past its liveness window."""
@@ -350,9 +346,6 @@ class ClientIO(threading.Thread):
             frames = self._readers[sock].read()
             if frames is None:  # nothing more now, or a refused message still being thrown away
                 return
-            if sock is self.data:
-                assert self.data_ingress is not None  # opened with the data socket
-                self.data_ingress.delivered(frames.frames if isinstance(frames, Overlong) else frames)
             if isinstance(frames, Overlong):
                 self._refuse(sock, frames)
                 continue

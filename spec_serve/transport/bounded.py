@@ -10,15 +10,21 @@ read, and discards the rest without building objects (``recv_into`` a small scra
 ``DISCARD_SLICE`` frames per call, so the owner's loop keeps serving its other sockets and timers while
 a refused message is discarded. Invariant: a socket's owner never holds more than ``limit`` frames of
 one message, and never spends more than ``DISCARD_SLICE`` frame reads in one call.
+
+A watched socket's reader tells its ``Ingress`` of every message it reads and of every read that found
+none waiting, so the ingress watcher learns both from the one place the owner reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
+
+if TYPE_CHECKING:
+    from spec_serve.transport.ingress import Ingress
 
 # Frames discarded per call while a refused message is drained (a few ms).
 DISCARD_SLICE = 20_000
@@ -46,11 +52,14 @@ class Overlong:
 class BoundedReader:
     """Reads ``sock``'s messages (owner thread only). ``limit(head)`` gets the first frames of a message
     (after a ROUTER's identity; up to its tag and command) and returns the most frames it may have, the
-    identity not counted."""
+    identity not counted. ``ingress``: the socket's watcher, told of each read (``Ingress.delivered``,
+    ``Ingress.emptied``)."""
 
-    def __init__(self, sock: zmq.SyncSocket, limit: Callable[[list[Any]], int], *, router: bool = False):
+    def __init__(self, sock: zmq.SyncSocket, limit: Callable[[list[Any]], int], *, router: bool = False,
+                 ingress: Ingress | None = None):
         self.sock = sock
         self.limit = limit
+        self.ingress = ingress
         self.skip = 1 if router else 0  # the identity frame: not on the wire, not counted
         self.discarded = 0  # frames of refused messages thrown away, ever
         self._discarding = False
@@ -65,6 +74,8 @@ class BoundedReader:
         try:
             frame = self.sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
+            if self.ingress is not None:
+                self.ingress.emptied()
             return None
         frames = [frame]
         # Later frames of a message are there at once: libzmq delivers only whole messages.
@@ -73,6 +84,8 @@ class BoundedReader:
         limit = self.limit(frames[self.skip:])
         while frames[-1].more and len(frames) < self.skip + limit:
             frames.append(self.sock.recv(zmq.NOBLOCK, copy=False))
+        if self.ingress is not None:
+            self.ingress.delivered(frames)
         if not frames[-1].more:
             return frames
         self._discarding = True

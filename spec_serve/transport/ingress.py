@@ -8,23 +8,31 @@ learns every TCP connection of a watched socket from the socket monitor, reads h
 has read from it (the kernel's ``TCP_INFO`` ``tcpi_bytes_received`` less its unread queue, ``FIONREAD``),
 and subtracts what the socket's owner was handed from that connection (every message names its
 connection, ``ZMQ_SRCFD``).
-A connection whose unaccounted bytes pass ``per_connection``, or the largest one when a socket's
-connections together pass ``total``, is shut down, and libzmq frees the partial message with it.
-A connection the owner is still draining (a message of it was delivered since the check before) is
-spared: its bytes may be whole messages waiting in libzmq's queue. A message that never ends stops
-every delivery from its connection (a connection is one ordered stream), so it is never spared.
 
-Invariant, checked every ``CHECK_INTERVAL_S``: a connection that is not draining holds at most
-``per_connection + GRANT_BYTES`` bytes that were not delivered, plus what arrives within two checks
-(the link's rate times the interval); a socket at most ``total`` plus the same. Bytes that are
-never delivered (ZMTP handshakes and heartbeats) are forgiven up to ``GRANT_BYTES`` each time the
-connection delivers a message. Only TCP is watched: ``ipc://`` sockets have no byte counter (their
-file mode admits only the owner's user).
+Those undelivered bytes are of two kinds the count cannot tell apart: whole messages libzmq read
+ahead of a busy owner (up to the socket's ``RCVHWM`` messages a connection), and the message a peer
+has not finished. Only the second is the peer's fault, so a connection is judged on what the owner
+has proven: once the owner found its socket empty (``emptied``) after a measure, every whole message
+that had arrived by that measure has been handed over, and what it counted still undelivered belongs
+to a message that is not whole (or to libzmq's last read, not queued yet: at most a message and
+8 KiB). libzmq's fair queue proves the same when the owner keeps reading without ever finding the
+socket empty: it reads the connections with a whole message in turn, one message each, and looks
+for connections that filled up at least every 100 reads, so a connection that delivered nothing
+while the owner read ``FAIR_SHARE_READS`` messages plus two per connection had no whole message
+waiting either. The owner reports both through its
+``BoundedReader`` (``delivered``, ``emptied``) and reads each watched socket every turn of its loop,
+until a read finds nothing; nothing is proven while it does not read, whatever keeps it (a long
+handler, a thread not scheduled on a loaded host).
 
-An owner that says when it waits in its poll (``waiting``) is not blamed on its peers: while it has
-been busy since before the last check (a long handler, a descheduled process), whole messages may
-wait unread behind it, so connections are cut only past ``STALLED_FACTOR`` times the bounds. Once it
-polls again, a connection that holds too much and delivered nothing holds part of a message.
+Invariants, checked every ``CHECK_INTERVAL_S`` (each plus what the link carries until the check that
+finds it past): a connection holds at most ``backlog`` undelivered bytes, however long its owner does
+not read (the owner sizes it over what an honest peer may have there: its ``RCVHWM`` messages read
+ahead, one being read, one unfinished); at most ``per_connection`` proven unfinished (sized over the
+largest message an honest peer sends and 8 KiB); and the socket's connections together at most
+``total`` proven unfinished (the largest are cut first). A connection cut is shut
+down, and libzmq frees the partial message with it. Bytes that are never delivered (ZMTP handshakes
+and heartbeats) are forgiven up to ``GRANT_BYTES`` each time the connection delivers a message. Only
+TCP is watched: ``ipc://`` sockets have no byte counter (their file mode admits only the owner's user).
 """
 
 from __future__ import annotations
@@ -50,8 +58,11 @@ from spec_serve.telemetry.logs import event
 log = logging.getLogger("spec_serve.ingress")
 
 CHECK_INTERVAL_S = 0.01
-# While the owner is busy, the bounds stretch this many times (it may just be slow to read whole messages).
-STALLED_FACTOR = 8
+# Messages the owner reads, beyond two per connection, before a connection that delivered none of them is
+# proven to have no whole message waiting: libzmq looks for connections that filled up (activates their
+# pipes) at least every 100 reads (its inbound_poll_rate), then serves each in turn; two per connection
+# covers those the monitor reports a round late.
+FAIR_SHARE_READS = 128
 # Unaccounted bytes (handshake, ZMTP heartbeats) forgiven per delivered message.
 GRANT_BYTES = 64 << 10
 _TCP_INFO_LEN = 136
@@ -74,19 +85,42 @@ def wire_bytes(nbytes: int, curve: bool) -> int:
 Budget: TypeAlias = "int | Callable[[], int]"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Measure:
+    """One count of a connection: the bytes libzmq read from it less those delivered and forgiven (``held``),
+    what the owner had been handed from it just before (``delivered`` bytes, ``count`` messages), and the
+    owner's (empties, reads) just after (``progress``)."""
+
+    held: int
+    delivered: int
+    count: int
+    progress: tuple[int, int]
+
+    def undelivered(self, delivered: int) -> int:
+        """Of the bytes counted then, those still undelivered once the owner has delivered ``delivered``
+        (read later: a message delivered in between is not counted)."""
+        return self.held - (delivered - self.delivered)
+
+
 @dataclasses.dataclass
 class _Conn:
     fd: int
     peer: tuple[Any, ...]
     base: int  # received - delivered bytes already accounted for (forgiven)
-    seen: int  # delivered message count at the last check
-    held: int = 0  # undelivered bytes at the last check
-    draining: bool = False  # a message was delivered since the check before
+    seen: int  # messages delivered from it at the last measure
+    last: _Measure | None = None  # the latest measure (None: measured in this round)
+    mark: _Measure | None = None  # the measure the owner's reads have yet to prove unfinished, or not
+    unfinished: int = 0  # bytes last proven part of a message that is not whole; 0 once it delivers again
 
 
 class Ingress:
-    """The bound on one socket. The owner thread calls ``delivered`` with every message it receives
-    (``copy=False`` frames) and ``close`` before closing the socket.
+    """The bound on one socket. Its ``BoundedReader`` reports every message the owner reads
+    (``delivered``) and every read that found none waiting (``emptied``); the owner calls ``close``
+    before closing the socket.
+
+    ``backlog`` (default ``per_connection``: the budget already covers all a peer may send) bounds a
+    connection's undelivered bytes whatever the owner does; ``per_connection`` and ``total`` bound the
+    bytes proven to belong to unfinished messages (module docstring).
 
     Give the socket's ``bind``/``connect`` endpoint here rather than to ``make_socket``: the monitor
     must be in place before the first connection, or that connection goes unwatched. If binding or
@@ -94,24 +128,25 @@ class Ingress:
     """
 
     def __init__(self, sock: zmq.SyncSocket, name: str, *, total: Budget, per_connection: Budget | None = None,
-                 router: bool = False, bind: str | None = None, connect: str | None = None) -> None:
+                 backlog: Budget | None = None, router: bool = False, bind: str | None = None,
+                 connect: str | None = None) -> None:
         self.name = name
         self.total = total
         self.per_connection = total if per_connection is None else per_connection
+        self.backlog = self.per_connection if backlog is None else backlog
         self.router = router
         self.curve = sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
         self.dropped = 0  # connections shut down for holding too much
-        # fd -> delivered bytes / messages; written by the owner thread only, read by the watcher.
+        # Written by the owner thread only, read by the watcher: fd -> delivered bytes / messages; the
+        # messages read from every connection, and the reads that found none waiting.
         self.bytes: dict[int, int] = {}
         self.count: dict[int, int] = {}
+        self.reads = 0
+        self.empties = 0
         self._sock = sock
         # Watcher thread only: fd -> (bytes, messages) delivered through connections on it that have ended.
         self._retired: dict[int, tuple[int, int]] = {}
         self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str]] = collections.deque()
-        # Owner progress (``waiting``): polls entered, whether it is in one now; None: not reported.
-        self._polls: int | None = None
-        self._in_poll = False
-        self._polls_seen = 0
         self._closed = threading.Event()
         self._closed_ack = threading.Event()
         _watcher().add(self, sock.get_monitor_socket(_EVENTS))
@@ -126,7 +161,8 @@ class Ingress:
             raise
 
     def delivered(self, frames: list[zmq.Frame]) -> None:
-        """Account one received message (a ROUTER's identity frame is not on the wire)."""
+        """Owner thread: account one message read (a ROUTER's identity frame is not on the wire)."""
+        self.reads += 1
         parts = frames[1:] if self.router else frames
         if not parts:
             return
@@ -134,20 +170,9 @@ class Ingress:
         self.bytes[fd] = self.bytes.get(fd, 0) + sum(wire_bytes(len(p), self.curve) for p in parts)
         self.count[fd] = self.count.get(fd, 0) + 1
 
-    def waiting(self, now_waiting: bool) -> None:
-        """Owner thread: it enters (True) or leaves (False) the poll that waits for this socket."""
-        if now_waiting:
-            self._polls = (self._polls or 0) + 1
-        self._in_poll = now_waiting
-
-    def responsive(self) -> bool:
-        """Watcher thread, once a check: the owner waited in its poll since the check before (or is in it now),
-        so what a connection holds undelivered is not whole messages the owner had no time to read."""
-        polls = self._polls
-        if polls is None:
-            return True
-        moved, self._polls_seen = polls != self._polls_seen, polls
-        return moved or self._in_poll
+    def emptied(self) -> None:
+        """Owner thread: a read found no message waiting (every whole message that had arrived was read)."""
+        self.empties += 1
 
     def cut(self, fd: int | None, reason: str) -> None:
         """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's next
@@ -290,9 +315,8 @@ class _Watcher(threading.Thread):
                     # Counted from the connection's first byte: a flood that began before this event is not forgiven,
                     # and what the owner was handed from it before is its own (only an ended connection's is not).
                     delivered, count = ingress._retired.get(fd, (0, 0))
-                    conn = conns[fd] = self._owners[fd] = _Conn(fd, peer, -delivered, count)
-                    self._listen(fd)
-                    conn.held = -1  # checked in this round
+                    conns[fd] = self._owners[fd] = _Conn(fd, peer, -delivered, count)
+                    self._listen(fd)  # measured in this round (no last measure)
             elif fd in conns:
                 self._forget(ingress, conns, conns[fd])
 
@@ -321,44 +345,77 @@ class _Watcher(threading.Thread):
             conn = conns.get(fd)
             if peer is not None and (conn is None or conn.peer == peer):  # None: not seen accepted yet
                 self._drop(ingress, conns, conn or _Conn(fd, peer, 0, 0), why)
-        stretch = 1 if ingress.responsive() else STALLED_FACTOR
-        per_connection = stretch * ingress.limit(ingress.per_connection)
+        per_connection, backlog = ingress.limit(ingress.per_connection), ingress.limit(ingress.backlog)
+        share = FAIR_SHARE_READS + 2 * len(conns)
         for fd, conn in list(conns.items()):
-            count = ingress.count.get(fd, 0)
-            if not (sweep or fd in dirty or count != conn.seen or conn.held < 0):
-                continue  # nothing arrived and nothing was delivered: its count stands
-            received = _borrow(fd, _received)
-            if received is None:
-                self._forget(ingress, conns, conn)
+            self._judge(ingress, conn, share)
+            if conn.unfinished > per_connection:
+                self._drop(ingress, conns, conn, f"a message unfinished past {per_connection} bytes")
                 continue
-            self._account(ingress, conn, received, count)
-            if conn.held > per_connection and not conn.draining:
-                self._drop(ingress, conns, conn, f"more than {per_connection} bytes undelivered")
-        total = stretch * ingress.limit(ingress.total)
-        stuck = sorted((c for c in conns.values() if not c.draining), key=lambda c: c.held)
-        while stuck and sum(c.held for c in conns.values()) > total:
-            self._drop(ingress, conns, stuck.pop(), f"connections together past {total} bytes")
+            if not (sweep or fd in dirty or conn.last is None or ingress.count.get(fd, 0) != conn.seen):
+                continue  # nothing arrived and nothing was delivered: its count stands
+            last = self._measure(ingress, conn)
+            if last is None:
+                self._forget(ingress, conns, conn)
+            elif last.undelivered(ingress.bytes.get(fd, 0)) > backlog:
+                self._drop(ingress, conns, conn, f"more than {backlog} bytes undelivered")
+        total = ingress.limit(ingress.total)
+        unfinished = sorted((c for c in conns.values() if c.unfinished > 0), key=lambda c: c.unfinished)
+        together = sum(c.unfinished for c in unfinished)
+        while unfinished and together > total:
+            conn = unfinished.pop()
+            together -= conn.unfinished
+            self._drop(ingress, conns, conn, f"unfinished messages together past {total} bytes")
 
     @staticmethod
-    def _account(ingress: Ingress, conn: _Conn, received: int, count: int) -> None:
-        excess = received - ingress.bytes.get(conn.fd, 0) - conn.base
-        if excess < 0:  # more accounted than received: a reused descriptor's counts; start afresh
+    def _judge(ingress: Ingress, conn: _Conn, share: int) -> None:
+        """Settle ``conn.mark`` if the owner's reads since prove what it counted undelivered part of a message
+        that is not whole (module docstring), or show it may not be (the connection delivered since); then
+        the latest measure is next. Otherwise it waits for more reads."""
+        mark = conn.mark
+        if mark is None:
+            return
+        empties, reads = ingress.empties, ingress.reads  # before the connection's own counts (they only grow)
+        count, delivered = ingress.count.get(conn.fd, 0), ingress.bytes.get(conn.fd, 0)
+        if empties > mark.progress[0] or (count == mark.count and reads - mark.progress[1] >= share):
+            conn.unfinished = max(0, mark.undelivered(delivered))
+        elif count != mark.count:
+            conn.unfinished = 0
+        else:
+            return
+        conn.mark = conn.last
+
+    @staticmethod
+    def _measure(ingress: Ingress, conn: _Conn) -> _Measure | None:
+        """Count what ``conn`` holds undelivered now; None if it is no TCP connection (any more). What was
+        delivered is read before what was received, so a message cannot count as delivered but not received,
+        and the owner's progress after, so it proves things about no byte that arrived later."""
+        count, delivered = ingress.count.get(conn.fd, 0), ingress.bytes.get(conn.fd, 0)
+        received = _borrow(conn.fd, _received)
+        if received is None:
+            return None
+        progress = (ingress.empties, ingress.reads)
+        excess = received - delivered - conn.base
+        if excess < 0:  # more delivered than received and not forgiven (a grant forgave bytes later delivered,
+            # or an ended connection's last messages were counted to this one): start afresh
             conn.base += excess
             excess = 0
-        conn.draining = count != conn.seen
-        if conn.draining:  # a message was delivered: forgive what never reaches the owner
-            conn.seen = count
+        if count != conn.seen:  # a message was delivered: forgive what never reaches the owner
             grant = min(excess, GRANT_BYTES)
             conn.base += grant
             excess -= grant
-        conn.held = excess
+        conn.seen = count
+        conn.last = _Measure(excess, delivered, count, progress)
+        if conn.mark is None:
+            conn.mark = conn.last
+        return conn.last
 
     def _drop(self, ingress: Ingress, conns: dict[int, _Conn], conn: _Conn, why: str) -> None:
         self._forget(ingress, conns, conn)
         if _borrow(conn.fd, _shutdown_if(conn.peer)):
             ingress.dropped += 1
             event(log, logging.WARNING, "ingress.dropped", socket=ingress.name, peer=f"{conn.peer[0]}:{conn.peer[1]}",
-                  held=conn.held, reason=why)
+                  held=conn.last.held if conn.last else 0, unfinished=conn.unfinished, reason=why)
 
 
 _instance: _Watcher | None = None

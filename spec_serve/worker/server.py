@@ -234,8 +234,7 @@ class Worker:
             while not self._stop.is_set():
                 events = dict(poller.poll(5 if self.outbox.busy else int(self._heartbeat_interval * 250)))
                 now = time.monotonic()
-                if self.session.sock in events:
-                    self.session.receive(now)
+                self.session.receive(now)  # every turn, until a read finds nothing (transport/ingress.py)
                 self._collect_results(wake, wake in events, now)
                 self.outbox.flush(now)
                 if self._answered_all():

@@ -93,7 +93,7 @@ class BrokerSession:
         self._ingress = Ingress(sock, "worker.broker", connect=self.broker_url,
                                 total=(self.capacity + 1) * (self.max_message_bytes + CONTROL_SLACK_BYTES))
         self.sock = sock
-        self._reader = BoundedReader(sock, lambda head: frame_limit(head, self._payload_frames))
+        self._reader = BoundedReader(sock, lambda head: frame_limit(head, self._payload_frames), ingress=self._ingress)
         self._poller.register(sock, zmq.POLLIN)
         self._send_ready()
 
@@ -104,7 +104,6 @@ class BrokerSession:
             frames = self._reader.read()
             if frames is None:  # nothing more now, or a refused message still being thrown away
                 break
-            self._ingress.delivered(frames.frames if isinstance(frames, Overlong) else frames)
             if isinstance(frames, Overlong):
                 self._refuse(frames)
                 continue
