@@ -1,0 +1,300 @@
+"""The ingress watcher (spec_serve/transport/ingress.py) on real sockets: it never cuts a peer for whole
+messages its owner has not read yet, however long the owner is busy, and it still cuts a message that
+never ends, by the rule the owner's reads prove.
+
+In-process, over TCP on loopback, with the broker frontend's own bounds: a ROUTER watched by an
+``Ingress``, read by a ``BoundedReader`` on an owner thread that reads as the test says (busy spells,
+never, or never finding the socket empty); honest peers are real libzmq DEALERs sending requests the way
+a client does (``in_parts``), unfinished messages come from a hand-rolled ZMTP peer.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+import uuid
+
+import pytest
+import zmq
+
+from cluster_util import RawZmtpPeer, wait_until
+from spec_serve.broker.server import (
+    FRONTEND_BACKLOG_BYTES,
+    FRONTEND_CONNECTION_BYTES,
+    FRONTEND_READ_AHEAD,
+    FRONTEND_TOTAL_BYTES,
+)
+from spec_serve.protocol.commands import CLIENT_TAG, PART_FRAMES, ClientCommand, control, frame_limit, in_parts
+from spec_serve.transport import ingress as ingress_module
+from spec_serve.transport.bounded import BoundedReader
+from spec_serve.transport.ingress import Ingress
+
+REQUEST_BYTES = 4 << 20  # a request of 16 parts
+FIRST_FRAMES = [CLIENT_TAG, ClientCommand.REQUEST.value, b"svc", uuid.uuid4().bytes, b"{}"]
+
+
+class Owner(threading.Thread):
+    """The socket's one user: reads every message there is (``reads``), in the way ``how`` says:
+    "reads": each turn (a poll of at most 10 ms), until a read finds nothing;
+    "busy": the same, but between turns busy without reading for ``busy_s`` (a long handler, a host so
+    loaded the thread is not scheduled);
+    "never": never reads;
+    "never-empty": reads only while the socket says a message is waiting, so no read ever finds it empty."""
+
+    def __init__(self, sock: zmq.Socket, ingress: Ingress, how: str, busy_s: float = 0.0):
+        super().__init__(daemon=True)
+        self.sock, self.ingress, self.how, self.busy_s = sock, ingress, how, busy_s
+        self.reader = BoundedReader(sock, lambda head: frame_limit(head, PART_FRAMES), router=True, ingress=ingress)
+        self.reads = 0
+        self.commands: collections.Counter[bytes] = collections.Counter()  # messages read, by command
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if self.how == "never":
+                time.sleep(0.01)
+            elif self.how == "never-empty":
+                self._read_while_waiting()
+            else:  # as the broker: every turn reads until a read finds nothing
+                self.sock.poll(10)
+                self._read_until_empty()
+                if self.how == "busy":
+                    time.sleep(self.busy_s)
+
+    def _read_until_empty(self) -> None:
+        while self._read_one():
+            pass
+
+    def _read_while_waiting(self) -> None:
+        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            time.sleep(0.001)  # no read: one now would find the socket empty
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            assert self._read_one()
+
+    def _read_one(self) -> bool:
+        frames = self.reader.read()
+        if frames is None:
+            return False
+        self.reads += 1
+        self.commands[frames[2].bytes] += 1
+        return True
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(10)
+
+
+@pytest.fixture
+def dropped():
+    """The ``ingress.dropped`` lines logged while the test runs."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("ingress.dropped"):
+                lines.append(record.getMessage())
+
+    logger = logging.getLogger("spec_serve.ingress")
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def frontend():
+    """``start(how, busy_s)``: a ROUTER with the broker frontend's read-ahead and bounds, its owner started;
+    returns (endpoint, ingress, owner). Everything is closed after the test."""
+    ctx = zmq.Context()
+    made: list[tuple[zmq.Socket, Ingress, Owner]] = []
+
+    def start(how: str, busy_s: float = 0.0):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, FRONTEND_READ_AHEAD)
+        ingress = Ingress(sock, "test.frontend", router=True, bind="tcp://127.0.0.1:*",
+                          per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES,
+                          backlog=FRONTEND_BACKLOG_BYTES)
+        owner = Owner(sock, ingress, how, busy_s)
+        made.append((sock, ingress, owner))
+        owner.start()
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT), ingress, owner
+
+    yield start
+    for sock, ingress, owner in made:
+        owner.stop()
+        ingress.close()
+        sock.close(0)
+    ctx.destroy(0)
+
+
+def _conns(ingress: Ingress) -> list:
+    """The connections the watcher watches on ``ingress`` (its internal state: what it counted)."""
+    watched = ingress_module._watcher()._watched.get(ingress)
+    return list(watched[1].values()) if watched else []
+
+
+def _request_parts() -> list[list[bytes]]:
+    payload = [bytes(REQUEST_BYTES // PART_FRAMES)] * PART_FRAMES
+    return in_parts(control(CLIENT_TAG, ClientCommand.REQUEST.value, "svc", uuid.uuid4().bytes, {}, payload))
+
+
+@contextlib.contextmanager
+def _small_messages(endpoint: str):
+    """Another peer sends small whole messages as fast as it can meanwhile, so an owner that reads only
+    while one waits ("never-empty") always has one to read."""
+    ctx, stop = zmq.Context(), threading.Event()
+
+    def flood():
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        while not stop.is_set():
+            try:
+                sock.send_multipart(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value), zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.0005)
+        sock.close(0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        flooder.join(10)
+        ctx.destroy(0)
+
+
+def test_whole_messages_a_busy_owner_has_not_read_are_never_cut(frontend, dropped):
+    """A client sends three 4 MiB requests in parts (48 messages, all queued at once) to an owner that spends
+    0.3 s without reading after each turn (a long handler; a loaded host): libzmq reads whole parts ahead of
+    it, up to its read-ahead, more than a connection's bound on an unfinished message, so a watcher that took
+    them for one would cut. Every part arrives and nothing is cut."""
+    endpoint, ingress, owner = frontend("busy", busy_s=0.3)
+    parts = [part for _ in range(3) for part in _request_parts()]
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.SNDHWM, 0)  # as a client: every part queued at once
+    client.connect(endpoint)
+    most = 0
+    try:
+        for part in parts:
+            client.send_multipart(part)
+        deadline = time.monotonic() + 60
+        while owner.reads < len(parts) and time.monotonic() < deadline and not ingress.dropped:
+            most = max([most, *(c.last.undelivered(ingress.bytes.get(c.fd, 0)) for c in _conns(ingress) if c.last)])
+            time.sleep(0.002)
+    finally:
+        ctx.destroy(0)
+    print(f"\n{owner.reads}/{len(parts)} parts read; most held undelivered {most >> 10} KiB (unfinished bound "
+          f"{FRONTEND_CONNECTION_BYTES >> 10} KiB, backlog {FRONTEND_BACKLOG_BYTES >> 10} KiB); cut: {dropped}")
+    assert ingress.dropped == 0 and not dropped
+    assert owner.reads == len(parts)
+    assert FRONTEND_CONNECTION_BYTES < most <= FRONTEND_BACKLOG_BYTES
+
+
+def test_a_slow_honest_peer_is_never_cut_by_the_fair_share(frontend, dropped):
+    """The owner never finds its socket empty (another peer keeps it busy with small messages), so only its
+    fair share of reads proves a message unfinished. A client on a slow link sends a request in parts, each
+    part's bytes trickling in: the watcher proves its part in progress unfinished, again and again, and
+    never past the bound, so every part arrives and nothing is cut."""
+    endpoint, ingress, owner = frontend("never-empty")
+    messages = _request_parts()
+    most = 0
+    with _small_messages(endpoint):
+        wait_until(lambda: owner.reads > 1000, 30, interval=0.01, what="the owner reading the small messages")
+        peer = RawZmtpPeer(endpoint)
+        try:
+            for message in messages:
+                wire = b"".join(peer.frame(bytes(f), more=i < len(message) - 1) for i, f in enumerate(message))
+                for at in range(0, len(wire), 32 << 10):
+                    peer.sock.sendall(wire[at:at + (32 << 10)])
+                    time.sleep(0.005)
+                    most = max([most, *(c.unfinished for c in _conns(ingress))])
+            wait_until(lambda: owner.commands[ClientCommand.PART.value] == len(messages) - 1 or ingress.dropped, 30,
+                       interval=0.01, what="every part read")
+        finally:
+            peer.close()
+    print(f"\n{owner.commands[ClientCommand.PART.value] + 1}/{len(messages)} parts read, {owner.reads} messages "
+          f"in all, the socket found empty {ingress.empties} times; most proven unfinished {most >> 10} KiB "
+          f"(bound {FRONTEND_CONNECTION_BYTES >> 10} KiB); cut: {dropped}")
+    assert ingress.dropped == 0 and not dropped
+    assert owner.commands[ClientCommand.REQUEST.value] == 1
+    assert owner.commands[ClientCommand.PART.value] == len(messages) - 1
+    assert ingress.empties == 0 and 0 < most <= FRONTEND_CONNECTION_BYTES
+
+
+def _trickle(peer: RawZmtpPeer, limit: int, chunk: int = 32 << 10, pause_s: float = 0.005) -> int:
+    """Send the head of a message, then ``chunk``-byte frames every ``pause_s`` (about 6 MiB/s, a few
+    checks per bound), never ending it; the bytes sent before the receiver cut the connection, or ``limit``."""
+    frame, sent = peer.frame(bytes(chunk), more=True), 0
+    try:
+        for head in FIRST_FRAMES:
+            peer.sock.sendall(peer.frame(head, more=True))
+        while sent < limit:
+            peer.sock.sendall(frame)
+            sent += len(frame)
+            time.sleep(pause_s)
+    except OSError:  # reset: cut
+        return sent
+    return sent
+
+
+@pytest.mark.parametrize("how, rule", [("reads", "unfinished"), ("never-empty", "unfinished"),
+                                       ("never", "undelivered")])
+def test_a_message_that_never_ends_is_cut(frontend, dropped, how, rule):
+    """A peer trickles one message that never ends. An owner that reads (finding the socket empty, or, with
+    another peer flooding small messages, never finding it empty but reading its fair share) proves it
+    unfinished: cut past the bound on an unfinished message. An owner that never reads proves nothing: cut
+    past the backlog, which bounds it whatever the owner does."""
+    endpoint, ingress, owner = frontend(how)
+    limit = 4 * FRONTEND_BACKLOG_BYTES
+    with _small_messages(endpoint) if how == "never-empty" else contextlib.nullcontext():
+        if how == "never-empty":
+            wait_until(lambda: owner.reads > 1000, 30, interval=0.01, what="the owner reading the small messages")
+        peer = RawZmtpPeer(endpoint)
+        try:
+            sent = _trickle(peer, limit)
+            # The peer may see its connection reset before the watcher has counted and logged the cut.
+            wait_until(lambda: dropped or sent == limit, 10, interval=0.01, what="the cut logged")
+        finally:
+            peer.close()
+    print(f"\nowner {how}: cut after {sent >> 10} KiB sent; owner read {owner.reads} messages, found the socket "
+          f"empty {ingress.empties} times; {dropped}")
+    assert sent < limit and ingress.dropped == 1
+    assert len(dropped) == 1 and rule in dropped[0]
+    if how == "never-empty":
+        assert ingress.empties == 0  # the proof came from the fair share alone
+    # Cut by the unfinished rule before the backlog's would have; by the backlog's before twice that.
+    assert sent < (1 if rule == "unfinished" else 2) * FRONTEND_BACKLOG_BYTES
+
+
+def test_unfinished_messages_together_are_cut_largest_first(frontend, dropped):
+    """Three peers each leave a message unfinished, each under a connection's bound but together past the
+    socket's total (made small here): the watcher cuts the largest until the rest fit, and no more."""
+    endpoint, ingress, owner = frontend("reads")
+    ingress.total = FRONTEND_CONNECTION_BYTES
+    sizes = [FRONTEND_CONNECTION_BYTES * k // 10 for k in (5, 6, 7)]  # together 1.8 x the total
+    peers = [RawZmtpPeer(endpoint) for _ in sizes]
+    try:
+        for peer, size in zip(peers, sizes):
+            for head in FIRST_FRAMES:
+                peer.sock.sendall(peer.frame(head, more=True))
+            peer.sock.sendall(peer.frame(bytes(size), more=True))
+        wait_until(lambda: len(dropped) >= 2, 30, interval=0.01, what="two cuts logged")
+        # The smallest, proven unfinished in the round that cut the others, or in one after: it fits.
+        wait_until(lambda: [sizes[0] < c.unfinished < sizes[1] for c in _conns(ingress)] == [True], 30,
+                   interval=0.01, what="the smallest proven unfinished and kept")
+        ports = [f"127.0.0.1:{peer.sock.getsockname()[1]}" for peer in peers]
+    finally:
+        for peer in peers:
+            peer.close()
+    print(f"\nunfinished {[s >> 10 for s in sizes]} KiB, total {FRONTEND_CONNECTION_BYTES >> 10} KiB: {dropped}")
+    assert ingress.dropped == 2 and all("together" in line for line in dropped)
+    cut = {port for port in ports if any(f"peer={port} " in line for line in dropped)}
+    assert cut == set(ports[1:])  # the two largest; the smallest fits and stays
