@@ -69,34 +69,46 @@ def cluster(tiny_target_dir, tmp_path_factory):
         yield c
 
 
-def _flood(pid: int, endpoint: str, first_frames: list[bytes], socket_type: bytes = b"DEALER") -> tuple[int, int]:
-    """(bytes sent before the connection was cut, peak RSS growth of ``pid``) for one never-ending message;
-    fails unless the receiver cut the connection (a send that times out, or a receiver that took it all,
-    is not a cut)."""
+def _flood(pid: int, endpoint: str, first_frames: list[bytes], socket_type: bytes = b"DEALER",
+           chunk: int = 1 << 20) -> tuple[int, int]:
+    """(bytes sent before the connection was cut, peak RSS growth of ``pid``) for one never-ending message of
+    ``chunk``-byte frames; fails unless the receiver cut the connection (a send that times out, or a receiver
+    that took it all, is not a cut)."""
     reset_peak_rss(pid)
     before = peak_rss_kib(pid) << 10
     peer = RawZmtpPeer(endpoint, socket_type)
     try:
-        sent, cut = peer.flood(first_frames, FLOOD)
+        sent, cut = peer.flood(first_frames, FLOOD, chunk=chunk)
     finally:
         peer.close()
     assert cut, f"the flooding peer was not cut off: {sent >> 20} of {FLOOD >> 20} MiB sent, connection still open"
     return sent, (peak_rss_kib(pid) << 10) - before
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 32 << 10], ids=["frames-over-the-frame-bound", "frames-under-it"])
 @pytest.mark.parametrize("side", ["frontend", "backend"])
-def test_never_ending_message_to_the_broker_is_cut_off(cluster, side):
+def test_never_ending_message_to_the_broker_is_cut_off(cluster, side, chunk):
     """A peer that sends frame after frame of one message (no credentials, never registered) is
-    disconnected near the limit; the broker's memory does not follow the flood, and it keeps serving."""
+    disconnected near the limit; the broker's memory does not follow the flood, and it keeps serving.
+    Frames over the side's frame bound are refused by libzmq itself; smaller ones only the ingress watcher
+    stops, and its cut is logged."""
     if side == "frontend":
         endpoint, first = cluster.frontend, [CLIENT_TAG, ClientCommand.REQUEST.value, b"default", uuid.uuid4().bytes,
                                              b'{"reply_to":"tcp://127.0.0.1:9"}']
     else:
         endpoint, first = cluster.backend, [WORKER_TAG, WorkerCommand.READY.value, b"default", b"", b"{}"]
-    sent, grew = _flood(cluster.broker.pid, endpoint, first)
-    print(f"\n{side}: cut off after {sent >> 20} of {FLOOD >> 20} MiB; broker peak RSS +{grew >> 20} MiB")
+    log = cluster.log_path("broker")
+    cuts = log.read_text().count("ingress.dropped")
+    sent, grew = _flood(cluster.broker.pid, endpoint, first, chunk=chunk)
+    if chunk < 64 << 10:  # under both sides' frame bounds: only the watcher can stop it, and it logs its cut
+        wait_until(lambda: sent == FLOOD or log.read_text().count("ingress.dropped") > cuts, 10, interval=0.05,
+                   what="the ingress watcher's cut logged")
+    cut = log.read_text().count("ingress.dropped") - cuts
+    print(f"\n{side}, frames of {chunk >> 10} KiB: cut off after {sent >> 20} of {FLOOD >> 20} MiB ({cut} cut by "
+          f"the ingress watcher); broker peak RSS +{grew >> 20} MiB")
     assert sent < FLOOD, "the broker never cut the flooding peer off"
     assert grew < PEAK_BOUND
+    assert cut == (1 if chunk < 64 << 10 else 0)
     with RemoteTargetModel(cluster.frontend, timeout=30, **CLIENT_KW) as client:
         assert client.status()["workers"], "the broker lost its worker"
 
