@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from spec_serve.worker.forward_hold import HOLD_FORWARD_ENV
+
 # Short timers for the subprocesses (read by spec_serve.protocol.commands at import).
 # Liveness 5 x 0.2 s = 1 s: a worker is dead after about a second of silence.
 HEARTBEAT_INTERVAL = 0.2
@@ -203,9 +205,26 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
     raise TimeoutError(f"{what} not reached within {timeout:g}s (last: {value!r})")
 
 
-def start_slow_worker(cluster, target, delay: float, *extra: str) -> subprocess.Popen:
-    """A worker whose every forward first sleeps ``delay`` seconds (test-only entry point)."""
-    return _start_test_worker(cluster, target, "--delay", str(delay), *extra)
+class Gate:
+    """A file that held forwards wait for: a worker started with ``gate.env`` holds each generate forward it
+    begins (logging ``worker.test_hold``) until the test calls ``open`` (SPEC_SERVE_TEST_HOLD_FORWARD).
+    So "the forward still runs" is a fact the test controls, not a guess about how long it takes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {HOLD_FORWARD_ENV: str(self.path)}
+
+    def open(self) -> None:
+        self.path.touch()
+
+
+def start_slow_worker(cluster, target, delay: float, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """A worker whose every forward first sleeps ``delay`` seconds (test-only entry point); ``env`` adds to
+    the cluster's environment (e.g. a ``Gate``'s)."""
+    return _start_test_worker(cluster, target, "--delay", str(delay), *extra, env=env)
 
 
 def start_crashing_worker(cluster, target, token: int, *extra: str) -> subprocess.Popen:
@@ -213,8 +232,8 @@ def start_crashing_worker(cluster, target, token: int, *extra: str) -> subproces
     return _start_test_worker(cluster, target, "--delay", "0", "--crash-on-token", str(token), *extra)
 
 
-def _start_test_worker(cluster, target, *args: str) -> subprocess.Popen:
-    env = {**os.environ, **cluster.env}
+def _start_test_worker(cluster, target, *args: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, **cluster.env, **(env or {})}
     out = subprocess.DEVNULL
     if cluster.log_dir is not None:
         cluster.log_dir.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,10 @@ owes finish (sent, or lent through the same-host plane until the client gives th
 leaves for good and exits 0 with none of its /dev/shm segments left. A second signal, or the end of
 ``--drain-timeout``, stops it at once, still with status 0: the broker gives what it held to another
 worker. A broker told to stop tells its clients and workers, and a successor on the same ports serves
-them. Each stage of a request is caught by a slow engine hook (``cluster_util.py slow-worker``, which
-installs the same signal handling as ``spec-serve worker``) or by a real long forward of the CLI worker.
+them. Each stage of a request is caught by a forward held at a gate the test opens (``cluster_util.Gate``,
+SPEC_SERVE_TEST_HOLD_FORWARD), in ``cluster_util.py slow-worker`` (which installs the same signal handling
+as ``spec-serve worker``) or in the CLI worker itself: what runs while a forward runs is ordered by events
+the processes report, never by how long a forward takes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import spec_serve.client.io_thread as client_module
 from cluster_util import (
     CLIENT_KW,
     FAST_ENV,
+    Gate,
     Reference,
     assert_contract,
     assert_equal_batches,
@@ -56,10 +59,10 @@ def reference(tiny_target_dir, tiny_vocab_mapping):
     return Reference(tiny_target_dir, tiny_vocab_mapping)
 
 
-def _slow_worker(cluster, target, delay: float, *extra: str) -> tuple[subprocess.Popen, Path]:
-    """A slow-worker process and its log file."""
+def _slow_worker(cluster, target, delay: float, *extra: str, gate: Gate | None = None) -> tuple[subprocess.Popen, Path]:
+    """A slow-worker process and its log file; with ``gate``, each forward it begins waits for the gate."""
     log = cluster.log_dir / f"slow-worker{len(cluster.workers)}.log"
-    return start_slow_worker(cluster, target, delay, *extra), log
+    return start_slow_worker(cluster, target, delay, *extra, env=gate.env if gate else None), log
 
 
 def _line(log: Path, pattern: str, timeout: float = 60.0) -> str:
@@ -68,6 +71,11 @@ def _line(log: Path, pattern: str, timeout: float = 60.0) -> str:
         text = log.read_text() if log.exists() else ""
         return next((line for line in text.splitlines() if re.search(pattern, line)), None)
     return wait_until(find, timeout, what=f"{pattern!r} in {log.name}")
+
+
+def _worker(cluster, name: str) -> dict:
+    """The broker's entry for worker ``name`` (GET /workers; empty until its snapshot lists it)."""
+    return next((w for w in cluster.get("/workers")[1]["workers"] if w["id"] == name), {})
 
 
 def _worker_name(log: Path) -> str:
@@ -96,51 +104,59 @@ def _left_cleanly(cluster, log: Path, name: str, reason: str) -> None:
 # ------------------------------------------------------------------------------------- workers
 
 
-def test_sigterm_drains_a_worker_mid_forward_and_hands_back_its_queue(cluster, tiny_target_dir, reference):
-    """Worker A (capacity 3, 4 s per forward) holds one request in its forward and two queued when SIGTERM
-    comes: the queued two go back at once and B serves them while A's forward still runs (no gap), A
-    delivers its own reply, leaves, and exits 0."""
-    proc, log = _slow_worker(cluster, tiny_target_dir, 4.0, "--capacity", "3")
-    name = _worker_name(log)
+def test_sigterm_drains_a_worker_mid_forward_and_hands_back_its_queue(cluster, tiny_target_dir, reference, tmp_path):
+    """Worker A (capacity 3) holds one request in a forward and two queued when SIGTERM comes: the queued two
+    go back at once and B serves them while A's forward still runs (no gap), then A delivers its own reply,
+    leaves, and exits 0. Both forwards wait for gates the test opens: B's first one until A holds its three
+    (so the broker gives B one and A three), A's until B has served the rest, so "while A's forward still
+    runs" is a fact, not a bet on how long a forward takes."""
+    a_gate, b_gate = Gate(tmp_path / "a-gate"), Gate(tmp_path / "b-gate")
+    other, other_log = _slow_worker(cluster, tiny_target_dir, 0.0, "--service", "drain", "--capacity", "1",
+                                    gate=b_gate)
+    proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--service", "drain", "--capacity", "3",
+                             "--drain-timeout", "300", gate=a_gate)
+    name, b_name = _worker_name(log), _worker_name(other_log)
     redispatched = _metric(cluster, "spec_serve_redispatched_total")
-    done_at: dict[int, float] = {}
-    with RemoteTargetModel(cluster.frontend, timeout=60, prefetch_depth=4, **CLIENT_KW) as client:
-        # B (full at 1) takes one, A the other three: its first in the forward, two queued behind it.
+    with RemoteTargetModel(cluster.frontend, service="drain", timeout=120, prefetch_depth=4, **CLIENT_KW) as client:
         futures = {seed: client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in range(4)}
-        for seed, future in futures.items():
-            future.add_done_callback(lambda _, seed=seed: done_at.setdefault(seed, time.monotonic()))
-        _line(log, r"test\.forward_started")
-        forward_ends = time.monotonic() + 4.0  # at the earliest
+        # Neither can finish one: B (capacity 1) holds one in its forward, A one in its forward and two queued.
+        _line(log, r"worker\.test_hold")
+        _line(other_log, r"worker\.test_hold")
+        wait_until(lambda: _worker(cluster, name).get("inflight") == 3, 60, what="three requests on A")
         proc.send_signal(signal.SIGTERM)
         draining = _line(log, r"worker\.draining")
+        b_gate.open()
+        # B serves its own and the two A handed back while A's forward waits for its gate: nobody waits for A.
+        wait_until(lambda: sum(f.done() for f in futures.values()) == 3, 120, what="three answered")
+        wait_until(lambda: _worker(cluster, b_name).get("completed") == 3, 60, what="B's three DONEs")
+        assert proc.poll() is None and "worker.stop " not in log.read_text()  # A is still in its forward
+        a_gate.open()
         for seed, future in futures.items():
-            assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
-    assert proc.wait(30) == 0
+            assert_equal_batches(future.result(timeout=120), reference.expected(seed, kind="dspark"))
+    assert proc.wait(60) == 0
     stop = _line(log, r"worker\.stop ")
     assert "served=1 " in stop and "handed_back=2 " in stop and "outcome=drained" in stop, stop
     assert "reason=SIGTERM" in draining and "running=1" in draining, draining
-    # The two handed back (and B's own) were answered before A's forward could end: nobody waited for A.
-    assert sum(1 for t in done_at.values() if t < forward_ends) == 3, (done_at, forward_ends)
     assert _metric(cluster, "spec_serve_redispatched_total") - redispatched == 2
     _left_cleanly(cluster, log, name, "stopped: drained")
     assert not _own_segments(proc.pid)
+    other.send_signal(signal.SIGTERM)
+    assert other.wait(60) == 0
 
 
 def test_a_second_signal_stops_a_worker_mid_forward_and_another_serves_its_request(cluster, tiny_target_dir,
-                                                                                   reference):
-    """A 60 s forward cannot finish: a second SIGTERM stops the worker at once; it leaves the pool (the broker
-    gives the request to B), releases its segments and exits 0."""
-    proc, log = _slow_worker(cluster, tiny_target_dir, 60.0, "--capacity", "1")
+                                                                                   reference, tmp_path):
+    """A forward that cannot finish (its gate never opens): a second SIGTERM stops the worker at once; it leaves
+    the pool (the broker gives the request to B), releases its segments and exits 0."""
+    proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--capacity", "1", gate=Gate(tmp_path / "closed"))
     name = _worker_name(log)
     with RemoteTargetModel(cluster.frontend, timeout=60, prefetch_depth=2, **CLIENT_KW) as client:
         futures = [client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in (10, 11)]
-        _line(log, r"test\.forward_started")  # one of them; B answers the other
+        _line(log, r"worker\.test_hold")  # one of them; B answers the other
         proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
         _line(log, r"worker\.draining")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        assert time.monotonic() - signalled < 20  # not the 60 s forward
+        assert proc.wait(60) == 0  # its forward never ends: it did not wait for it
         for seed, future in zip((10, 11), futures):
             assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
     stop = _line(log, r"worker\.stop ")
@@ -224,26 +240,26 @@ def test_a_drain_waits_for_a_reply_being_sent_and_a_slot_being_copied(cluster, t
 
 
 @pytest.mark.parametrize("how", ["sigint", "sigterm-timeout"])
-def test_the_cli_worker_stopped_in_a_real_forward_exits_0(cluster, tiny_target_dir, colocated_target, how):
-    """`spec-serve worker` X inside a real forward (a 4 x 1024 shard; B computes the other): Ctrl-C drains it
-    (it delivers its shard), SIGTERM with --drain-timeout 0.5 stops it mid-forward (B computes its shard
-    too). Either way it exits 0 (it used to abort: "terminate called without an active exception", status
-    134) and the batch is whole."""
+def test_the_cli_worker_stopped_in_a_real_forward_exits_0(cluster, tiny_target_dir, colocated_target, how, tmp_path):
+    """`spec-serve worker` X stopped inside a forward (of a 4 x 1024 shard; B computes the other), held at its
+    start until the test opens its gate: Ctrl-C drains it (the gate opens once it drains; it delivers its
+    shard), SIGTERM with --drain-timeout 0.5 stops it mid-forward (the gate stays shut until X said it stops,
+    then the forward runs on as the process ends; B computes X's shard too). Either way it exits 0 (it used
+    to abort: "terminate called without an active exception", status 134) and the batch is whole."""
     from spec_serve.tools.tiny import sample_batch
 
-    extra = ("--drain-timeout", "0.5") if how == "sigterm-timeout" else ()
-    proc = cluster.start_worker(tiny_target_dir, "--capacity", "1", *extra)
+    gate = Gate(tmp_path / "gate")
+    extra = ("--drain-timeout", "0.5") if how == "sigterm-timeout" else ("--drain-timeout", "300")
+    proc = cluster.start_worker(tiny_target_dir, "--capacity", "1", *extra, env=gate.env)
     log = cluster.log_path(f"worker{len(cluster.workers) - 1}")
-    name = _worker_name(log)
+    _worker_name(log)
     batch = sample_batch(tiny_target_dir, 8, 1024, seed=40)
     with RemoteTargetModel(cluster.frontend, num_shards=2, timeout=120, **CLIENT_KW) as client:
         future = client.generate_batch_async(*batch, kind="dspark")
-
-        def computing():
-            return [w["inflight"] for w in cluster.get("/workers")[1]["workers"] if w["id"] == name] == [1]
-        wait_until(computing, 60, interval=0.05, what="a shard on X")
-        time.sleep(0.3)  # X got it at once; its forward takes seconds
+        _line(log, r"worker\.test_hold")  # X is in its forward, until the gate opens
         proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+        _line(log, r"worker\.draining" if how == "sigint" else r"worker\.stop ")
+        gate.open()
         assert proc.wait(120) == 0, log.read_text()[-2000:]
         assert_contract(future.result(timeout=120), colocated_target(), batch, "dspark", shards=2)
     stop = _line(log, r"worker\.stop ")
@@ -251,6 +267,7 @@ def test_the_cli_worker_stopped_in_a_real_forward_exits_0(cluster, tiny_target_d
         assert "served=1 " in stop and "outcome=drained" in stop, stop
     else:
         assert "abandoned_forward=1" in stop and "outcome='drain timed out after 0.5s'" in stop, stop
+        _line(log, r"worker\.exit_mid_forward")
     assert not _own_segments(proc.pid)
 
 
@@ -262,32 +279,39 @@ def _cuda_ipc_files(pid: int) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("signals", [1, 2], ids=["drain", "second-signal"])
-def test_gpu_worker_stopped_releases_its_cuda_ipc_slots(cluster, tiny_target_dir, signals):
-    """A worker on cuda:0 lends a GPU client its replies through CUDA IPC; stopped in a 5 s forward, it exits 0
-    and leaves none of its segments or CUDA IPC files: drained (its reply delivered, equal to the colocated
-    forward on that GPU), or stopped at once by a second signal (the process ends itself mid-forward, so
-    torch's own cleanup does not run: the worker removes them)."""
+def test_gpu_worker_stopped_releases_its_cuda_ipc_slots(cluster, tiny_target_dir, signals, tmp_path):
+    """A worker on cuda:0 lends a GPU client its replies through CUDA IPC; stopped in a forward held at its gate,
+    it exits 0 and leaves none of its segments or CUDA IPC files: drained (the gate opens once it drains; its
+    reply delivered, equal to the colocated forward on that GPU), or stopped at once by a second signal (the
+    gate never opens: the process ends itself mid-forward, so torch's own cleanup does not run: the worker
+    removes them)."""
     from spec_serve.engines.hf import HFTarget
     from spec_serve.tools.tiny import sample_batch
 
-    service = f"gpu-{signals}"
-    proc, log = _slow_worker(cluster, tiny_target_dir, 5.0, "--device", "cuda:0", "--service", service)
+    service, gate = f"gpu-{signals}", Gate(tmp_path / "gate")
+    proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--device", "cuda:0", "--service", service, gate=gate)
     _worker_name(log)
     colocated = HFTarget(tiny_target_dir, device="cuda:0")
     batches = [sample_batch(tiny_target_dir, 2, 16, seed=s) for s in (70, 71)]
     with RemoteTargetModel(cluster.frontend, service=service, device="cuda:0", timeout=60, **CLIENT_KW) as client:
+        gate.open()  # the first forward goes through
         first = client.generate_batch(*batches[0], kind="dspark")  # lent through CUDA IPC: the files exist
         assert_equal_batches(first, colocated.generate_batch(*batches[0], kind="dspark"))
         assert client.stats.plane_replies == 1 and _cuda_ipc_files(proc.pid)
+        gate.path.unlink()  # the second one waits
         future = client.generate_batch_async(*batches[1], kind="dspark")
-        wait_until(lambda: log.read_text().count("test.forward_started") == 2, 60, what="the second forward")
+        wait_until(lambda: log.read_text().count("worker.test_hold") == 2, 60, what="the second forward")
         for _ in range(signals):
             proc.send_signal(signal.SIGTERM)
             _line(log, r"worker\.draining")
+        if signals == 1:
+            gate.open()
         assert proc.wait(60) == 0, log.read_text()[-3000:]
         if signals == 1:
             assert_equal_batches(future.result(timeout=60), colocated.generate_batch(*batches[1], kind="dspark"))
     assert not _own_segments(proc.pid) and not _cuda_ipc_files(proc.pid)
+    if signals == 2:
+        _line(log, r"worker\.exit_mid_forward")
 
 
 # -------------------------------------------------------------------------------------- broker
@@ -310,27 +334,29 @@ def _captured(logger_name: str):
         logger.setLevel(level)
 
 
-def test_broker_sigterm_tells_clients_and_workers_and_exits_0(cluster, tiny_target_dir, reference):
-    """SIGTERM on the broker while one request is in a forward and one queued: it tells the client
-    (``client.broker_stopping``, at once, not after the liveness window) and the worker (which registers
-    again), exits 0; a broker started on the same ports gets both re-sent and serves them. (The module's
-    last test: its cluster goes on with the new broker.)"""
-    proc, log = _slow_worker(cluster, tiny_target_dir, 2.0, "--capacity", "1", "--service", "broker-stop")
+def test_broker_sigterm_tells_clients_and_workers_and_exits_0(cluster, tiny_target_dir, reference, tmp_path):
+    """SIGTERM on the broker while one request is in a forward (held at its gate until the worker found the new
+    broker) and one queued: it tells the client (``client.broker_stopping``, not ``client.broker_lost`` after
+    the liveness window) and the worker (which registers again), exits 0; a broker started on the same ports
+    gets both re-sent and serves them. (The module's last test: its cluster goes on with the new broker.)"""
+    gate = Gate(tmp_path / "gate")
+    proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--capacity", "1", "--service", "broker-stop", gate=gate)
     _worker_name(log)
     with _captured("spec_serve.client") as lines, \
             RemoteTargetModel(cluster.frontend, service="broker-stop", timeout=60, prefetch_depth=2,
                               **CLIENT_KW) as client:
         futures = [client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in (50, 51)]
-        _line(log, r"test\.forward_started")
+        _line(log, r"worker\.test_hold")
         cluster.broker.send_signal(signal.SIGTERM)
-        assert cluster.broker.wait(10) == 0
+        assert cluster.broker.wait(30) == 0
         stopping = _line(cluster.log_path("broker"), r"broker\.stopping")
         assert "queued=1 inflight=1" in stopping and " workers=2 " in stopping, stopping
-        assert any("client.broker_stopping" in line for line in lines), lines
+        wait_until(lambda: any("client.broker_stopping" in line for line in lines), 30, what="client.broker_stopping")
         _line(log, r"worker\.broker_stopping")
         cluster.start_broker()
+        _line(log, r"worker\.broker_regained")
+        gate.open()
         for seed, future in zip((50, 51), futures):
             assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
         assert not any("client.broker_lost" in line for line in lines), lines
-    _line(log, r"worker\.broker_regained")
     kill(proc)

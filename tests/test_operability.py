@@ -6,6 +6,7 @@ Issue 15. Every timing bound here is a generous "fails fast instead of hanging" 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import fcntl
@@ -125,6 +126,12 @@ def test_client_on_the_worker_port_is_told_which_port(cluster):
     assert log.count("broker.wrong_port") == 1, log
 
 
+def _exited(proc: subprocess.Popen) -> tuple[subprocess.CompletedProcess, float]:
+    """What ``proc`` wrote, and when it exited (wall clock, as its log lines are stamped)."""
+    out, err = proc.communicate(timeout=180)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.time()
+
+
 def test_worker_checks_its_broker_before_loading_the_model(cluster, tiny_target_dir):
     """Issue 23 item 2: a worker pointed at the broker's client port loaded its whole model before it
     learned so; at an unresolvable name or a closed port it loaded, then waited forever. Now it resolves
@@ -143,12 +150,11 @@ def test_worker_checks_its_broker_before_loading_the_model(cluster, tiny_target_
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                     env={**os.environ, **ENV, "SPEC_SERVE_LOG_LEVEL": "INFO"})
              for name, (args, _) in cases.items()}
-    results, ended = {}, {}
     try:
-        for name, p in procs.items():
-            results[name] = subprocess.CompletedProcess(p.args, None, *p.communicate(timeout=180))
-            results[name].returncode = p.returncode
-            ended[name] = time.time()  # at most this late: the others were waited for first
+        with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:  # each exit timed when it happens
+            exits = {name: pool.submit(_exited, p) for name, p in procs.items()}
+        results = {name: future.result()[0] for name, future in exits.items()}
+        ended = {name: future.result()[1] for name, future in exits.items()}
     finally:
         for p in procs.values():
             kill(p)
@@ -272,7 +278,8 @@ def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
         assert text.index("worker.broker_checked") < text.index("worker.loading") < text.index("worker.ready")
         assert text.count("worker.waiting_for_broker") == 1, text
         kill(c.broker)
-        time.sleep(3)  # 3 s of silence: 3 liveness windows
+        wait_until(lambda: "worker.broker_lost" in log.read_text(), timeout=60, what="broker lost")
+        time.sleep(3)  # 3 s more of silence, 3 more liveness windows: still one broker_lost
         c.start_broker()
         wait_until(lambda: "worker.broker_regained" in log.read_text(), timeout=60, what="regained")
     finally:

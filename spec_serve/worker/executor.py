@@ -20,6 +20,7 @@ from spec_serve.protocol.commands import ErrorCode, Op
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
+from spec_serve.worker.forward_hold import hold_forward
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
 from spec_serve.worker.vocab_store import VocabStore
 
@@ -104,6 +105,7 @@ class Executor:
         tensors = self.request_tensors(job)
         self.vocab.select(self.engine, kind, job.request.vocab)
         input_ids, attention_mask, loss_mask = (tensors[n] for n in REQUEST_TENSORS)
+        hold_forward()
         if self.packing and packing.row_lengths(attention_mask, loss_mask) is not None:
             out = self._packing_engine().generate_packed([(input_ids, attention_mask, loss_mask)], kind=kind.value)[0]
         else:  # not packing, or a request packing cannot take (left padding, loss on padding): padded
@@ -140,6 +142,7 @@ class Executor:
             parts = [self.request_tensors(job) for job in jobs]
             self.vocab.select(self.engine, kind, jobs[0].request.vocab)
             requests = [(p["input_ids"], p["attention_mask"], p["loss_mask"]) for p in parts]  # REQUEST_TENSORS
+            hold_forward()
             outs = self._packing_engine().generate_packed(requests, kind=kind.value)
             elapsed = round(time.perf_counter() - start, 6)
             results = self._split_replies(jobs, routes, parts, outs, Reply(worker=self.name, compute_s=elapsed,
