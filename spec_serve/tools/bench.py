@@ -39,9 +39,13 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       whose queued requests share packed forwards)
   samehost_1w_packed_compiled a worker started with --packing --compile, the same way
   compile_cold        seconds a fresh process takes to compile the target's layers (HFTarget(compile=True)
-                      with an empty Inductor cache), then compile_warm: a second process on that cache,
-                      and compile_artifacts: a process with an empty cache that first loads the cache
-                      artifacts the cold one saved (torch.compiler.save/load_cache_artifacts)
+                      with an empty Inductor cache), then compile_warm: a second process on that cache
+                      (its manifest says every class is cached: no compile-worker pool), compile_warm_pool:
+                      the same with the manifest deleted (a pool, as a cold start starts), and
+                      compile_artifacts: a process with an empty cache that first loads the cache artifacts
+                      the cold one saved (torch.compiler.save/load_cache_artifacts; that load is counted in
+                      its seconds). Each figure splits its seconds: per batch class, and dynamo's phases
+                      (trace, backend, guards, other); device_seconds is the eager forward before compiling
   small_unbatched     many small requests from several ranks, one worker without packing
   small_batched       the same against a worker started with --packing --max-batch-tokens, so
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
@@ -739,15 +743,16 @@ def _row_noise(engine, batch) -> dict[str, float]:
 
 
 def run_compile_time(ctx: Context) -> dict[str, Any]:
-    """compile_cold, compile_warm and compile_artifacts, each a fresh process (``_compile_probe``) on the
-    target; the three figures go into the report at once (``Context.extra_figures``)."""
+    """compile_cold, compile_warm, compile_warm_pool and compile_artifacts, each a fresh process
+    (``_compile_probe``) on the target, in that order; the figures go into the report at once
+    (``Context.extra_figures``)."""
     cold_dir, fresh_dir = Path(ctx.tmp) / "inductor-cold", Path(ctx.tmp) / "inductor-artifacts"
     artifacts = Path(ctx.tmp) / "compile-artifacts.bin"
     for d in (cold_dir, fresh_dir):
         shutil.rmtree(d, ignore_errors=True)
     artifacts.unlink(missing_ok=True)
     runs = {"compile_cold": (cold_dir, "save"), "compile_warm": (cold_dir, ""),
-            "compile_artifacts": (fresh_dir, "load")}
+            "compile_warm_pool": (cold_dir, "forget"), "compile_artifacts": (fresh_dir, "load")}
     figures = {name: _compile_probe(ctx, name, cache, mode, artifacts) for name, (cache, mode) in runs.items()}
     ctx.extra_figures.update({k: v for k, v in figures.items() if k != "compile_cold"})
     return figures["compile_cold"]
@@ -766,21 +771,30 @@ def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: P
         tail = " ".join(proc.stderr.strip().splitlines()[-3:])
         return _figure(name, 0, 0, 0.0, status="INVALID", error=tail[-500:])
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _figure(name, 0, 0, report["seconds"], load_seconds=report["load_seconds"], graphs=report["graphs"],
+    seconds = round(report["seconds"] + report["artifacts_seconds"], 2)
+    return _figure(name, 0, 0, seconds, load_seconds=report["load_seconds"], graphs=report["graphs"],
                    cache_hits=report["cache_hits"], cache_misses=report["cache_misses"],
                    compiled=report["active"], h200_target_s=COMPILE_TARGET_S.get(name),
+                   artifacts_seconds=report["artifacts_seconds"], device_seconds=report["device_seconds"],
+                   phases=report["phases"], classes=report["classes"], manifest=report["manifest"],
                    **({} if report["active"] else {"status": "INVALID", "error": report["reason"]}))
 
 
 def _compile_probe_main(args: list[str]) -> None:
-    """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir (``save``: then write the
-    cache artifacts; ``load``: first load them) and print its compile report as JSON."""
+    """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir and print its compile report as
+    JSON. ``save``: then write the cache artifacts; ``load``: first load them (timed: ``artifacts_seconds``);
+    ``forget``: first delete the manifests a load left in the cache (so this load starts a compile pool)."""
+    from spec_serve.engines import compiled
     from spec_serve.engines.hf import HFTarget
 
     target, device, dtype, aux, cache, mode, artifacts = args
+    started = time.perf_counter()
     if mode == "load":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
+    artifacts_seconds = time.perf_counter() - started
+    if mode == "forget":
+        shutil.rmtree(Path(cache) / compiled.MANIFEST_DIR, ignore_errors=True)
     started = time.perf_counter()
     engine = HFTarget(target, device=device, dtype=dtype or None, compile=True, compile_cache=cache,
                       aux_layer_ids=[int(i) for i in aux.split(",")] if aux else None)
@@ -790,7 +804,8 @@ def _compile_probe_main(args: list[str]) -> None:
         if saved is not None:
             Path(artifacts).write_bytes(saved[0])
     report = dataclasses.asdict(cast("CompileReport", engine.compile_report))
-    print(json.dumps({**report, "load_seconds": round(load_seconds, 2)}), flush=True)
+    print(json.dumps({**report, "load_seconds": round(load_seconds, 2),
+                      "artifacts_seconds": round(artifacts_seconds, 2)}), flush=True)
 
 
 # --------------------------------------------------------------------- context
