@@ -3,8 +3,9 @@
 For each bench report in OUT_DIR (bench_full.json, bench_packed.json, compile_time.json): every ratio
 with its rounds and target, each compiled figure's verification (within the tolerance of eager, bit-equal
 to the colocated compiled forward) with its worst deviation beside the eager forward's own
-batch-composition noise on the same rows, and the compile times against their targets; then the GPU
-tests' last line and each step's exit status.
+batch-composition noise on the same rows and its derived flip bound, and the compile times against their
+targets with where their seconds went (dynamo's phases, each batch class); then the GPU tests' last line
+and each step's exit status.
 """
 
 from __future__ import annotations
@@ -29,23 +30,36 @@ def ratios(report: dict) -> list[str]:
     return lines
 
 
+def compile_figure(name: str, f: dict) -> list[str]:
+    """A compile-time figure against its target, then where its seconds went."""
+    target = f.get("h200_target_s")
+    verdict = "" if target is None else ("  MET" if f["seconds"] <= target else "  NOT MET")
+    lines = [f"  {name}: {f['seconds']} s (target {'<= ' + str(target) + ' s' if target else '-'}; "
+             f"process {f.get('load_seconds')} s, graphs {f.get('graphs')}, cache hits {f.get('cache_hits')}, "
+             f"misses {f.get('cache_misses')}, manifest {f.get('manifest')}){verdict}"
+             f"{'  ' + f['error'] if 'error' in f else ''}"]
+    if "phases" in f:
+        artifacts = f" + loading the artifacts {f['artifacts_seconds']} s" if f.get("artifacts_seconds") else ""
+        lines.append("      by phase: " + ", ".join(f"{k} {v}" for k, v in f["phases"].items()) + artifacts
+                     + "; by class: " + ", ".join(f"{k} {v}" for k, v in f["classes"].items())
+                     + f"; eager forward before it {f.get('device_seconds')} s")
+    return lines
+
+
 def figures(report: dict) -> list[str]:
     lines = []
     for name, f in report.get("figures", {}).items():
         if name.startswith("compile_"):
-            target = f.get("h200_target_s")
-            verdict = "" if target is None else ("  MET" if f["seconds"] <= target else "  NOT MET")
-            lines.append(f"  {name}: {f['seconds']} s (target {'<= ' + str(target) + ' s' if target else '-'}; "
-                         f"process {f.get('load_seconds')} s, "
-                         f"graphs {f.get('graphs')}, cache hits {f.get('cache_hits')}, misses "
-                         f"{f.get('cache_misses')}){verdict}{'  ' + f['error'] if 'error' in f else ''}")
+            lines += compile_figure(name, f)
             continue
         rate = f"{f['tokens_per_s']:,.0f} useful tok/s" if f.get("tokens_per_s") else "-"
         checks = ", ".join(f"{k}={f[k]}" for k in ("verified", "bit_equal_compiled", "status") if k in f)
         lines.append(f"  {name}: {rate} {checks}")
-        for label, values in (("worst vs eager", f.get("worst")), ("eager noise", f.get("noise"))):
+        for label, values in (("worst vs eager", f.get("worst")), ("eager noise", f.get("noise")),
+                              ("flip bound, derived (lowest over batches)", f.get("flip_bound"))):
             if values:
-                lines.append(f"      {label}: " + ", ".join(f"{k}={values[k]}" for k in KEY_MEASURES if k in values))
+                shown = [k for k in KEY_MEASURES if k in values] or list(values)
+                lines.append(f"      {label}: " + ", ".join(f"{k}={values[k]}" for k in shown))
     return lines
 
 
@@ -61,7 +75,8 @@ def main(out: Path) -> None:
     tests = out / "gpu_tests.log"
     if tests.exists():
         lines = [line for line in tests.read_text().splitlines() if line.strip()]
-        printed = [line for line in lines if line.startswith(("GPU compiled", "GPU eager", "GPU compile:"))]
+        printed = [line for line in lines
+                   if line.startswith(("GPU compiled", "GPU flip bound", "GPU eager", "GPU compile:"))]
         print("gpu_tests:", *(printed + lines[-1:]), sep="\n  ")
     status = out / "status.txt"
     if status.exists():

@@ -5,19 +5,26 @@
 #   2. bench_packed  log-normal rows, 3 rounds: colocated padded eager, a packing worker and a compiled
 #                    packing worker through the plane (target: compiled packing worker >= 2.0x)
 #   3. gpu_tests     tests/test_compile.py -m gpu: a compiled worker bit-equal to the compiled colocated
-#                    engine, bf16 within the tolerance (printed beside eager's own batch-composition noise)
-#   4. compile_time  cold (empty Inductor cache), warm (a second process on that cache) and artifacts (an
-#                    empty cache loaded with the cold run's cache artifacts) at the 8B shape (targets:
-#                    <= 30 s cold, <= 5 s warm)
-# Every compiled batch is verified within compiled.TOLERANCE of the eager forward and counted bit-equal
-# to the colocated compiled forward. Each step runs under its own time limit, cut to what is left of
-# the 9 minutes; a step that fails or times out does not stop the others. Writes to $OUT (or ./gpu-out):
-# summary.txt (read this first), status.txt, bench_full.json, bench_packed.json, compile_time.json,
-# a log per step, worker logs. Expects the pyzmq wheel (and any other missing one) in .whl/.
-#   STEPS="bench_full gpu_tests"   run only these steps (a second call can run what a first one left out)
+#                    engine, bf16 within the tolerance and the derived flip bound (printed beside eager's own
+#                    batch-composition noise)
+#   4. compile_time  at the 8B shape, each a fresh process: cold (empty Inductor cache), warm (a second
+#                    process on that cache; its manifest spares it the compile-worker pool), warm_pool (the
+#                    same without the manifest) and artifacts (an empty cache loaded with the cold run's cache
+#                    artifacts, the load counted); each split by phase (trace, backend, guards, other) and by
+#                    batch class, plus the eager forward run before compiling (targets: <= 30 s cold, <= 5 s warm)
+# Every compiled batch is verified within compiled.TOLERANCE of the eager forward, its flips within the bound
+# derived for the batch (engines/flips.py), and counted bit-equal to the colocated compiled forward.
+# Each step runs under its own time limit, cut to what is left of the 9 minutes; a step that fails or times
+# out does not stop the others. Writes to $OUT (or ./gpu-out): summary.txt (read this first), status.txt,
+# bench_full.json, bench_packed.json, compile_time.json, a log per step, worker logs. Expects the pyzmq
+# wheel (and any other missing one) in .whl/.
+#   STEPS="bench_full gpu_tests"   run only these steps (a second call can run what a first one left out);
+#                                  STEPS=compile_time alone takes about 2 minutes
 #   FULL_ONLY, PACKED_ONLY         the scenarios of the two benches (add samehost_1w to compare an eager worker)
-#   BENCH_ARGS                     the target and devices [--gpu-8b --devices cuda:0]; a dry run on CPU:
-#     BENCH_ARGS="--target ./tiny --seq 64 --steps 2" STEPS="bench_full compile_time" bash benchmarks/gpu_compile.sh
+#   BENCH_ARGS                     the target and devices [--gpu-8b --devices cuda:0]; a dry run on CPU (the
+#                                  tiny target; SPEC_SERVE_TEST_COMPILE_CLASSES=rows,row compiles 2 classes of 5):
+#     spec-serve make-tiny-target ./tiny && BENCH_ARGS="--target ./tiny --seq 64 --steps 2" BUDGET=3000 \
+#       CAP_SCALE=10 STEPS="bench_full compile_time" bash benchmarks/gpu_compile.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,6 +36,7 @@ if [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
 fi
 BUDGET=${BUDGET:-530}  # seconds for the whole call
+CAP_SCALE=${CAP_SCALE:-1}  # multiplies each step's time limit (a CPU dry run needs about 10)
 STEPS=${STEPS:-bench_full bench_packed gpu_tests compile_time}
 : > "$OUT/status.txt"
 
@@ -40,7 +48,7 @@ torch.__version__, 'transformers', transformers.__version__, 'pyzmq', zmq.__vers
 hasattr(c, 'deterministic'), 'nested_compile_region:', hasattr(torch.compiler, 'nested_compile_region'))"; git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$OUT/machine.txt"
 
 step() {  # step NAME CAP COMMAND...: run COMMAND under min(CAP, time left), log it, record its status
-  local name=$1 cap=$2; shift 2
+  local name=$1 cap=$(( $2 * CAP_SCALE )); shift 2
   case " $STEPS " in *" $name "*) ;; *) return ;; esac
   local left=$((BUDGET - SECONDS - 10))
   local limit=$(( cap < left ? cap : left ))

@@ -15,12 +15,19 @@ the matmuls and attention: RMSNorm, RoPE, residual adds, SiLU * up.
 Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and 1, which dynamo
 always specialises, and what the graph branches on (whether there is a padding mask). So a graph is
 chosen by the class of a batch (several rows or one; padding or none; padded or packed), never by the
-history of shapes. ``WARMUP`` compiles those classes at load with fixed shapes, so every process that
-compiles the same model compiles the same graphs: a compiled colocated target and a compiled worker
-compute bit-equal results (Inductor's deterministic mode, where the torch has it, keeps on-device
+history of shapes. ``WARMUP`` compiles those classes at load with fixed shapes in a fixed order, so every
+process that compiles the same model compiles the same graphs (given that nothing compiled that layer's
+code in the process before: dynamo names a graph's shape symbols after what it traced for the same code
+earlier, so another history gives other graphs and other cache keys): a compiled colocated target and a
+compiled worker compute bit-equal results (Inductor's deterministic mode, where the torch has it, keeps on-device
 benchmarking from choosing other reduction kernels in another process). A batch outside those classes
-(a sequence of one token) compiles when it first comes: a recompile, logged and
-counted.
+(a sequence of one token) compiles when it first comes: a recompile, logged and counted.
+
+Start-up: one eager forward first (``device_seconds``: the device and library initialisation an eager
+engine pays on its first batch), then the classes, each timed, and what dynamo spent split into its
+phases (``CompileReport.phases``: tracing, the backend, guards; ``other`` is the forwards themselves and
+one-time set-up such as imports). Even with every kernel in the cache, dynamo traces each class again in
+a new process: the graphs are per class, one for all layers, so that is five traces, not 5 x N.
 
 Numerics: fused kernels keep intermediates in float32 and round once, where eager rounds after each
 op; that is one or two roundings of the model dtype per fused op, the same kind and size of
@@ -29,7 +36,11 @@ bound, docs/compile.md derives it.
 
 Caches: Inductor's FX graph cache and AOTAutograd cache (on by default in torch) under
 ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``): a restarted process loads the
-kernels instead of generating and compiling them; dynamo still traces each graph (about a second).
+kernels instead of generating and compiling them. Once a load has compiled every class, a manifest
+under ``spec_serve/`` in that directory records it for this model, dtype, device and torch; a later
+load that finds it expects cache hits and starts no pool of compile workers (Inductor would otherwise
+start one process per core, each importing torch, only to load kernels; should something miss after
+all, it is compiled in this process).
 
 Fail soft: anything that stops compilation (no C++ compiler for CPU code, no Triton for CUDA code,
 an error while tracing or generating code, at load or on a later recompile) puts the layers back to
@@ -40,6 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -58,21 +71,27 @@ from spec_serve.telemetry.logs import event, one_line
 log = logging.getLogger("spec_serve.engines.compiled")
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-# The batch classes compiled at load, as (rows, tokens a row, padding, packed): several rows or one, each
-# full or with padding, and a packed sequence of several rows. Sizes are fixed so that every process
+# The batch classes compiled at load, by name, as (rows, tokens a row, padding, packed): several rows or one,
+# each full or with padding, and a packed sequence of several rows. Sizes are fixed so that every process
 # compiles the same graphs, and large enough that Inductor's size hints describe real batches.
-WARMUP: tuple[tuple[int, int, bool, bool], ...] = ((2, 256, False, False), (2, 256, True, False),
-                                                  (1, 256, False, False), (1, 256, True, False),
-                                                  (2, 256, True, True))
+WARMUP: dict[str, tuple[int, int, bool, bool]] = {
+    "rows": (2, 256, False, False), "rows_padded": (2, 256, True, False), "row": (1, 256, False, False),
+    "row_padded": (1, 256, True, False), "packed": (2, 256, True, True)}
 
 # Dynamo keeps at most ``recompile_limit`` (8) graphs per code object and then runs that code eagerly,
 # silently. Compiled engines of one model class in one process share the decoder layer's code object: each
-# shape of model, dtype and device adds its WARMUP classes, so the limit is raised to this (never lowered).
+# shape of model, dtype, device and backend adds its WARMUP classes, so the limit is raised to this (never
+# lowered).
 RECOMPILE_LIMIT = 64
 
 # The same rounding class as packing (docs/compile.md derives why): by the model's dtype, each tensor
 # against the eager padded forward, over real positions (``packing.compare``).
 TOLERANCE = packing.TOLERANCE
+
+# Dynamo's timers (``torch._dynamo.utils.compilation_time_metrics``) behind each phase of CompileReport.phases;
+# the three do not overlap. What the load took besides them is ``other``.
+PHASE_TIMERS = {"trace": "bytecode_tracing", "backend": "OutputGraph.call_user_compiler", "guards": "build_guards"}
+MANIFEST_DIR = "spec_serve"
 
 
 @dataclasses.dataclass
@@ -89,6 +108,10 @@ class CompileReport:
     cache_misses: int = 0
     cache_dir: str = ""
     deterministic: bool = False  # Inductor's deterministic mode was on
+    device_seconds: float = 0.0  # the eager forward before compiling (not in ``seconds``)
+    classes: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per WARMUP class, in order
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # ``seconds`` split (PHASE_TIMERS, other)
+    manifest: bool = False  # a manifest said the cache holds every class: no compile-worker pool at load
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -124,6 +147,18 @@ def _cache_lookups() -> tuple[int, int]:
     return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
 
 
+def _timers() -> dict[str, float]:
+    """Seconds dynamo has spent so far in each phase of PHASE_TIMERS (process-wide totals)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {phase: sum(compilation_time_metrics.get(timer, ())) for phase, timer in PHASE_TIMERS.items()}
+
+
+def _phases(before: dict[str, float], seconds: float) -> dict[str, float]:
+    spent = {phase: round(value - before[phase], 2) for phase, value in _timers().items()}
+    return {**spent, "other": round(max(seconds - sum(spent.values()), 0.0), 2)}
+
+
 def _options() -> dict[str, Any]:
     """Inductor options for our compile: deterministic mode where this torch has it (compile-time
     options: they are baked into the generated kernels, and change nothing else in the process)."""
@@ -149,35 +184,92 @@ def _bound(forward: Callable[..., Any], layer: torch.nn.Module, config: dict[str
     return call
 
 
-# Test-only fault injection (tests/test_compile.py): "load" makes every compile fail; "recompile" every
-# compile after load (the warm-up's succeed). The failure is raised in Inductor's place, so dynamo reports
-# it as it reports any backend failure, and the fall back to eager is testable at load and while serving.
+# Test-only hooks (tests/test_compile.py), read at load:
+#   SPEC_SERVE_TEST_COMPILE_FAULT=load|recompile  every compile fails ("load"), or every one after load (the
+#       warm-up's succeed); raised in the backend's place, so dynamo reports it as any backend failure, and the
+#       fall back to eager is testable at load and while serving
+#   SPEC_SERVE_TEST_COMPILE_BACKEND=NAME  a dynamo backend in Inductor's place (eager, aot_eager): tests of the
+#       plumbing trace the real graphs without generating and building C++
+#   SPEC_SERVE_TEST_COMPILE_CLASSES=a,b   compile only these WARMUP classes at load
 TEST_FAULT_ENV = "SPEC_SERVE_TEST_COMPILE_FAULT"
+TEST_BACKEND_ENV = "SPEC_SERVE_TEST_COMPILE_BACKEND"
+TEST_CLASSES_ENV = "SPEC_SERVE_TEST_COMPILE_CLASSES"
+
+
+def _backend_name() -> str:
+    return os.environ.get(TEST_BACKEND_ENV) or "inductor"
+
+
+def _classes() -> dict[str, tuple[int, int, bool, bool]]:
+    """The WARMUP classes this load compiles (all, unless TEST_CLASSES_ENV names some)."""
+    names = [n for n in os.environ.get(TEST_CLASSES_ENV, "").split(",") if n]
+    unknown = sorted(set(names) - WARMUP.keys())
+    if unknown:
+        raise ValueError(f"{TEST_CLASSES_ENV} names no WARMUP class: {unknown}; the classes: {list(WARMUP)}")
+    return {n: shape for n, shape in WARMUP.items() if not names or n in names}
 
 
 def _backend(options: dict[str, Any], loaded: Callable[[], bool]) -> dict[str, Any]:
-    """``torch.compile`` keywords choosing the backend: Inductor with ``options``; under ``TEST_FAULT_ENV`` the
-    same Inductor behind a failure (``loaded``: whether the load-time compile is done)."""
-    fault = os.environ.get(TEST_FAULT_ENV)
+    """``torch.compile`` keywords choosing the backend: Inductor with ``options`` (or TEST_BACKEND_ENV's); under
+    TEST_FAULT_ENV that backend behind a failure (``loaded``: whether the load-time compile is done)."""
+    name, fault = _backend_name(), os.environ.get(TEST_FAULT_ENV)
     if not fault:
-        return {"backend": "inductor", "options": options}
+        return {"backend": "inductor", "options": options} if name == "inductor" else {"backend": name}
     if fault not in ("load", "recompile"):
         raise ValueError(f"{TEST_FAULT_ENV} must be load or recompile, got {fault!r}")
-    inductor = torch._TorchCompileInductorWrapper(None, options, True)  # what backend="inductor" builds
+    # What backend="inductor" builds, or the named backend.
+    inner = torch._TorchCompileInductorWrapper(None, options, True) if name == "inductor" \
+        else torch._dynamo.lookup_backend(name)
 
     def failing(graph, example_inputs):
         if fault == "load" or loaded():
             raise RuntimeError(f"a compile failed at {fault} ({TEST_FAULT_ENV})")
-        return inductor(graph, example_inputs)
+        return inner(graph, example_inputs)
 
     return {"backend": failing}
+
+
+def _cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # an older torch: the directory is torch's default unless the environment names one
+        return os.environ.get(CACHE_ENV, "torch's default")
+    return cache_dir()
+
+
+def _manifest(model: Any, device: torch.device, classes: Sequence[str], backend: str) -> Path:
+    """Where a load that compiled ``classes`` of ``model`` on ``device`` records it: keyed by what the cached
+    kernels depend on (torch, the model's configuration and dtype, the device, the classes, the backend)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = json.dumps([torch.__version__, config, str(next(model.parameters()).dtype), name, list(classes), backend,
+                      _options()], sort_keys=True, default=str)
+    return Path(_cache_dir()) / MANIFEST_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _record(path: Path, report: CompileReport) -> None:
+    """Write the manifest (atomically; a cache directory we cannot write to only costs the next load a pool)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"torch": torch.__version__, "graphs": report.graphs, "seconds": report.seconds,
+                                   "classes": report.classes}))
+        tmp.replace(path)
+    except OSError as e:
+        event(log, logging.DEBUG, "compile.manifest_unwritten", path=path, reason=one_line(e))
+
+
+def _no_compile_pool(expect_hits: bool) -> contextlib.AbstractContextManager[Any]:
+    """Inductor with no pool of compile workers while a load that expects only cache hits runs (the
+    option is not part of any cache key; later compiles get the pool as usual)."""
+    return torch._inductor.config.patch(compile_threads=1) if expect_hits else contextlib.nullcontext()
 
 
 class CompiledLayers:
     """The decoder ``layers`` of ``model`` compiled regionally (``install``), and undone (``fall_back``).
 
     ``warm_up(rows, tokens, padding, packed)`` runs one forward of that shape through the model (the engine's,
-    under its forward lock); ``install`` calls it for every ``WARMUP`` class and times it.
+    under its forward lock); ``install`` calls it once eagerly, then for every ``WARMUP`` class, timing each.
     """
 
     def __init__(self, model: Any, layers: Sequence[torch.nn.Module], name: str,
@@ -193,41 +285,50 @@ class CompiledLayers:
         if reason is not None:
             self._fail(reason)
             return self.report
-        options = _options()
-        self.report.deterministic = bool(options)
+        classes, options = _classes(), _options() if _backend_name() == "inductor" else {}
+        manifest = _manifest(self.model, device, list(classes), _backend_name())
+        started = time.monotonic()
+        self._warm_up(*next(iter(classes.values())))  # eager: the device's own start-up, not compiling
+        self.report = dataclasses.replace(self.report, deterministic=bool(options), manifest=manifest.exists(),
+                                          device_seconds=round(time.monotonic() - started, 2))
         event(log, logging.INFO, "compile.start", model=self.name, layers=len(self.layers), device=device,
-              shapes=len(WARMUP), cache=self._cache_dir(), deterministic=self.report.deterministic)
-        graphs, (hits, misses), started = _graphs(), _cache_lookups(), time.monotonic()
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+              shapes=len(classes), cache=_cache_dir(), deterministic=self.report.deterministic,
+              manifest=self.report.manifest)
         try:
-            backend = _backend(options, lambda: self.report.active)
-            compiled = {cls: torch.compile(cls.forward, dynamic=True, **backend)
-                        for cls in {type(layer) for layer in self.layers}}
-            for layer in self.layers:
-                layer.forward = _bound(compiled[type(layer)], layer, _tracing_config())
-            for shape in WARMUP:
-                self._warm_up(*shape)
+            self._compile(classes, options)
         except Exception as e:
             if not compile_error(e):
                 self._undo()
                 raise
             self._fail(one_line(e))
             return self.report
-        now_hits, now_misses = _cache_lookups()
-        self.report = dataclasses.replace(self.report, active=True, seconds=round(time.monotonic() - started, 2),
-                                          graphs=_graphs() - graphs, cache_hits=now_hits - hits,
-                                          cache_misses=now_misses - misses, cache_dir=self._cache_dir())
+        _record(manifest, self.report)
         event(log, logging.INFO, "compile.done", model=self.name, seconds=self.report.seconds,
-              graphs=self.report.graphs, cache_hits=self.report.cache_hits, cache_misses=self.report.cache_misses)
+              graphs=self.report.graphs, cache_hits=self.report.cache_hits, cache_misses=self.report.cache_misses,
+              device_seconds=self.report.device_seconds, phases=_joined(self.report.phases),
+              classes=_joined(self.report.classes))
         return self.report
 
-    @staticmethod
-    def _cache_dir() -> str:
-        try:
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-        except ImportError:  # an older torch: the directory is torch's default unless the environment names one
-            return os.environ.get(CACHE_ENV, "torch's default")
-        return cache_dir()
+    def _compile(self, classes: dict[str, tuple[int, int, bool, bool]], options: dict[str, Any]) -> None:
+        """Bind the compiled forward to every layer and run each class once, under the forward lock's caller."""
+        graphs, (hits, misses), timers, started = _graphs(), _cache_lookups(), _timers(), time.monotonic()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        backend = _backend(options, lambda: self.report.active)
+        compiled = {cls: torch.compile(cls.forward, dynamic=True, **backend)
+                    for cls in {type(layer) for layer in self.layers}}
+        for layer in self.layers:
+            layer.forward = _bound(compiled[type(layer)], layer, _tracing_config())
+        seconds: dict[str, float] = {}
+        with _no_compile_pool(self.report.manifest):
+            for name, shape in classes.items():
+                begun = time.monotonic()
+                self._warm_up(*shape)
+                seconds[name] = round(time.monotonic() - begun, 2)
+        now_hits, now_misses = _cache_lookups()
+        total = round(time.monotonic() - started, 2)
+        self.report = dataclasses.replace(self.report, active=True, seconds=total, graphs=_graphs() - graphs,
+                                          cache_hits=now_hits - hits, cache_misses=now_misses - misses,
+                                          cache_dir=_cache_dir(), classes=seconds, phases=_phases(timers, total))
 
     # -- serving ---------------------------------------------------------------------------------
 
@@ -261,6 +362,11 @@ class CompiledLayers:
     def _undo(self) -> None:
         for layer in self.layers:
             layer.__dict__.pop("forward", None)  # the class's own forward again
+
+
+def _joined(values: dict[str, float]) -> str:
+    """``{"a": 1.0, "b": 2.5}`` as ``a:1.0,b:2.5`` (one token in a log line)."""
+    return ",".join(f"{k}:{v}" for k, v in values.items())
 
 
 def cache_dir_from(path: str | Path | None) -> None:

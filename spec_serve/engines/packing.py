@@ -215,7 +215,12 @@ class Tolerance:
     hidden_rel_norm: float
     probs_max_error: float  # target_probs (probabilities, so max_error is absolute)
     probs_rel_norm: float
-    flip_rate: float  # argmax_ids, position_mask: the fraction of compared positions that differ
+    # argmax_ids, position_mask: the fraction of compared positions that differ. Flips follow from the hidden
+    # states' deviation and the logits' near-ties, so where the reference engine is at hand the bound is derived
+    # per batch instead (``engines.flips.flip_bound``: the bench, the GPU compile test); this fixed one is
+    # for checks without it: 0 in float32; in half precision 5%, which was set from flips measured on random
+    # weights, not derived (docs/compile.md, "Why these bounds").
+    flip_rate: float
 
     def bound(self, name: str, measure: str) -> float:
         if measure == "mismatch":
@@ -279,12 +284,17 @@ def compare(packed: Mapping[str, torch.Tensor], padded: Mapping[str, torch.Tenso
     return report
 
 
-def violations(report: Mapping[str, Mapping[str, float]], tolerance: Tolerance) -> list[str]:
-    """What in a ``compare`` report exceeds ``tolerance``, one line each; empty if all is within it."""
+def violations(report: Mapping[str, Mapping[str, float]], tolerance: Tolerance,
+               flip_bounds: Mapping[str, float] | None = None) -> list[str]:
+    """What in a ``compare`` report exceeds ``tolerance``, one line each; empty if all is within it.
+    ``flip_bounds``: per argmax tensor, a flip bound derived for this batch (``engines.flips``), in place
+    of ``tolerance.flip_rate``."""
     out = []
     for name, measures in report.items():
         for measure, value in measures.items():
             bound = tolerance.bound(name, measure)
+            if measure == "flip_rate" and flip_bounds is not None and name in flip_bounds:
+                bound = flip_bounds[name]
             if value > bound:
                 out.append(f"{name}: {measure} {value:.3g} > {bound:.3g}")
     return out

@@ -39,9 +39,13 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       whose queued requests share packed forwards)
   samehost_1w_packed_compiled a worker started with --packing --compile, the same way
   compile_cold        seconds a fresh process takes to compile the target's layers (HFTarget(compile=True)
-                      with an empty Inductor cache), then compile_warm: a second process on that cache,
-                      and compile_artifacts: a process with an empty cache that first loads the cache
-                      artifacts the cold one saved (torch.compiler.save/load_cache_artifacts)
+                      with an empty Inductor cache), then compile_warm: a second process on that cache
+                      (its manifest says every class is cached: no compile-worker pool), compile_warm_pool:
+                      the same with the manifest deleted (a pool, as a cold start starts), and
+                      compile_artifacts: a process with an empty cache that first loads the cache artifacts
+                      the cold one saved (torch.compiler.save/load_cache_artifacts; that load is counted in
+                      its seconds). Each figure splits its seconds: per batch class, and dynamo's phases
+                      (trace, backend, guards, other); device_seconds is the eager forward before compiling
   small_unbatched     many small requests from several ranks, one worker without packing
   small_batched       the same against a worker started with --packing --max-batch-tokens, so
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
@@ -254,42 +258,64 @@ def _tokens(batches) -> tuple[int, int]:
     return sum(int(b[1].sum()) for b in batches), sum(b[1].numel() for b in batches)
 
 
-def verify_packed(engine, batches, outputs, compact_mask: torch.Tensor | None = None) -> dict[str, Any]:
+def verify_packed(engine, batches, outputs, compact_mask: torch.Tensor | None = None,
+                  flip_bounds: Callable[[tuple, dict | None], dict[str, float]] | None = None) -> dict[str, Any]:
     """Each packed or compiled answer against the colocated padded eager forward of its batch
-    (``packing.compare``; ``compiled.TOLERANCE`` is the same table).
+    (``packing.compare``; ``compiled.TOLERANCE`` is the same table), its flips against the bound derived for
+    that batch (``engines.flips``: what a deviation at the tolerance's hidden rel_norm flips on these rows).
 
     ``compact_mask``: the outputs are compact replies expanded by a client (``selected_token_mask``
     given), so the reference is the colocated compact forward expanded the same way; else the
-    colocated EAGLE-3 forward. Returns ``verified`` "N/M" (M batches, N within ``packing.TOLERANCE``
-    for the model's dtype), the tolerance, the worst value of each measure over all batches, and
-    ``status: INVALID`` unless N == M.
+    colocated EAGLE-3 forward. ``flip_bounds(batch, eagle3_reference_or_None)``: a batch's flip bound
+    (``Context.flip_bounds`` keeps them over rounds; computed here if not given). Returns ``verified`` "N/M"
+    (M batches, N within the tolerance for the model's dtype), the tolerance, the worst value of each measure
+    over all batches, the lowest flip bound, and ``status: INVALID`` unless N == M.
     """
     from spec_serve.engines import packing
-    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 
     tolerance = packing.TOLERANCE[engine.model.dtype]
-    if compact_mask is not None:
-        weight = lm_head_slice(engine.get_output_embeddings().weight, engine.vocab_mapping()[0])
-        compact_mask = compact_mask.to(engine.device)
+    bound_of = flip_bounds or functools.partial(_flip_bounds, engine)
     worst: dict[str, float] = {}
+    lowest: dict[str, float] = {}
     passed, failures = 0, []
     for b, out in zip(batches, outputs):
-        if compact_mask is None:
-            want = engine.generate_batch(*b, kind="eagle3")
-        else:
-            want = expand_compact(engine.generate_batch(*b, kind="eagle3_compact"), weight, compact_mask)
+        want = _padded_reference(engine, b, compact_mask)
+        bounds = bound_of(b, want if compact_mask is None else None)
         report = packing.compare(out, want, b[1].to(engine.device))
         for name, measures in report.items():
             for measure, value in measures.items():
                 worst[f"{name}.{measure}"] = max(worst.get(f"{name}.{measure}", 0.0), value)
-        bad = packing.violations(report, tolerance)
+        lowest = {name: min(lowest.get(name, bound), bound) for name, bound in bounds.items()}
+        bad = packing.violations(report, tolerance, bounds)
         passed += not bad
         failures += bad[:1]
-    result = {"verified": f"{passed}/{len(outputs)}", "tolerance": dataclasses.asdict(tolerance),
-              "worst": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())}}
+    result = {"verified": f"{passed}/{len(outputs)}",
+              "tolerance": {**dataclasses.asdict(tolerance), "flip_rate": "derived per batch (flip_bound)"},
+              "worst": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())},
+              "flip_bound": {k: float(f"{v:.3g}") for k, v in sorted(lowest.items())}}
     if passed != len(outputs) or not outputs:
         result.update(status="INVALID", first_failures=failures[:3])
     return result
+
+
+def _padded_reference(engine, batch, compact_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The colocated padded eager forward of ``batch``: EAGLE-3, or (``compact_mask``) compact expanded."""
+    from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+
+    if compact_mask is None:
+        return engine.generate_batch(*batch, kind="eagle3")
+    weight = lm_head_slice(engine.get_output_embeddings().weight, engine.vocab_mapping()[0])
+    return expand_compact(engine.generate_batch(*batch, kind="eagle3_compact"), weight,
+                          compact_mask.to(engine.device))
+
+
+def _flip_bounds(engine, batch, reference: dict | None) -> dict[str, float]:
+    """``batch``'s flip bound at the tolerance's hidden rel_norm (``engines.flips.flip_bound``)."""
+    from spec_serve.engines import packing
+    from spec_serve.engines.flips import flip_bound
+
+    rel_norm = packing.TOLERANCE[engine.model.dtype].hidden_rel_norm
+    return flip_bound(engine, tuple(t.to(engine.device) for t in batch), rel_norm, reference=reference)
 
 
 def verified(passed: int, total: int) -> dict[str, Any]:
@@ -359,7 +385,7 @@ def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bo
     if compiled:
         name += "_compiled"
         return _figure(name, tokens, nbytes, seconds, padded, **ctx.verify_compiled(ctx.batches[warmup:], outputs))
-    checked = verify_packed(engine, ctx.batches[warmup:], outputs) if packed else {}
+    checked = verify_packed(engine, ctx.batches[warmup:], outputs, flip_bounds=ctx.flip_bounds) if packed else {}
     return _figure(name, tokens, nbytes, seconds, padded, **checked)
 
 
@@ -416,7 +442,8 @@ def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, nam
     if compiled:
         checked = ctx.verify_compiled(batches[warmup:], outputs, remote=not packed)
     elif packed:
-        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact_wire else None)
+        checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact_wire else None,
+                                flip_bounds=ctx.flip_bounds)
     else:
         checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact_wire, device=device,
                                           kind="dspark" if dspark else "eagle3")
@@ -470,7 +497,8 @@ def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
     tokens = cfg.small_ranks * cfg.small_requests * cfg.small_seq
     requests = cfg.small_ranks * cfg.small_requests
     if service == "batch":  # a packing worker
-        checked = verify_packed(ctx.engine(), [b for b, _ in timed], [out for _, out in timed])
+        checked = verify_packed(ctx.engine(), [b for b, _ in timed], [out for _, out in timed],
+                                flip_bounds=ctx.flip_bounds)
         checked = {**checked, "verified": f"{checked['verified'].split('/')[0]}/{requests}"}
     else:
         checked = {"verified": f"{sum(ctx.verify(b, out) for b, out in timed)}/{requests}"}
@@ -715,15 +743,16 @@ def _row_noise(engine, batch) -> dict[str, float]:
 
 
 def run_compile_time(ctx: Context) -> dict[str, Any]:
-    """compile_cold, compile_warm and compile_artifacts, each a fresh process (``_compile_probe``) on the
-    target; the three figures go into the report at once (``Context.extra_figures``)."""
+    """compile_cold, compile_warm, compile_warm_pool and compile_artifacts, each a fresh process
+    (``_compile_probe``) on the target, in that order; the figures go into the report at once
+    (``Context.extra_figures``)."""
     cold_dir, fresh_dir = Path(ctx.tmp) / "inductor-cold", Path(ctx.tmp) / "inductor-artifacts"
     artifacts = Path(ctx.tmp) / "compile-artifacts.bin"
     for d in (cold_dir, fresh_dir):
         shutil.rmtree(d, ignore_errors=True)
     artifacts.unlink(missing_ok=True)
     runs = {"compile_cold": (cold_dir, "save"), "compile_warm": (cold_dir, ""),
-            "compile_artifacts": (fresh_dir, "load")}
+            "compile_warm_pool": (cold_dir, "forget"), "compile_artifacts": (fresh_dir, "load")}
     figures = {name: _compile_probe(ctx, name, cache, mode, artifacts) for name, (cache, mode) in runs.items()}
     ctx.extra_figures.update({k: v for k, v in figures.items() if k != "compile_cold"})
     return figures["compile_cold"]
@@ -742,21 +771,30 @@ def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: P
         tail = " ".join(proc.stderr.strip().splitlines()[-3:])
         return _figure(name, 0, 0, 0.0, status="INVALID", error=tail[-500:])
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _figure(name, 0, 0, report["seconds"], load_seconds=report["load_seconds"], graphs=report["graphs"],
+    seconds = round(report["seconds"] + report["artifacts_seconds"], 2)
+    return _figure(name, 0, 0, seconds, load_seconds=report["load_seconds"], graphs=report["graphs"],
                    cache_hits=report["cache_hits"], cache_misses=report["cache_misses"],
                    compiled=report["active"], h200_target_s=COMPILE_TARGET_S.get(name),
+                   artifacts_seconds=report["artifacts_seconds"], device_seconds=report["device_seconds"],
+                   phases=report["phases"], classes=report["classes"], manifest=report["manifest"],
                    **({} if report["active"] else {"status": "INVALID", "error": report["reason"]}))
 
 
 def _compile_probe_main(args: list[str]) -> None:
-    """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir (``save``: then write the
-    cache artifacts; ``load``: first load them) and print its compile report as JSON."""
+    """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir and print its compile report as
+    JSON. ``save``: then write the cache artifacts; ``load``: first load them (timed: ``artifacts_seconds``);
+    ``forget``: first delete the manifests a load left in the cache (so this load starts a compile pool)."""
+    from spec_serve.engines import compiled
     from spec_serve.engines.hf import HFTarget
 
     target, device, dtype, aux, cache, mode, artifacts = args
+    started = time.perf_counter()
     if mode == "load":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
+    artifacts_seconds = time.perf_counter() - started
+    if mode == "forget":
+        shutil.rmtree(Path(cache) / compiled.MANIFEST_DIR, ignore_errors=True)
     started = time.perf_counter()
     engine = HFTarget(target, device=device, dtype=dtype or None, compile=True, compile_cache=cache,
                       aux_layer_ids=[int(i) for i in aux.split(",")] if aux else None)
@@ -766,7 +804,8 @@ def _compile_probe_main(args: list[str]) -> None:
         if saved is not None:
             Path(artifacts).write_bytes(saved[0])
     report = dataclasses.asdict(cast("CompileReport", engine.compile_report))
-    print(json.dumps({**report, "load_seconds": round(load_seconds, 2)}), flush=True)
+    print(json.dumps({**report, "load_seconds": round(load_seconds, 2),
+                      "artifacts_seconds": round(artifacts_seconds, 2)}), flush=True)
 
 
 # --------------------------------------------------------------------- context
@@ -808,6 +847,7 @@ class Context:
         self._engine = None
         self._compiled = None
         self._noise: dict[int, dict[str, float]] = {}  # batch -> the eager forward's batch-composition noise
+        self._flip_bounds: dict[int, dict[str, float]] = {}  # batch -> its derived flip bound
         self.recycle = True
         self.cluster: Cluster | None = None  # started by start_cluster
         self.extra_figures: dict[str, dict] = {}  # figures a scenario measured besides its own (compile_*)
@@ -842,7 +882,7 @@ class Context:
         from spec_serve.tools.verify import mismatch
 
         with worker_threads(self.device):
-            checked = verify_packed(self.engine(), batches, outputs)
+            checked = verify_packed(self.engine(), batches, outputs, flip_bounds=self.flip_bounds)
             checked["noise"] = self.batch_noise(batches)
             if remote:
                 engine = self.compiled_engine()
@@ -850,6 +890,13 @@ class Context:
                             for b, out in zip(batches, outputs))
                 checked["bit_equal_compiled"] = f"{equal}/{len(outputs)}"
         return checked
+
+    def flip_bounds(self, batch, reference: dict | None = None) -> dict[str, float]:
+        """``batch``'s flip bound (``verify_packed``), derived once per batch and kept over rounds."""
+        if id(batch[0]) not in self._flip_bounds:
+            with worker_threads(self.device):
+                self._flip_bounds[id(batch[0])] = _flip_bounds(self.engine(), batch, reference)
+        return self._flip_bounds[id(batch[0])]
 
     def batch_noise(self, batches) -> dict[str, float]:
         """The eager forward's batch-composition noise on these rows (the yardstick compiled and packed
@@ -1172,6 +1219,9 @@ def _median_figure(figures: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("worst", "noise"):  # the worst of every round
         if key in median:
             median[key] = {k: max(f[key].get(k, 0.0) for f in figures) for k in median[key]}
+    if "flip_bound" in median:  # the lowest of every round
+        median["flip_bound"] = {k: min(f["flip_bound"].get(k, v) for f in figures)
+                                for k, v in median["flip_bound"].items()}
     return median
 
 
@@ -1183,7 +1233,7 @@ def _count_over_rounds(figures: list[dict[str, Any]], key: str) -> tuple[int, in
 
 def format_table(report: dict[str, Any]) -> str:
     shown = ("scenario", "tokens", "bytes", "seconds", "tokens_per_s", "gb_per_s", "padded_tokens",
-             "padded_tokens_per_s", "tolerance", "worst", "noise")
+             "padded_tokens_per_s", "tolerance", "worst", "noise", "phases", "classes", "flip_bound")
     lines = [f"{'scenario':<26}{'useful tok/s':>14}{'padded tok/s':>14}{'GB/s':>9}{'seconds':>9}  notes"]
     for name, f in report["figures"].items():
         notes = ", ".join(f"{k}={v}" for k, v in f.items() if k not in shown)
@@ -1192,11 +1242,15 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{name:<26}{tps:>14}{padded:>14}{f['gb_per_s'] or 0:>9.3f}{f['seconds']:>9.3f}  {notes}")
     for name, f in report["figures"].items():
         if "worst" in f:
-            lines.append(f"  {name} vs colocated padded, worst over batches (bound: {f['tolerance']}): "
+            lines.append(f"  {name} vs colocated padded, worst over batches (bound: {f['tolerance']}; flip bound, "
+                         f"lowest over batches: {f.get('flip_bound')}): "
                          + ", ".join(f"{k}={v}" for k, v in f["worst"].items()))
         if "noise" in f:
             lines.append(f"  {name}: the eager forward's own noise on the same rows (alone vs in their batch): "
                          + ", ".join(f"{k}={v}" for k, v in f["noise"].items()))
+        if "phases" in f:
+            lines.append(f"  {name}: seconds by phase " + ", ".join(f"{k}={v}" for k, v in f["phases"].items())
+                         + "; by batch class " + ", ".join(f"{k}={v}" for k, v in f["classes"].items()))
         equal = f.get("bit_equal_compiled", "")
         if equal and equal.split("/")[0] != equal.split("/")[1]:
             lines.append(f"  {name}: NOT bit-equal to the colocated compiled forward ({equal} batches equal)")
