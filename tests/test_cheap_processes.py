@@ -78,3 +78,14 @@ def test_a_serving_broker_holds_no_torch(tiny_target_dir, tiny_vocab_mapping):
         assert cluster.get("/metrics")[0] == 200 and cluster.get("/model_info")[0] == 200
         assert _maps_torch(cluster.workers[0].pid), "the check finds torch where it is"
         assert not _maps_torch(cluster.broker.pid), "the broker process imported torch"
+
+
+def test_the_version_is_one_number():
+    """`--version` prints spec_serve.__version__ (it must work without installed metadata); pyproject.toml
+    must say the same."""
+    import spec_serve
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == spec_serve.__version__

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _worker(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``spec-serve worker ARGS`` as a process of this venv, with this checkout first on the path."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # keep what the run set up
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "worker", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -24,7 +24,7 @@ import torch
 
 from cluster_util import CLIENT_KW, FAST_ENV
 from fakes import nemo_standin
-from spec_serve.client import api
+from spec_serve.client import api, compact
 from spec_serve.engines import packing
 from spec_serve.integrations.nemo import Eagle3Batch, SpecServeEagle3Target, SpecServeRecipeMixin, batch_class
 from spec_serve.integrations.nemo.packed import Documents
@@ -245,19 +245,19 @@ def _spy_requests(monkeypatch):
     """Record what the adapter sends (its request rows and raw futures) and count compact expansions."""
     requests: list = []
     expanded = {"count": 0}
-    real_submit, real_expand = api.RemoteTargetModel.generate_batch_async, api.expand_later
+    real_submit, real_expand = api.RemoteTargetModel.generate_batch_async, compact.Expansion.later
 
     def submit(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
         future = real_submit(self, input_ids, attention_mask, loss_mask, kind)
         requests.append(((input_ids, attention_mask, loss_mask), future))
         return future
 
-    def expand(*args, **kwargs):
+    def expand(self, *args, **kwargs):
         expanded["count"] += 1
-        return real_expand(*args, **kwargs)
+        return real_expand(self, *args, **kwargs)
 
     monkeypatch.setattr(api.RemoteTargetModel, "generate_batch_async", submit)
-    monkeypatch.setattr(api, "expand_later", expand)
+    monkeypatch.setattr(compact.Expansion, "later", expand)
     return requests, expanded
 
 

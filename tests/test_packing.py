@@ -20,6 +20,7 @@ from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import packing
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import Status
+from spec_serve.protocol.messages import Release
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.worker.server import Job, Worker
@@ -155,7 +156,7 @@ def test_serve_group_packs_and_splits(tiny_target_dir, tiny_vocab_mapping, coloc
             assert result.status is Status.OK and result.header["batched"] == 3
             _assert_close(wire.decode(result.frames), engine.generate_batch(*b, kind=kind), b[1])
     # Another kind or vocab: never together; a bind/release ends the scan, order kept.
-    control = Job(b"", {"prefix": "p"}, [], time.monotonic(), control="release")
+    control = Job(b"", {"prefix": "p"}, [], time.monotonic(), control="release", message=Release("p"))
     backlog = collections.deque([_job(batches[0]), _job(batches[1], kind="dspark"), _job(batches[2], vocab="other"),
                                  _job(batches[2]), control, _job(batches[1])])
     assert len(worker.compute.take_group(backlog)) == 2

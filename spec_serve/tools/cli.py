@@ -19,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from spec_serve import __version__
 from spec_serve.engines.options import SectionedCommand, engine_kwargs, engine_options
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
@@ -140,7 +141,9 @@ log_level_option = _log_level_option("WARNING")
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="spec-serve")
+# The package's own version (pyproject.toml reads the same number): --version works from a checkout too,
+# where no distribution metadata is installed (PYTHONPATH runs, as on a GPU machine without pip).
+@click.version_option(version=__version__, package_name="spec-serve")
 def main() -> None:
     """spec-serve: frozen-target supervision for speculative-decoding draft training.
 
