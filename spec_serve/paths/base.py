@@ -96,6 +96,8 @@ class WorkerSide:
     # Compute-thread control jobs this path runs in order with the requests (NCCL: bind, release), and
     # the message each carries.
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {}
+    # True: some reply bytes travel outside the data messages, counted by ``sent_apart`` (NCCL's tensors).
+    sends_apart: ClassVar[bool] = False
 
     def takes(self, request: SupervisionRequest) -> bool:
         """Whether this path may carry the reply to ``request``; ``PathUnavailable`` if the request

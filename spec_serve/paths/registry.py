@@ -137,8 +137,9 @@ class WorkerPaths:
             side.start()
 
     def sent_apart(self) -> dict[str, int]:
-        """Reply bytes each path sent apart from the data messages (``WorkerSide.sent_apart``), by path."""
-        return {side.name: n for side in self.sides if (n := side.sent_apart())}
+        """Reply bytes each path that ``sends_apart`` sent apart from the data messages, by path: zero too, so
+        /metrics has the series before the first byte (a rate or an alert on it works from the start)."""
+        return {side.name: side.sent_apart() for side in self.sides if side.sends_apart}
 
     def lent_out(self) -> int:
         """Replies whose memory clients still hold, over every path (the plane's slots lent out)."""

@@ -39,6 +39,7 @@ log = logging.getLogger("spec_serve.worker")
 
 class NcclWorker(WorkerSide):
     name: ClassVar[str] = "nccl"
+    sends_apart: ClassVar[bool] = True
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {"bind": WorkerBind, "release": Release}
 
     def __init__(self, worker: str, device: torch.device, broker_url: str, advertise_host: str | None,
