@@ -45,13 +45,13 @@ WORKER_ADDR, CLIENT_ADDR = f"{SUBNET}.1", f"{SUBNET}.2"
 KINDS = {"full": "eagle3", "auto": "eagle3_compact"}  # what each measures on the wire (see the docstring)
 
 
-def unavailable() -> str | None:
-    """Why this cannot run here (None: it can)."""
+def unavailable(tools: tuple[str, ...] = ("ip", "tc")) -> str | None:
+    """Why network namespaces (and ``tools``, both of iproute2) cannot be used here (None: they can)."""
     if os.geteuid() != 0:
-        return "needs root for ip netns and tc"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+        return f"needs root for {' and '.join(tools)}"
+    for tool in tools:
         if shutil.which(tool) is None:
-            return f"needs {tool} ({package}: apt-get install {package})"
+            return f"needs {tool} (iproute2: apt-get install iproute2)"
     probe = f"ssnp{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,16 +29,7 @@ NODES = {"b": 1, "w0": 2, "w1": 3, "c": 4}  # broker, workers, client -> host pa
 
 
 def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for ip netns"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (apt-get install iproute2)"
-    probe = f"ssprobe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"ip netns add failed: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
+    return _bench_netns().unavailable(tools=("ip",))
 
 
 def _ip(*args: str) -> None:
