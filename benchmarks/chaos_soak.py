@@ -35,10 +35,14 @@ FAST_ENV = {"SPEC_SERVE_HEARTBEAT_INTERVAL": "0.2", "SPEC_SERVE_HEARTBEAT_LIVENE
 
 
 def soak(target: str, duration: float, workers: int, ranks: int, kill_every: float, seed: int,  # noqa: C901, PLR0915
-         distinct: int = 16, log_dir: Path | None = None, max_retries: int = 10, timeout: float = 30.0) -> dict:
+         distinct: int = 16, log_dir: Path | None = None, max_retries: int = 10, timeout: float = 30.0,
+         liveness: int = 5) -> dict:
     """``max_retries``: the clients' own retries; 0 leaves every recovery to the broker's re-dispatch.
     ``timeout``: each request's (the broker drops a request no worker took by then); with retries off it is
-    the whole wait, so on a loaded box it must outlast the slowest queueing, or a slow request reads as lost."""
+    the whole wait, so on a loaded box it must outlast the slowest queueing, or a slow request reads as lost.
+    ``liveness``: the heartbeats (0.2 s apart) the broker and workers may miss before a peer is gone. A client
+    the broker gives up on loses its mappings and queued requests, which only a client retry recovers: with
+    retries off, give a loaded box's late heartbeats room."""
     # The soak is one scenario (cluster, training ranks, a killer thread, the tally): read as one piece.
     rng = random.Random(seed)
     # The references run with the workers' math threads (launch: OMP_NUM_THREADS, 1 unless set): on a CPU
@@ -62,7 +66,8 @@ def soak(target: str, duration: float, workers: int, ranks: int, kill_every: flo
             for k, v in kw.items():
                 counts[k] += v
 
-    with local_cluster(target, workers=workers, env=FAST_ENV, log_dir=log_dir) as cluster:
+    env = {**FAST_ENV, "SPEC_SERVE_HEARTBEAT_LIVENESS": str(liveness)}
+    with local_cluster(target, workers=workers, env=env, log_dir=log_dir) as cluster:
         def rank(r: int):
             with RemoteTargetModel(cluster.frontend, prefetch_depth=4, timeout=timeout, max_retries=max_retries,
                                    heartbeat_interval=0.2, liveness=15) as client:

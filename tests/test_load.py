@@ -112,7 +112,7 @@ def test_chaos_soak_short(tiny_target_dir, tmp_path):
     spec.loader.exec_module(module)
     duration = float(os.environ.get("SPEC_SERVE_SOAK_SECONDS", "20"))
     result = module.soak(str(tiny_target_dir), duration=duration, workers=3, ranks=3, kill_every=5.0, seed=1,
-                         log_dir=tmp_path / "logs", max_retries=0, timeout=120)
+                         log_dir=tmp_path / "logs", max_retries=0, timeout=120, liveness=15)
     print("\nchaos soak:", {k: result[k] for k in ("sent", "completed", "verified", "retried", "lost", "duplicated",
                                                   "dropped_duplicates", "worker_kills", "worker_restarts",
                                                   "redispatched", "hung_ranks", "duration_s")})
