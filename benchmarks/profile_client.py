@@ -1,13 +1,17 @@
-"""Where a GPU client's device time goes while it takes full EAGLE-3 with its defaults over frames.
+"""Where a GPU client's device time goes while it takes full EAGLE-3 over frames, compact on the wire.
 
 The bench's remote_1w_auto (one worker on the client's GPU, the same-host plane off: frames, answered
 compact, expanded on the client), with the client's CUDA work recorded by torch.profiler and summarised
-as text: the top CUDA ops of the client process by device time, and its device time per batch. It runs
-twice, frames landed through pinned slabs (the client's default on a GPU, spec_serve/client/staging.py)
-and straight from the frames (pageable copies, as before), so the two are compared in one run. Every
-timed batch is checked bit for bit against the colocated forward, expanded as the client does.
+as text: the top CUDA ops of the client process by device time, its device time per batch, and the
+intervals between batch completions (the worker's pace as the client sees it). Each mode runs in turn
+in one process, against one worker, so they are compared in one run:
+  auto              compact="auto" (the default), frames landed through pinned slabs (staging.py)
+  compact           compact=True, the same landing
+  auto-pageable     compact="auto", frames copied straight to the device (pageable, as before staging.py)
+Every timed batch is checked bit for bit against the colocated forward, expanded as the client does.
 
     python benchmarks/profile_client.py --gpu-8b --devices cuda:0 --steps 8 --out prof
+    python benchmarks/profile_client.py --gpu-8b --modes auto,compact,auto,compact --steps 24
 
 ``--out`` keeps a Chrome trace per mode (chrome://tracing or ui.perfetto.dev).
 """
@@ -31,18 +35,26 @@ from spec_serve.tools.bench import Context, _sync, make_config  # noqa: E402
 TOP_OPS = 15
 
 
-def _run(ctx: Context, batches: list, staged: bool, trace: Path | None) -> dict:
+MODES = {"auto": ("auto", True), "compact": (True, True), "auto-pageable": ("auto", False)}
+
+
+def _run(ctx: Context, batches: list, compact: bool | str, staged: bool, trace: Path | None) -> dict:
     """Tokens/s of ``batches`` back to back (prefetch as the bench), then the same batches profiled."""
     cuda = ctx.device.type == "cuda"
     if not staged:  # profiling aid only: the client lands frames as it did before staging.py
         original, client_api.Staging = client_api.Staging, lambda device: None  # type: ignore[assignment]
     try:
         with client_api.RemoteTargetModel(ctx.frontend, service="w1", device=ctx.device, timeout=600,
-                                          prefetch_depth=ctx.cfg.prefetch, same_host_plane=False) as client:
+                                          prefetch_depth=ctx.cfg.prefetch, same_host_plane=False,
+                                          compact=compact) as client:
             client.set_vocab_mapping(*ctx.mapping)
             client.generate_batch(*batches[0])  # warm: the lm_head slice, the allocator, the slabs
             start = time.perf_counter()
-            outputs = [f.result() for f in [client.generate_batch_async(*b) for b in batches]]
+            futures = [client.generate_batch_async(*b) for b in batches]
+            outputs, done = [], []
+            for f in futures:
+                outputs.append(f.result())
+                done.append(time.perf_counter())
             _sync(ctx.device)
             seconds = time.perf_counter() - start
             with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] * cuda)]) as prof:
@@ -59,8 +71,9 @@ def _run(ctx: Context, batches: list, staged: bool, trace: Path | None) -> dict:
         prof.export_chrome_trace(str(trace))
     tokens = sum(int(b[1].sum()) for b in batches)
     verified = sum(ctx.verify(b, out, compact=True, device=ctx.device) for b, out in zip(batches, outputs))
+    gaps = [round((b - a) * 1e3, 1) for a, b in zip(done, done[1:])]
     return {"tok_s": tokens / seconds, "verified": f"{verified}/{len(batches)}", "prof": prof, "replies": landed,
-            "slabs": slabs}
+            "slabs": slabs, "gaps_ms": gaps}
 
 
 def _own_us(event, cuda: bool) -> float:
@@ -79,6 +92,7 @@ def _summary(name: str, result: dict, batches: int, cuda: bool) -> str:
     total = sum(_own_us(e, cuda) for e in rows)
     lines = [f"== {name}: {result['tok_s']:,.0f} tok/s, verified {result['verified']}, replies {result['replies']}, "
              f"slabs {result['slabs']}",
+             f"   ms between batch completions: {result['gaps_ms']}",
              f"   client {'device' if cuda else 'CPU'} time: {total / 1e3 / batches:.1f} ms a batch "
              f"({total / 1e3:.1f} ms over {batches})",
              f"   {'op':<64} {'ms/batch':>9} {'calls':>7}"]
@@ -93,7 +107,13 @@ def main() -> None:
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="folder for the Chrome traces")
+    parser.add_argument("--modes", default="auto,compact,auto-pageable",
+                        help=f"comma-separated, in order (repeats allowed): {', '.join(MODES)}")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - MODES.keys())
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
     cfg = make_config(target=None, gpu_8b=args.gpu_8b, devices=args.devices, dtype=None, batch=None, seq=None,
                       steps=args.steps, warmup=1, prefetch=2, draft_vocab=None, small_ranks=1, small_requests=1,
                       small_seq=None, max_batch_tokens=None, transport_messages=1, only="remote_1w_auto", log_dir=None)
@@ -104,10 +124,11 @@ def main() -> None:
         try:
             ctx.start_cluster({"w1"})
             batches = ctx.batches[: cfg.steps]
-            for name, staged in (("staged (pinned slabs)", True), ("pageable (straight from frames)", False)):
-                trace = args.out / f"client-{'staged' if staged else 'pageable'}.json" if args.out else None
-                result = _run(ctx, batches, staged, trace)
-                print(_summary(name, result, len(batches), ctx.device.type == "cuda"), flush=True)
+            for i, mode in enumerate(modes):
+                compact, staged = MODES[mode]
+                trace = args.out / f"client-{i}-{mode}.json" if args.out else None
+                result = _run(ctx, batches, compact, staged, trace)
+                print(_summary(mode, result, len(batches), ctx.device.type == "cuda"), flush=True)
         finally:
             ctx.close()
 

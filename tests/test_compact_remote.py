@@ -108,9 +108,13 @@ def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_ta
                            timeout=60) as remote:
         assert remote.compact == "auto"
         remote.set_vocab_mapping(ids_map, mask_map)
-        assert remote.stats.lm_head_slices == 0  # fetched on the first compact reply, not before
+        assert remote.stats.lm_head_slices == 0  # not before the first request that needs it
         batches = [sample_batch(tiny_target_dir, 4, 40, seed=seed) for seed in range(3)]
-        futures = [remote.generate_batch_async(*batch, kind="eagle3") for batch in batches]
+        futures = [remote.generate_batch_async(*batches[0], kind="eagle3")]
+        # Frames only, so the reply will come compact: the slice was fetched before the request went out, not
+        # on its reply (then its request would queue behind the batches in flight, and the pipeline drain).
+        assert remote.stats.lm_head_slices == 1
+        futures += [remote.generate_batch_async(*batch, kind="eagle3") for batch in batches[1:]]
         for batch, future in zip(batches, futures):
             got = future.result()
             assert_contract(got, engine, batch, "eagle3", shards=2, compact=True, selected=tiny_vocab_mapping)

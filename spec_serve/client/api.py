@@ -190,6 +190,11 @@ class RemoteTargetModel:
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
         offers = self._paths.offer(Op.GENERATE.value)  # binds a worker of our own first, with enable_nccl
+        if auto and not offers:
+            # Frames only: the worker answers compact (paths/registry.py, reply_kind). The slice is fetched now,
+            # ahead of the request, as compact=True does: fetched on the first reply instead, its request queues
+            # behind the batches in flight and the pipeline drains once. Cached: a lookup from the second batch.
+            self.lm_head_slice()
         self._credits.acquire()
         try:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
@@ -326,7 +331,7 @@ class RemoteTargetModel:
         self._vocab_digest = digest
         self._draft_vocab = ids.numel()
         self._selected_mask = mask.to(self.device)
-        if self.compact is True:  # every EAGLE-3 reply will need it; "auto" fetches it on its first compact one
+        if self.compact is True:  # every EAGLE-3 reply will need it; "auto" before its first compact one
             self.lm_head_slice()
 
     # ----------------------------------------------------------- target info
