@@ -163,7 +163,10 @@ def test_a_second_mismatch_fails_the_batch_with_a_clear_error(cluster, tiny_targ
         client.set_vocab_mapping(*tiny_vocab_mapping)
         with pytest.raises(IntegrityError, match="on the retry too") as error:
             client.generate_batch(*inputs(tiny_target_dir, 10))
-        assert client.stats.digest_mismatches == 2 and client.stats.digest_checks == 2, client.stats
+        # Over frames the lm_head slice came first (compact="auto" fetches it before a frames-only request), checked.
+        assert client.stats.lm_head_slices == (path == "frames"), client.stats
+        assert client.stats.digest_mismatches == 2, client.stats
+        assert client.stats.digest_checks == 2 + client.stats.lm_head_slices, client.stats
         assert_path(client.stats, path)
     print(f"\n{error.value}")
 
