@@ -124,6 +124,39 @@ def test_slabs_are_kept_across_landings_and_dropped_on_close():
     assert staging.copies == copies and len(pins.made) == 3
 
 
+class FailingPins(Pins):
+    """Pinning that works ``works`` times, then fails as cudaHostAlloc does when locked memory runs out."""
+
+    def __init__(self, works: int):
+        super().__init__()
+        self.works, self.tried = works, 0
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        self.tried += 1
+        if len(self.made) >= self.works:
+            raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported asynchronously")
+        return super().__call__(nbytes)
+
+
+@pytest.mark.parametrize("works", [0, 1])
+def test_landing_goes_on_when_pinned_memory_runs_out(works, caplog):
+    """No pinned memory (``works=0``): frames land straight from the frames; some (1 of 3 slabs): the ring
+    works with that one, its reuse waiting for its copy. Either way every byte lands, pinning is not tried
+    again, and one WARNING names the cause."""
+    stream, pins = LateStream(), FailingPins(works)
+    staging = _staging(stream, pins, slabs=3)
+    for seed in range(3):
+        span, data = _span(seed)
+        assert torch.equal(staging.land(span, torch.zeros(1000, dtype=torch.uint8)), data)
+    assert staging.allocations == works == staging.slabs() and pins.tried == works + 1
+    assert staging.unpinned == "RuntimeError: CUDA error: out of memory CUDA kernel errors might be reported " \
+                               "asynchronously"
+    assert staging.copies == (3 * 17 if works else 0) and stream.ran == len(stream.queued)
+    warnings = [r.getMessage() for r in caplog.records if "client.staging_unpinned" in r.getMessage()]
+    assert len(warnings) == 1 and "out of memory" in warnings[0], warnings
+    assert ("pageable copies" in warnings[0]) == (works == 0), warnings
+
+
 def test_landing_checks_its_destination():
     staging = _staging(LateStream(), Pins())
     span, _ = _span(2)

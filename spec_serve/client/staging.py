@@ -14,6 +14,10 @@ last read it has completed (the event recorded after that copy). The slabs form 
 pageable copy) and no slab is lent past it. ``close`` (the client closes) drops every slab; a ``land``
 after it copies straight from the frames.
 
+Pinned memory can run out (a host's locked-memory limit, a container's). A slab that cannot be pinned is not
+an error: the ring works with the slabs it has, and with none, frames land straight from the frames
+(pageable copies, as without staging). One WARNING names the reason; ``unpinned`` keeps it.
+
 The pinning, the events and the device copy are injectable, so the reuse rule runs in CPU tests.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -30,6 +35,9 @@ import torch
 
 from spec_serve.client.received import Span
 from spec_serve.protocol.wire import MAX_FRAME_BYTES, TensorSpan
+from spec_serve.telemetry.logs import event, one_line
+
+log = logging.getLogger("spec_serve.client")
 
 # Slabs in the ring: the CPU fills one while the device reads the one before; the rest absorb a device
 # stream that is still busy with earlier work (the expansion of the previous batch).
@@ -103,6 +111,7 @@ class Staging:
         self.allocations = 0  # slabs ever pinned: at most ``slabs`` until close
         self.copies = 0  # device copies queued from slabs
         self.waits = 0  # times a slab's previous copy had to be waited for before reuse
+        self.unpinned: str | None = None  # why pinning a slab failed (then no more are tried)
 
     def land(self, span: TensorSpan, out: torch.Tensor) -> torch.Tensor:
         """``span.copy_into(out)`` through the slabs (``out``: contiguous uint8 on the device); complete on return."""
@@ -114,14 +123,17 @@ class Staging:
             last = None
             done = 0
             for piece in _pieces(span.parts, self.slab_bytes):
-                last = self._stage(piece, out[done : done + piece.nbytes])
+                slab = self._take()
+                if slab is None:  # no slab and none can be pinned: only possible before the first piece
+                    assert done == 0
+                    return span.copy_into(out)
+                last = self._stage(slab, piece, out[done : done + piece.nbytes])
                 done += piece.nbytes
             if last is not None:
                 last.synchronize()  # copies on one stream complete in order: this was the last
         return out.view(span.dtype).view(span.shape)
 
-    def _stage(self, piece: memoryview, dst: torch.Tensor) -> Event:
-        slab = self._take()
+    def _stage(self, slab: _Slab, piece: memoryview, dst: torch.Tensor) -> Event:
         n = piece.nbytes
         np.copyto(slab.buffer[:n].numpy(), np.frombuffer(piece, dtype=np.uint8))
         self._copy(dst, slab.buffer[:n])
@@ -132,13 +144,24 @@ class Staging:
         self.copies += 1
         return event
 
-    def _take(self) -> _Slab:
-        """A slab no device copy reads any more: a fresh one while the ring is short, else the oldest."""
+    def _take(self) -> _Slab | None:
+        """A slab no device copy reads any more: a fresh one while the ring is short (and pinning works),
+        else the oldest; None when there is no slab and none can be pinned."""
         if self._ring and (self._ring[0].read_by is None or self._ring[0].read_by.query()):
             return self._ring.popleft()
-        if len(self._ring) < self.max_slabs:
-            self.allocations += 1
-            return _Slab(self._pin(self.slab_bytes))
+        if len(self._ring) < self.max_slabs and self.unpinned is None:
+            try:
+                buffer = self._pin(self.slab_bytes)
+            except RuntimeError as e:  # torch's error for a failed cudaHostAlloc
+                self.unpinned = one_line(e)
+                event(log, logging.WARNING, "client.staging_unpinned", slabs=len(self._ring), reason=self.unpinned,
+                      effect="frames land through the slabs pinned so far" if self._ring
+                      else "frames land through pageable copies")
+            else:
+                self.allocations += 1
+                return _Slab(buffer)
+        if not self._ring:
+            return None
         slab = self._ring.popleft()
         assert slab.read_by is not None  # in the ring means read by a copy
         self.waits += 1
