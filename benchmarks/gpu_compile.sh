@@ -7,11 +7,13 @@
 #   3. gpu_tests     tests/test_compile.py -m gpu: a compiled worker bit-equal to the compiled colocated
 #                    engine, bf16 within the tolerance and the derived flip bound (printed beside eager's own
 #                    batch-composition noise)
-#   4. compile_time  at the 8B shape, each a fresh process: cold (empty Inductor cache), warm (a second
-#                    process on that cache; its manifest spares it the compile-worker pool), warm_pool (the
-#                    same without the manifest) and artifacts (an empty cache loaded with the cold run's cache
-#                    artifacts, the load counted); each split by phase (trace, backend, guards, other) and by
-#                    batch class, plus the eager forward run before compiling (targets: <= 30 s cold, <= 5 s warm)
+#   4. compile_time  at the 8B shape, each a fresh process: cold (empty Inductor cache, every class), warm (a
+#                    second process on that cache as a worker without --packing loads, no packed class; its
+#                    manifest spares it the compile-worker pool), warm_packing (the same as a packing worker),
+#                    warm_pool (that without the manifest) and artifacts (an empty cache loaded with the cold
+#                    run's cache artifacts, the load counted); each split by phase (trace, backend, guards,
+#                    other) and by batch class, plus the eager forward run before compiling (targets: <= 30 s
+#                    cold, <= 5 s warm)
 # Every compiled batch is verified within compiled.TOLERANCE of the eager forward, its flips within the bound
 # derived for the batch (engines/flips.py), and counted bit-equal to the colocated compiled forward.
 # Each step runs under its own time limit, cut to what is left of the 9 minutes; a step that fails or times
@@ -19,7 +21,7 @@
 # bench_full.json, bench_packed.json, compile_time.json, a log per step, worker logs. Expects the pyzmq
 # wheel (and any other missing one) in .whl/.
 #   STEPS="bench_full gpu_tests"   run only these steps (a second call can run what a first one left out);
-#                                  STEPS=compile_time alone takes about 2 minutes
+#                                  STEPS=compile_time alone takes about 2.5 minutes
 #   FULL_ONLY, PACKED_ONLY         the scenarios of the two benches (add samehost_1w to compare an eager worker)
 #   BENCH_ARGS                     the target and devices [--gpu-8b --devices cuda:0]; a dry run on CPU (the
 #                                  tiny target; SPEC_SERVE_TEST_COMPILE_CLASSES=rows,row compiles 2 classes of 5):
@@ -67,6 +69,6 @@ step bench_full 200 "${BENCH[@]}" --repeat 3 --log-dir "$OUT/logs-full" --json "
 step bench_packed 150 "${BENCH[@]}" --repeat 3 --lengths lognormal --log-dir "$OUT/logs-packed" \
   --json "$OUT/bench_packed.json" --only "${PACKED_ONLY:-colocated,samehost_1w_packed,samehost_1w_packed_compiled}"
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_compile.py
-step compile_time 150 "${BENCH[@]}" --only compile_cold --json "$OUT/compile_time.json"
+step compile_time 210 "${BENCH[@]}" --only compile_cold --json "$OUT/compile_time.json"
 
 python3 benchmarks/compile_summary.py "$OUT" 2>&1 | tee "$OUT/summary.txt"

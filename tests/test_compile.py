@@ -168,6 +168,49 @@ def test_one_compile_serves_every_layer(plumbing_engine):
     assert exported.get_sample_value("spec_serve_worker_compile_fallbacks_total") == 0
 
 
+def test_an_engine_that_never_packs_compiles_no_packed_class(plumbing_engine, eager_engine, tiny_target_dir,
+                                                            tiny_vocab_mapping, monkeypatch, caplog):
+    """``compile_packed=False`` (a worker without --packing): the load compiles the padded classes, in WARMUP's
+    order, and says so; a packed forward, should one come after all, is still answered right. (After the plumbing
+    engine, so that this one, of another history, does not change the Inductor engine's graphs.)"""
+    monkeypatch.setenv(compiled.TEST_BACKEND_ENV, "eager")
+    with caplog.at_level(logging.INFO, logger="spec_serve.engines.compiled"), _propagating():
+        engine = HFTarget(tiny_target_dir, compile=True, compile_packed=False)
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    padded = [name for name, shape in compiled.WARMUP.items() if not shape[3]]
+    assert padded == ["rows", "rows_padded", "row", "row_padded"]
+    assert engine.compile_report.active and list(engine.compile_report.classes) == padded, engine.compile_report
+    start = [r.getMessage() for r in caplog.records if "compile.start" in r.getMessage()]
+    assert len(start) == 1 and f"classes={','.join(padded)} " in start[0], start
+    request = _packed_requests(tiny_target_dir)[:1]
+    assert mismatch(engine.generate_packed(request)[0], eager_engine.generate_packed(request)[0]) is None
+
+
+def test_a_worker_without_packing_compiles_no_packed_class(tiny_target_dir, tmp_path):
+    """``spec-serve worker --compile`` without --packing never gets a packed forward: its load compiles the
+    padded classes only (dynamo's eager backend here: what is checked is which classes, not kernels)."""
+    padded = ",".join(name for name, shape in compiled.WARMUP.items() if not shape[3])
+    with local_cluster(tiny_target_dir, workers=1, worker_args=["--device", "cpu", "--compile"],
+                       env={compiled.TEST_BACKEND_ENV: "eager"}, log_dir=tmp_path, ready_timeout=300) as cluster:
+        log = cluster.log_path("worker0").read_text()
+    assert re.search(rf"INFO \S+ compile\.start .*classes={padded} ", log), log
+    done = [line for line in log.splitlines() if " compile.done " in line]
+    assert len(done) == 1 and "classes=rows:" in done[0] and "packed:" not in done[0], log
+
+
+def test_the_manifest_covers_a_load_of_fewer_classes(tmp_path):
+    """A manifest records the classes a load compiled, in order; a later load of the first of them (a worker
+    without --packing after a packing one) expects only cache hits, one of other classes or another order does
+    not, and a load that the manifest covers leaves it as it is."""
+    path = tmp_path / "manifest.json"
+    every = compiled.CompileReport(classes={name: 1.0 for name in compiled.WARMUP})
+    compiled._record(path, every)
+    assert compiled._cached(path, list(compiled.WARMUP)) and compiled._cached(path, list(compiled.WARMUP)[:4])
+    assert not compiled._cached(path, ["row", "packed"]) and not compiled._cached(tmp_path / "none.json", ["rows"])
+    compiled._record(path, compiled.CompileReport(classes={"rows": 1.0}))
+    assert compiled._recorded(path) == list(compiled.WARMUP)
+
+
 def test_every_batch_class_runs_a_load_time_graph(plumbing_engine, eager_engine, tiny_target_dir):
     """Every padded class and packed groups of 1 to 7 rows, every kind, at lengths the load did not see: no
     graph compiled, and (eager backend) the answers of the compiled layers equal eager's bit for bit."""

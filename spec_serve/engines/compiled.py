@@ -15,19 +15,20 @@ the matmuls and attention: RMSNorm, RoPE, residual adds, SiLU * up.
 Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and 1, which dynamo
 always specialises, and what the graph branches on (whether there is a padding mask). So a graph is
 chosen by the class of a batch (several rows or one; padding or none; padded or packed), never by the
-history of shapes. ``WARMUP`` compiles those classes at load with fixed shapes in a fixed order, so every
-process that compiles the same model compiles the same graphs (given that nothing compiled that layer's
-code in the process before: dynamo names a graph's shape symbols after what it traced for the same code
-earlier, so another history gives other graphs and other cache keys): a compiled colocated target and a
-compiled worker compute bit-equal results (Inductor's deterministic mode, where the torch has it, keeps on-device
-benchmarking from choosing other reduction kernels in another process). A batch outside those classes
+history of shapes. ``WARMUP`` compiles those classes at load with fixed shapes in a fixed order (an engine
+that never packs leaves out ``packed``, the last), so every process that compiles the same model compiles
+the same graphs (given that nothing compiled that layer's code in the process before: dynamo names a
+graph's shape symbols after what it traced for the same code earlier, so another history gives other graphs
+and other cache keys): a compiled colocated target and a compiled worker compute bit-equal results
+(Inductor's deterministic mode, where the torch has it, keeps on-device benchmarking from choosing other
+reduction kernels in another process). A batch outside those classes
 (a sequence of one token) compiles when it first comes: a recompile, logged and counted.
 
 Start-up: one eager forward first (``device_seconds``: the device and library initialisation an eager
 engine pays on its first batch), then the classes, each timed, and what dynamo spent split into its
 phases (``CompileReport.phases``: tracing, the backend, guards; ``other`` is the forwards themselves and
 one-time set-up such as imports). Even with every kernel in the cache, dynamo traces each class again in
-a new process: the graphs are per class, one for all layers, so that is five traces, not 5 x N.
+a new process: the graphs are per class, one for all layers, so that is five traces (four), not 5 x N.
 
 Numerics: fused kernels keep intermediates in float32 and round once, where eager rounds after each
 op; that is one or two roundings of the model dtype per fused op, the same kind and size of
@@ -36,11 +37,11 @@ bound, docs/compile.md derives it.
 
 Caches: Inductor's FX graph cache and AOTAutograd cache (on by default in torch) under
 ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``): a restarted process loads the
-kernels instead of generating and compiling them. Once a load has compiled every class, a manifest
-under ``spec_serve/`` in that directory records it for this model, dtype, device and torch; a later
-load that finds it expects cache hits and starts no pool of compile workers (Inductor would otherwise
-start one process per core, each importing torch, only to load kernels; should something miss after
-all, it is compiled in this process).
+kernels instead of generating and compiling them. Once a load has compiled its classes, a manifest
+under ``spec_serve/`` in that directory records them, in order, for this model, dtype, device and torch; a
+later load of those classes or the first of them expects cache hits and starts no pool of compile workers
+(Inductor would otherwise start one process per core, each importing torch, only to load kernels; should
+something miss after all, it is compiled in this process).
 
 Fail soft: anything that stops compilation (no C++ compiler for CPU code, no Triton for CUDA code,
 an error while tracing or generating code, at load or on a later recompile) puts the layers back to
@@ -200,13 +201,16 @@ def _backend_name() -> str:
     return os.environ.get(TEST_BACKEND_ENV) or "inductor"
 
 
-def _classes() -> dict[str, tuple[int, int, bool, bool]]:
-    """The WARMUP classes this load compiles (all, unless TEST_CLASSES_ENV names some)."""
+def _classes(packed: bool) -> dict[str, tuple[int, int, bool, bool]]:
+    """The WARMUP classes this load compiles, in WARMUP's order: all, unless TEST_CLASSES_ENV names some, and
+    without ``packed`` for an engine that never runs packed forwards (``packed`` False). ``packed`` is last in
+    WARMUP, so leaving it out changes none of the other graphs."""
     names = [n for n in os.environ.get(TEST_CLASSES_ENV, "").split(",") if n]
     unknown = sorted(set(names) - WARMUP.keys())
     if unknown:
         raise ValueError(f"{TEST_CLASSES_ENV} names no WARMUP class: {unknown}; the classes: {list(WARMUP)}")
-    return {n: shape for n, shape in WARMUP.items() if not names or n in names}
+    return {n: shape for n, shape in WARMUP.items()
+            if (not names or n in names) and (packed or not WARMUP[n][3])}
 
 
 def _backend(options: dict[str, Any], loaded: Callable[[], bool]) -> dict[str, Any]:
@@ -237,18 +241,36 @@ def _cache_dir() -> str:
     return cache_dir()
 
 
-def _manifest(model: Any, device: torch.device, classes: Sequence[str], backend: str) -> Path:
-    """Where a load that compiled ``classes`` of ``model`` on ``device`` records it: keyed by what the cached
-    kernels depend on (torch, the model's configuration and dtype, the device, the classes, the backend)."""
+def _manifest(model: Any, device: torch.device, backend: str) -> Path:
+    """Where loads of ``model`` on ``device`` record the classes they compiled: keyed by what the cached kernels
+    depend on (torch, the model's configuration and dtype, the device, the backend and its options)."""
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = json.dumps([torch.__version__, config, str(next(model.parameters()).dtype), name, list(classes), backend,
-                      _options()], sort_keys=True, default=str)
+    key = json.dumps([torch.__version__, config, str(next(model.parameters()).dtype), name, backend, _options()],
+                     sort_keys=True, default=str)
     return Path(_cache_dir()) / MANIFEST_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
+def _recorded(path: Path) -> list[str]:
+    """The classes a manifest records, in the order they were compiled ([] without one)."""
+    try:
+        return list(json.loads(path.read_text())["classes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _cached(path: Path, classes: Sequence[str]) -> bool:
+    """Whether the cache holds every graph of ``classes``: a load compiled them in this order, possibly with
+    more after them (the graphs of a class depend on the classes traced before it, not after)."""
+    recorded = _recorded(path)
+    return recorded[:len(classes)] == list(classes)
+
+
 def _record(path: Path, report: CompileReport) -> None:
-    """Write the manifest (atomically; a cache directory we cannot write to only costs the next load a pool)."""
+    """Write the manifest, unless it already covers this load's classes (atomically; a cache directory we
+    cannot write to only costs the next load a pool)."""
+    if _cached(path, list(report.classes)):
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -270,11 +292,14 @@ class CompiledLayers:
 
     ``warm_up(rows, tokens, padding, packed)`` runs one forward of that shape through the model (the engine's,
     under its forward lock); ``install`` calls it once eagerly, then for every ``WARMUP`` class, timing each.
+    ``packed`` False: the engine never runs packed forwards (a worker without --packing), so the ``packed``
+    class is not compiled at load (one would compile on first use, a recompile).
     """
 
     def __init__(self, model: Any, layers: Sequence[torch.nn.Module], name: str,
-                 warm_up: Callable[[int, int, bool, bool], None]):
+                 warm_up: Callable[[int, int, bool, bool], None], packed: bool = True):
         self.model, self.layers, self.name, self._warm_up = model, list(layers), name, warm_up
+        self.packed = packed
         self.report = CompileReport(cache_dir=os.environ.get(CACHE_ENV) or "")
 
     # -- load ------------------------------------------------------------------------------------
@@ -285,14 +310,15 @@ class CompiledLayers:
         if reason is not None:
             self._fail(reason)
             return self.report
-        classes, options = _classes(), _options() if _backend_name() == "inductor" else {}
-        manifest = _manifest(self.model, device, list(classes), _backend_name())
+        classes, options = _classes(self.packed), _options() if _backend_name() == "inductor" else {}
+        manifest = _manifest(self.model, device, _backend_name())
         started = time.monotonic()
         self._warm_up(*next(iter(classes.values())))  # eager: the device's own start-up, not compiling
-        self.report = dataclasses.replace(self.report, deterministic=bool(options), manifest=manifest.exists(),
+        self.report = dataclasses.replace(self.report, deterministic=bool(options),
+                                          manifest=_cached(manifest, list(classes)),
                                           device_seconds=round(time.monotonic() - started, 2))
         event(log, logging.INFO, "compile.start", model=self.name, layers=len(self.layers), device=device,
-              shapes=len(classes), cache=_cache_dir(), deterministic=self.report.deterministic,
+              classes=",".join(classes), cache=_cache_dir(), deterministic=self.report.deterministic,
               manifest=self.report.manifest)
         try:
             self._compile(classes, options)

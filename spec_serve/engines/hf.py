@@ -149,7 +149,9 @@ class HFTarget:
     ``compiled.TOLERANCE`` of the eager forward, bit-equal to another compiled engine of the same model on
     the same device; if compilation fails the engine serves eager (``compile_report`` says why).
     ``compile_cache``: Inductor's cache directory (process-wide; default ``TORCHINDUCTOR_CACHE_DIR``, else
-    torch's own).
+    torch's own). ``compile_packed=False``: an engine that will not be asked for ``generate_packed`` (a worker
+    without --packing) does not compile the packed batch class at load; a packed forward would compile it
+    when it first comes.
 
     ``device`` may list several devices (``"cuda:0,cuda:1"``) for a target bigger than one: the
     layers are spread over them in order (:func:`spread_model`) and the outputs are on the last.
@@ -169,6 +171,7 @@ class HFTarget:
         trust_remote_code: bool = False,
         compile: bool = False,
         compile_cache: str | Path | None = None,
+        compile_packed: bool = True,
     ):
         from transformers import AutoConfig
 
@@ -209,7 +212,8 @@ class HFTarget:
         self._compiled: compiled.CompiledLayers | None = None
         if compile:
             compiled.cache_dir_from(compile_cache)
-            self._compiled = compiled.CompiledLayers(self.model, self._layers, self.model_name, self._warm_up)
+            self._compiled = compiled.CompiledLayers(self.model, self._layers, self.model_name, self._warm_up,
+                                                     packed=compile_packed)
             self._compiled.install(self.devices[0])
 
     # -- capture ---------------------------------------------------------------------------------

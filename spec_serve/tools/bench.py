@@ -39,9 +39,11 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       whose queued requests share packed forwards)
   samehost_1w_packed_compiled a worker started with --packing --compile, the same way
   compile_cold        seconds a fresh process takes to compile the target's layers (HFTarget(compile=True)
-                      with an empty Inductor cache), then compile_warm: a second process on that cache
-                      (its manifest says every class is cached: no compile-worker pool), compile_warm_pool:
-                      the same with the manifest deleted (a pool, as a cold start starts), and
+                      with an empty Inductor cache, every class as a packing worker compiles), then
+                      compile_warm: a second process on that cache, as a worker without --packing loads
+                      (no packed class; its manifest says every class is cached: no compile-worker pool),
+                      compile_warm_packing: the same as a packing worker loads, compile_warm_pool: that
+                      with the manifest deleted (a pool, as a cold start starts), and
                       compile_artifacts: a process with an empty cache that first loads the cache artifacts
                       the cold one saved (torch.compiler.save/load_cache_artifacts; that load is counted in
                       its seconds). Each figure splits its seconds: per batch class, and dynamo's phases
@@ -743,28 +745,32 @@ def _row_noise(engine, batch) -> dict[str, float]:
 
 
 def run_compile_time(ctx: Context) -> dict[str, Any]:
-    """compile_cold, compile_warm, compile_warm_pool and compile_artifacts, each a fresh process
-    (``_compile_probe``) on the target, in that order; the figures go into the report at once
-    (``Context.extra_figures``)."""
+    """compile_cold, compile_warm, compile_warm_packing, compile_warm_pool and compile_artifacts, each a fresh
+    process (``_compile_probe``) on the target, in that order; the figures go into the report at once
+    (``Context.extra_figures``). compile_warm is the load of a worker without --packing (no packed class), the
+    others a packing worker's (every class; the cold one so fills the cache for both)."""
     cold_dir, fresh_dir = Path(ctx.tmp) / "inductor-cold", Path(ctx.tmp) / "inductor-artifacts"
     artifacts = Path(ctx.tmp) / "compile-artifacts.bin"
     for d in (cold_dir, fresh_dir):
         shutil.rmtree(d, ignore_errors=True)
     artifacts.unlink(missing_ok=True)
-    runs = {"compile_cold": (cold_dir, "save"), "compile_warm": (cold_dir, ""),
-            "compile_warm_pool": (cold_dir, "forget"), "compile_artifacts": (fresh_dir, "load")}
-    figures = {name: _compile_probe(ctx, name, cache, mode, artifacts) for name, (cache, mode) in runs.items()}
+    runs = {"compile_cold": (cold_dir, "save", True), "compile_warm": (cold_dir, "", False),
+            "compile_warm_packing": (cold_dir, "", True), "compile_warm_pool": (cold_dir, "forget", True),
+            "compile_artifacts": (fresh_dir, "load", True)}
+    figures = {name: _compile_probe(ctx, name, cache, mode, artifacts, packed)
+               for name, (cache, mode, packed) in runs.items()}
     ctx.extra_figures.update({k: v for k, v in figures.items() if k != "compile_cold"})
     return figures["compile_cold"]
 
 
 # The compile-time targets at the Llama-3.1-8B shape on one H200 (issue 26).
-COMPILE_TARGET_S = {"compile_cold": 30.0, "compile_warm": 5.0}
+COMPILE_TARGET_S = {"compile_cold": 30.0, "compile_warm": 5.0, "compile_warm_packing": 5.0}
 
 
-def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: Path) -> dict[str, Any]:
+def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: Path, packed: bool) -> dict[str, Any]:
     aux = LLAMA_8B_AUX_LAYERS if ctx.cfg.gpu_8b else ""
-    args = [ctx.target, str(ctx.device), ctx.cfg.dtype or "", aux, str(cache), mode, str(artifacts)]
+    args = [ctx.target, str(ctx.device), ctx.cfg.dtype or "", aux, str(cache), mode, str(artifacts),
+            "packed" if packed else ""]
     proc = subprocess.run([sys.executable, "-m", "spec_serve.tools.bench", "_compile_probe", *args],
                           capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
     if proc.returncode != 0:
@@ -783,11 +789,12 @@ def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: P
 def _compile_probe_main(args: list[str]) -> None:
     """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir and print its compile report as
     JSON. ``save``: then write the cache artifacts; ``load``: first load them (timed: ``artifacts_seconds``);
-    ``forget``: first delete the manifests a load left in the cache (so this load starts a compile pool)."""
+    ``forget``: first delete the manifests a load left in the cache (so this load starts a compile pool).
+    ``packed`` empty: the engine of a worker without --packing (``compile_packed=False``)."""
     from spec_serve.engines import compiled
     from spec_serve.engines.hf import HFTarget
 
-    target, device, dtype, aux, cache, mode, artifacts = args
+    target, device, dtype, aux, cache, mode, artifacts, packed = args
     started = time.perf_counter()
     if mode == "load":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
@@ -797,7 +804,7 @@ def _compile_probe_main(args: list[str]) -> None:
         shutil.rmtree(Path(cache) / compiled.MANIFEST_DIR, ignore_errors=True)
     started = time.perf_counter()
     engine = HFTarget(target, device=device, dtype=dtype or None, compile=True, compile_cache=cache,
-                      aux_layer_ids=[int(i) for i in aux.split(",")] if aux else None)
+                      compile_packed=bool(packed), aux_layer_ids=[int(i) for i in aux.split(",")] if aux else None)
     load_seconds = time.perf_counter() - started
     if mode == "save":
         saved = torch.compiler.save_cache_artifacts()

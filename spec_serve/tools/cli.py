@@ -421,6 +421,8 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
 
     path, kwargs = _engine_settings(engine, target, device, dtype, trust_remote_code, aux_layer_ids,
                                     dspark_layer_ids, engine_values)
+    if kwargs.get("compile") and not packing:  # never asked for a packed forward: no packed graph at load
+        kwargs["compile_packed"] = False
     share = ThreadShare(threads or _omp_threads(), broker_url)
     _log_threads(share.apply(), threads, share.fixed, broker_url)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # until serving: unwind, so the engine cleans up
