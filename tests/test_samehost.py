@@ -241,10 +241,12 @@ def test_replies_come_through_the_plane(cluster, tiny_target_dir, tiny_vocab_map
     assert not _mapped()
     for pid in (p.pid for p in cluster.workers[:2]):
         assert not _lent(_control(pid))
-    # Off, by the client's argument or by the environment of either side: frames, same tensors.
+    # Off, by the client's argument or by the environment of either side: frames, same tensors (full replies
+    # asked for: over frames compact="auto" answers compact, expanded here, which holds the full forward only
+    # within one GEMM's rounding; tests/test_compact_remote.py checks that).
     monkeypatch.setenv(samehost.ENV, "0")
     for kwargs in ({"same_host_plane": False}, {}):
-        with RemoteTargetModel(cluster.frontend, timeout=60, **kwargs, **CLIENT_KW) as client:
+        with RemoteTargetModel(cluster.frontend, timeout=60, compact=False, **kwargs, **CLIENT_KW) as client:
             client.set_vocab_mapping(*tiny_vocab_mapping)
             assert_equal_batches(client.generate_batch(*reference.batch(0), kind="eagle3"), reference.expected(0))
             assert client.stats.plane_replies == 0 and client.stats.completed >= 2
