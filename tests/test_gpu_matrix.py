@@ -88,7 +88,10 @@ def test_references_are_computed_once_and_statuses_follow_the_contract(tiny_voca
     first = refs.get(0, sharded)
     assert refs.get(0, sharded) is first and forwards == [1, 1]  # one forward per shard, then cached
     composition = refs.composition(0, sharded)
-    assert refs.composition(0, sharded) is composition and forwards == [1, 1, 2]  # + the unsharded forward
+    # + the unsharded forward, and where this CPU computed the two compositions apart (MKL_CBWR=AVX2 here) the
+    # logits the tolerance's flip allowance needs: once each, however often it is asked.
+    once = [1, 1, 2] + ([] if composition["invariant"] else [2])
+    assert refs.composition(0, sharded) is composition and forwards == once, (forwards, composition)
     assert composition["invariant"] or not composition["violations"], composition
     row = {"equal": 2, "total": 2, "unsharded_equal": 1, "unsharded_within": 1}
     assert matrix._status(row) == "ok"
