@@ -16,7 +16,7 @@ import pytest
 from cluster_util import CLIENT_KW, FAST_ENV
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.cli import main
-from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.launch import free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 
 
@@ -58,6 +58,17 @@ def test_cli_help_and_version_import_no_torch(args):
     assert ", version " in out.stdout or "Usage:" in out.stdout, out.stdout
     chain = torch_import_chain(out.stderr)
     assert not chain, "spec-serve " + " ".join(args) + " imports torch: " + " <- ".join(chain)
+
+
+def test_a_worker_with_a_bad_broker_fails_before_importing_torch(tiny_target_dir):
+    """A worker (on the CPU, no layer-id flags: nothing asks for torch) fails its broker check with its one line
+    before it imports torch: seconds of CPU less for a user's typo, and for every such test here."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "spec_serve.tools.cli", "worker", "--target",
+                          str(tiny_target_dir), "--device", "cpu", "--broker", f"tcp://127.0.0.1:{free_port()}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "nothing accepts connections" in out.stderr, out.stderr[-2000:]
+    chain = torch_import_chain(out.stderr)
+    assert not chain, "a worker imported torch before its broker check: " + " <- ".join(chain)
 
 
 def _maps_torch(pid: int) -> bool:

@@ -435,6 +435,7 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
     try:
         status.phase = "checking_broker"
         _check_broker(broker_url, security, wait_for_broker)  # before minutes of loading, not after
+        share.set_torch_threads()  # torch loads here, unless a flag needed it: a bad --broker fails without it
         status.phase = "loading"
         engine_obj = _load_engine(engine, target, path, kwargs)
         _serve_engine(engine, engine_obj, broker_url, status, service=service,
@@ -548,6 +549,9 @@ def device_and_dtype(device: str | None, dtype: str | None, cuda_available: bool
 
 def _device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str | None]:
     """The defaults, and each device of ``--device`` (one, or a list for hf) checked to exist here."""
+    names = [d.strip() for d in (device or "").split(",") if d.strip()]
+    if names and all(name == "cpu" for name in names):  # exists everywhere: no torch to import for the check
+        return device_and_dtype(device, dtype, cuda_available=False)
     import torch
 
     device, dtype = device_and_dtype(device, dtype, torch.cuda.is_available())
@@ -582,10 +586,12 @@ def _resolve_target(target: str):
 
 def _layer_ids(path: Path, aux: str | None, dspark: str | None) -> tuple[list[int] | None, list[int] | None]:
     """The layer-id flags, checked against the checkpoint's depth before the (slow) weight load."""
+    aux_ids, dspark_ids = _ids(aux), _ids(dspark)
+    if aux_ids is None and dspark_ids is None:
+        return None, None  # the engine's defaults: nothing to check (contract's checks import torch)
     from spec_serve.engines.targets import num_hidden_layers
     from spec_serve.supervision import contract
 
-    aux_ids, dspark_ids = _ids(aux), _ids(dspark)
     layers = num_hidden_layers(path)
     for flag, ids, check in (("--aux-layer-ids", aux_ids, contract.validate_aux_layer_ids),
                              ("--dspark-layer-ids", dspark_ids, contract.validate_dspark_layer_ids)):

@@ -12,12 +12,13 @@ import os
 import resource
 from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from spec_serve.transport.http_shim import HttpShim, Query, Response, json_response, metrics_response
 
 if TYPE_CHECKING:
+    import torch
+
     from spec_serve.worker.server import Worker
 
 
@@ -60,6 +61,8 @@ def start_http(status: WorkerStatus, host: str, port: int, *, authenticated: boo
 def device_memory(device: torch.device) -> dict[tuple[str, str], int]:
     """Memory in use, by (device, kind): on a GPU what this process's torch allocated and reserved, and what
     every process uses on it (an engine may run in another); on a CPU this process's resident set."""
+    import torch  # the engine's, loaded by then; not at import: /health serves before the broker check
+
     if device.type == "cuda" and torch.cuda.is_available():
         name = str(device)
         free, total = torch.cuda.mem_get_info(device)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from spec_serve.protocol.commands import BACKEND_PORT
 from spec_serve.telemetry.logs import event
@@ -146,4 +145,12 @@ class ThreadShare:
     def _set(self, n: int) -> None:
         self.threads = n
         os.environ["OMP_NUM_THREADS"] = str(n)
-        torch.set_num_threads(n)
+        if "torch" in sys.modules:  # else the worker sets it once past its broker check, which needs no torch
+            self.set_torch_threads()
+
+    def set_torch_threads(self) -> None:
+        """torch's intra-op threads to the share (``OMP_NUM_THREADS`` alone, read as torch loads, would cap it
+        at the cores)."""
+        import torch
+
+        torch.set_num_threads(self.threads)
