@@ -328,18 +328,24 @@ def test_a_failed_compile_falls_back_to_eager(when, one_thread, tiny_target_dir,
 def test_compiled_worker_equals_compiled_colocated_bit_for_bit(inductor_engine, inductor_cache, tiny_target_dir,
                                                                tiny_vocab_mapping, tmp_path):
     """A real worker started with --packing --compile: packed requests equal the compiled colocated engine's
-    answers bit for bit, every kind; the worker logged its compile at INFO and, pointed at this module's cache
-    (--compile-cache), loaded every kernel from it (the engine's manifest there spared it a compile pool)."""
+    answers bit for bit, every kind; the worker logged its compile at INFO. A second worker on the same cache
+    (--compile-cache: a restarted worker) loaded every kernel from it, and the manifest there spared it a
+    compile pool. The first worker's lookups are not asserted: whether a worker hits what the test process
+    compiled depends on the torch (torch 2.13 here: it does; torch 2.11 on the GPU host's CPU keys the two
+    processes' example inputs apart, identical as they print, and the worker compiles afresh; BENCHMARKS.md)."""
     args = ["--device", "cpu", "--compile-cache", str(inductor_cache)]
-    log, metrics = _worker_matches_colocated(inductor_engine, tiny_target_dir, tiny_vocab_mapping,
-                                             _batches(tiny_target_dir), args, tmp_path,
-                                             env={compiled.TEST_CLASSES_ENV: INDUCTOR_CLASSES}, padded=False)
+    env = {compiled.TEST_CLASSES_ENV: INDUCTOR_CLASSES}
+    batches = _batches(tiny_target_dir)
+    log, metrics = _worker_matches_colocated(inductor_engine, tiny_target_dir, tiny_vocab_mapping, batches, args,
+                                             tmp_path / "first", env=env, padded=False)
     assert f"cache={inductor_cache}" in log and "manifest=True" in log, log
-    done = re.search(r"INFO \S+ compile\.done .*graphs=(\d+) cache_hits=(\d+) cache_misses=0", log)
-    assert done and int(done.group(1)) == 2 and int(done.group(2)) == 2, log
+    assert re.search(r"INFO \S+ compile\.done .*graphs=2 ", log), log
     assert metrics["spec_serve_worker_compiled"] == 1 and metrics["spec_serve_worker_compile_recompiles_total"] == 0
     assert metrics["spec_serve_worker_compile_graphs_total"] == 2
-    assert metrics['spec_serve_worker_compile_cache_lookups_total{result="hit"}'] == 2
+    log, metrics = _worker_matches_colocated(inductor_engine, tiny_target_dir, tiny_vocab_mapping, batches[:1], args,
+                                             tmp_path / "restarted", env=env, padded=False)
+    assert re.search(r"INFO \S+ compile\.done .*graphs=2 cache_hits=2 cache_misses=0", log), log
+    assert "manifest=True" in log and metrics['spec_serve_worker_compile_cache_lookups_total{result="hit"}'] == 2
 
 
 def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log_dir, env=None,
