@@ -50,11 +50,15 @@ def _run(ctx: Context, batches: list, compact: bool | str, staged: bool, trace: 
             client.set_vocab_mapping(*ctx.mapping)
             client.generate_batch(*batches[0])  # warm: the lm_head slice, the allocator, the slabs
             start = time.perf_counter()
-            futures = [client.generate_batch_async(*b) for b in batches]
-            outputs, done = [], []
-            for f in futures:
+            done: dict[int, float] = {}  # batch -> when its future resolved (submitting blocks at prefetch depth)
+            futures = []
+            for i, b in enumerate(batches):
+                futures.append(client.generate_batch_async(*b))
+                futures[-1].add_done_callback(lambda _, i=i: done.setdefault(i, time.perf_counter()))
+            outputs = []
+            for i, f in enumerate(futures):
                 outputs.append(f.result())
-                done.append(time.perf_counter())
+                done.setdefault(i, time.perf_counter())  # result() may return before the callback ran
             _sync(ctx.device)
             seconds = time.perf_counter() - start
             with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] * cuda)]) as prof:
@@ -71,7 +75,8 @@ def _run(ctx: Context, batches: list, compact: bool | str, staged: bool, trace: 
         prof.export_chrome_trace(str(trace))
     tokens = sum(int(b[1].sum()) for b in batches)
     verified = sum(ctx.verify(b, out, compact=True, device=ctx.device) for b, out in zip(batches, outputs))
-    gaps = [round((b - a) * 1e3, 1) for a, b in zip(done, done[1:])]
+    ends = [done[i] for i in sorted(done)]
+    gaps = [round((b - a) * 1e3, 1) for a, b in zip(ends, ends[1:])]
     return {"tok_s": tokens / seconds, "verified": f"{verified}/{len(batches)}", "prof": prof, "replies": landed,
             "slabs": slabs, "gaps_ms": gaps}
 
