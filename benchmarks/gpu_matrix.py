@@ -45,9 +45,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from spec_serve.supervision.tolerance import measure  # noqa: E402
 from spec_serve.tools.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG  # noqa: E402
 from spec_serve.tools.verify import (  # noqa: E402
+    composition,
     expanded,
     mismatch,
     reference_logits,
@@ -150,16 +150,17 @@ class References:
         of the tolerance (none: within it) and the ``deviation`` measured."""
         key = (i, cell.kind, cell.compact_wire, cell.shards, cell.client_device)
         if key not in self._compositions:
-            sharded, whole = self.get(i, cell), self.get(i, cell, shards=1)
-            if mismatch(sharded, whole) is None:
-                self._compositions[key] = {"invariant": True, "violations": []}
-            else:
-                if cell.kind != "dspark" and i not in self._logits:
-                    self._logits[i] = reference_logits(self.engine, self.batches[i])
-                self._compositions[key] = {
-                    "invariant": False, "deviation": measure(sharded, whole),
-                    "violations": self.tolerance.violations(sharded, whole, self._logits.get(i))}
+            part2 = composition(self.get(i, cell), self.get(i, cell, shards=1), self.tolerance,
+                                lambda: None if cell.kind == "dspark" else self._reference_logits(i))
+            self._compositions[key] = {"invariant": True, "violations": []} if part2.invariant else {
+                "invariant": False, "deviation": part2.deviation, "violations": part2.violations}
         return self._compositions[key]
+
+    def _reference_logits(self, i: int):
+        """Batch ``i``'s unsharded logits, computed once (a forward) for every cell that needs them."""
+        if i not in self._logits:
+            self._logits[i] = reference_logits(self.engine, self.batches[i])
+        return self._logits[i]
 
 
 def run_cell(cell: Cell, frontend: str, refs: References, request_timeout: float, verify: str) -> dict:

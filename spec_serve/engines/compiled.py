@@ -210,7 +210,7 @@ def _classes(packed: bool) -> dict[str, tuple[int, int, bool, bool]]:
     if unknown:
         raise ValueError(f"{TEST_CLASSES_ENV} names no WARMUP class: {unknown}; the classes: {list(WARMUP)}")
     return {n: shape for n, shape in WARMUP.items()
-            if (not names or n in names) and (packed or not WARMUP[n][3])}
+            if (not names or n in names) and (packed or not shape[3])}
 
 
 def _backend(options: dict[str, Any], loaded: Callable[[], bool]) -> dict[str, Any]:

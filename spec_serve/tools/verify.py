@@ -13,7 +13,7 @@ derived ``CompositionTolerance`` of it elsewhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -117,6 +117,26 @@ class ContractCheck:
         return f"bit-equal per shard {self.shards}; the kernels are batch-variant here: {within} ({worst})"
 
 
+@dataclasses.dataclass
+class Composition:
+    """The contract's second part for one batch: the per-shard reference against the unsharded one, both
+    colocated. ``invariant``: the same bits; else the tolerance's ``violations`` (none: within it) and the
+    ``deviation`` measured (per tensor that differs)."""
+
+    invariant: bool
+    violations: list[str]
+    deviation: dict[str, dict[str, float]]
+
+
+def composition(per_shard: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor],
+                tolerance: CompositionTolerance, logits: Callable[[], ReferenceLogits | None]) -> Composition:
+    """``per_shard`` against ``whole``; ``logits`` (the unsharded forward's, None for DSpark) is called only
+    where the two differ, since it costs a forward."""
+    if mismatch(per_shard, whole) is None:
+        return Composition(True, [], {})
+    return Composition(False, tolerance.violations(per_shard, whole, logits()), measure(per_shard, whole))
+
+
 def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.Tensor, ...], kind: str, *,
                    shards: int = 1, compact: bool = False, device: torch.device | str | None = None,
                    selected: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -129,8 +149,6 @@ def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.T
     wrong = mismatch(got, per_shard)
     whole = per_shard if len(bounds) == 1 else colocated_reference(engine, batch, kind, compact=compact,
                                                                      device=device, selected=selected)
-    if mismatch(per_shard, whole) is None:
-        return ContractCheck(bounds, wrong, True, [], {})
-    logits = None if kind == Kind.DSPARK.value else reference_logits(engine, batch)
-    violations = (tolerance or tolerance_for(engine)).violations(per_shard, whole, logits)
-    return ContractCheck(bounds, wrong, False, violations, measure(per_shard, whole))
+    part2 = composition(per_shard, whole, tolerance or tolerance_for(engine),
+                        lambda: None if kind == Kind.DSPARK.value else reference_logits(engine, batch))
+    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation)
