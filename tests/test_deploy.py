@@ -271,6 +271,17 @@ def reference(tiny_target_dir, tiny_vocab_mapping):
     return Reference(tiny_target_dir, tiny_vocab_mapping)
 
 
+def _checkout_entry_point(bin_dir: Path) -> Path:
+    """A directory whose ``spec-serve`` runs this checkout with this interpreter, as the installed entry point
+    would: the script's steps then test this tree wherever the suite runs (a venv's own entry point, or none
+    where the package is only on PYTHONPATH, as on the GPU machine)."""
+    bin_dir.mkdir()
+    script = bin_dir / "spec-serve"
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m spec_serve.tools.cli "$@"\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
 def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path):
     """spec-serve.sbatch itself, its srun steps run here (two 'nodes', both this host, one worker): the
     broker and the worker come up, serve a CURVE client, and on SIGTERM to the steps (scancel, the time
@@ -278,7 +289,7 @@ def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path)
     keys = _keys(tmp_path / "keys")
     ports = {name: free_port() for name in ("FRONTEND_PORT", "BACKEND_PORT", "HTTP_PORT", "WORKER_HTTP_PORT")}
     env = {**os.environ, **FAST_ENV, **{k: str(v) for k, v in ports.items()}, "OMP_NUM_THREADS": "1",
-           "PATH": os.pathsep.join([str(FAKE_SLURM), str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "PATH": os.pathsep.join([str(FAKE_SLURM), str(_checkout_entry_point(tmp_path / "bin")), os.environ["PATH"]]),
            "SLURM_JOB_NODELIST": "node[1-2]", "TARGET": str(tiny_target_dir), "KEYS": str(keys),
            "WORKERS_PER_NODE": "1", "SPEC_SERVE_DEVICE": "cpu", "DRAIN_TIMEOUT": "5"}
     log = tmp_path / "job.log"
@@ -286,7 +297,11 @@ def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path)
         job = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
-        wait_until(lambda: _health(ports["WORKER_HTTP_PORT"]) == 200, 180, what="the worker's /health 200")
+        def worker_up() -> bool:
+            assert job.poll() is None, f"the job ended ({job.returncode}) first:\n{log.read_text()[-3000:]}"
+            return _health(ports["WORKER_HTTP_PORT"]) == 200
+
+        wait_until(worker_up, 180, what="the worker's /health 200")
         assert _health(ports["HTTP_PORT"]) == 200
         _serves(f"tcp://127.0.0.1:{ports['FRONTEND_PORT']}", keys, reference, seed=60)
         steps = _children(job.pid)
