@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+import zygote
 from spec_serve.worker.forward_hold import HOLD_FORWARD_ENV
 
 # Short timers for the subprocesses (read by spec_serve.protocol.commands at import).
@@ -238,9 +239,8 @@ def _start_test_worker(cluster, target, *args: str, env: dict | None = None) -> 
     if cluster.log_dir is not None:
         cluster.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(cluster.log_dir / f"slow-worker{len(cluster.workers)}.log", "ab")
-    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "slow-worker", *args,
-                             "--target", str(target), "--broker", cluster.backend],
-                            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = zygote.popen([str(HERE / "cluster_util.py"), "slow-worker", *args, "--target", str(target),
+                         "--broker", cluster.backend], env, out)
     cluster.workers.append(proc)
     return proc
 
@@ -252,10 +252,9 @@ def start_swap_worker(cluster, target, swap_to, after: int, service: str) -> sub
     if cluster.log_dir is not None:
         cluster.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(cluster.log_dir / f"swap-worker{len(cluster.workers)}.log", "ab")
-    proc = subprocess.Popen([sys.executable, str(HERE / "cluster_util.py"), "swap-worker", "--target", str(target),
-                             "--swap-to", str(swap_to), "--after", str(after), "--broker", cluster.backend,
-                             "--service", service], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = zygote.popen([str(HERE / "cluster_util.py"), "swap-worker", "--target", str(target), "--swap-to",
+                         str(swap_to), "--after", str(after), "--broker", cluster.backend, "--service", service],
+                        env, out)
     cluster.workers.append(proc)
     return proc
 

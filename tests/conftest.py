@@ -8,7 +8,8 @@ then in file order. So a new test must:
 - Share processes within its file: a module-scoped ``cluster`` fixture (``local_cluster``) is built once
   per file. Add a test to a file whose cluster fits, or give it a service of its own on that cluster
   (``cluster.start_worker(..., service="mine")``); start a cluster of its own only when the test kills,
-  reconfigures or exhausts it. Every cluster costs a broker and worker processes (imports, model load).
+  reconfigures or exhausts it. Every cluster costs a broker and worker processes (model load; the
+  workers fork from a zygote that has imported torch, ``_workers_fork_from_the_zygote``).
 - Take the tiny target from ``tiny_target_dir`` (built once per run, shared by every xdist worker), never
   build another of the same shape: pass ``--target`` to the commands that would (``spec-serve bench``,
   ``examples/train_eagle3.py``). ``make_tiny_target`` is for tests of other shapes.
@@ -69,6 +70,20 @@ def _spec_serve_logging_as_found():
         logger.removeHandler(handler)
     logger.propagate = propagate
     logger.setLevel(level)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _workers_fork_from_the_zygote():
+    """Workers (``Cluster.start_worker``, cluster_util's test workers) fork from an interpreter that has imported
+    torch and transformers already: tests/zygote.py says why that saves half the suite's CPU and why the child
+    is the same process a fresh interpreter would be. ``SPEC_SERVE_TEST_ZYGOTE=0`` starts each afresh."""
+    import zygote
+    from spec_serve.tools import launch
+
+    launch.Cluster.start_worker_process = staticmethod(zygote.popen)
+    yield
+    launch.Cluster.start_worker_process = staticmethod(launch.python_process)
+    zygote.close()
 
 
 @pytest.fixture(scope="session")

@@ -10,17 +10,29 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, ClassVar, cast
 
 from spec_serve.transport.sockets import free_port
+
+
+def python_process(argv: list[str], env: dict[str, str], out: int | IO[bytes]) -> subprocess.Popen:
+    """``python ARGV`` with its output to ``out``, in a new session: Ctrl-C in the parent's terminal reaches only
+    the parent, which then shuts the children down in order."""
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 @dataclass
 class Cluster:
     """A broker and its workers running as subprocesses on loopback."""
+
+    # How a worker's ``python -m spec_serve.tools.cli worker ...`` starts (python_process's signature). The test
+    # suite forks its workers from an interpreter that has imported torch already (tests/zygote.py).
+    start_worker_process: ClassVar[Callable[[list[str], dict[str, str], int | IO[bytes]], subprocess.Popen]] = \
+        staticmethod(python_process)
 
     frontend: str
     backend: str
@@ -82,11 +94,11 @@ class Cluster:
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(log_path, "ab")
-        # A new session: Ctrl-C in the parent's terminal reaches only the parent,
-        # which then shuts the children down in order.
-        command = [sys.executable, "-m", "spec_serve.tools.cli"] if command is None else list(command)
-        return subprocess.Popen([*command, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        if command is not None:
+            return subprocess.Popen([*command, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        start = type(self).start_worker_process if name.startswith("worker") else python_process
+        return start(["-m", "spec_serve.tools.cli", *args], env, out)
 
     def wait_http(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,65 @@
+"""The test suite's worker starter (tests/zygote.py): a process it forks is what a fresh interpreter would run.
+
+The same script runs both ways, and each must see the same argv, sys.path[0], working directory, environment
+and standard streams, run its atexit handlers and end with the same status (a signal's as Popen reports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import zygote
+from cluster_util import wait_until
+
+SCRIPT = """
+import atexit, json, os, sys, threading, time
+mode = sys.argv[1]
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread finished", flush=True))).start()
+print(json.dumps({"argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_PROBE"),
+                  "sid": os.getsid(0) == os.getpid(), "torch_loaded": "torch" in sys.modules}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if mode == "hang":
+    time.sleep(60)
+sys.exit({"ok": 0, "fail": 3, "hang": 0}[mode])
+"""
+
+
+def _run(start, tmp_path, mode: str, name: str):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / f"{name}-{mode}.log"
+    env = {**os.environ, "ZYGOTE_PROBE": name}
+    with open(log, "ab") as out:
+        proc = start([str(script), mode], env, out)
+    if mode == "hang":  # killed once it has said everything
+        wait_until(lambda: log.read_text().count("\n") >= 2, 60, what="the probe's output")
+        proc.send_signal(signal.SIGKILL)
+    status = proc.wait(timeout=60)
+    lines = log.read_text().splitlines()
+    report = json.loads(next(line for line in lines if line.startswith("{")))
+    return status, report, sorted(line for line in lines if not line.startswith("{"))
+
+
+def _fresh(argv, env, out):
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail", "hang"])
+def test_a_forked_process_is_the_process_a_fresh_interpreter_runs(tmp_path, monkeypatch, mode):
+    monkeypatch.setenv(zygote.ENABLE_ENV, "1")
+    forked = _run(zygote.popen, tmp_path, mode, "forked")
+    fresh = _run(_fresh, tmp_path, mode, "fresh")
+    assert forked[0] == fresh[0] == {"ok": 0, "fail": 3, "hang": -signal.SIGKILL}[mode]
+    assert {**forked[1], "env": None, "torch_loaded": None} == {**fresh[1], "env": None, "torch_loaded": None}
+    assert (forked[1]["env"], fresh[1]["env"]) == ("forked", "fresh")
+    assert forked[1]["torch_loaded"], "not forked from the zygote: this test proves nothing"
+    if mode != "hang":  # (a killed one's last lines race its kill)
+        assert forked[2] == fresh[2] == ["atexit ran", "thread finished", "to stderr"]

@@ -1,0 +1,285 @@
+"""Worker processes forked from an interpreter that has already imported torch and transformers (tests only).
+
+Why: a tiny-target hf worker costs about 5 CPU-seconds, of which about 4 are importing torch and transformers,
+the same in every worker; the suite starts over a hundred, and on the 2-core CI box that was half of its CPU.
+The zygote, one per pytest process, imports them once and forks a child per worker. The child is an ordinary
+worker process: its own session, environment, working directory, argv and log file, running the CLI's
+``__main__`` as ``python -m`` (or a script, as ``python path``) would, and exiting as the interpreter would
+(threads joined, atexit handlers run). Its exit status comes back through the zygote, its parent.
+
+What keeps a fork equal to a fresh interpreter: the zygote is single-threaded when it forks (no OpenMP pool,
+no ZeroMQ context: it runs no tensor op and imports neither zmq nor spec_serve, so no spec_serve module has
+read its environment yet); and a start whose environment differs from the zygote's where an import already
+read it (``FROZEN_ENV``) starts a fresh interpreter instead, as does a start with another command. So does
+every start under ``SPEC_SERVE_TEST_ZYGOTE=0``: run the suite that way to rule the zygote out.
+
+Wire: JSON lines. To the zygote, on its stdin: ``{"argv", "env", "cwd", "out"}``; it answers on its stdout
+``{"pid"}`` for each start (in order) and ``{"exited", "status"}`` for each child that ends (status as
+``subprocess.Popen.returncode``: negative for a signal). On stdin's end it SIGKILLs the children it still has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+ENABLE_ENV = "SPEC_SERVE_TEST_ZYGOTE"
+# Read when torch and transformers are imported (OpenMP's pool size, Python's own start-up settings, where
+# modules come from): a start that sets them otherwise than the zygote had them gets a fresh interpreter.
+FROZEN_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONWARNINGS",
+              "PYTHONSAFEPATH", "PYTHONDEVMODE", "PYTHONMALLOC", "LD_PRELOAD", "LD_LIBRARY_PATH", "TRANSFORMERS_CACHE",
+              "HF_HOME", "CUDA_VISIBLE_DEVICES", "ATEN_CPU_CAPABILITY", "TORCH_LOGS", "MKL_CBWR",
+              "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA")
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
+           "transformers.models.llama.modeling_llama", "safetensors.torch", "numpy")
+
+
+# --------------------------------------------------------------------------- the zygote process
+
+
+def _become(request: dict[str, Any]) -> None:
+    """In the forked child: the session, directory, environment and standard streams of the requested process."""
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["out"] or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(stdin, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for fd in (stdin, out):
+        os.close(fd)
+
+
+def _run(argv: list[str], cwd: str) -> None:
+    """``python ARGV``'s main module, as the interpreter runs it: ``-m MODULE ARGS`` or ``SCRIPT ARGS``."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = cwd  # as `python -m` puts it
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _exit(code: Any) -> None:
+    """End the child as the interpreter ends: threads joined, atexit handlers run, streams flushed."""
+    import atexit
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code or 0)
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In the forked child: become the requested process and run it; never returns."""
+    import traceback
+
+    code: Any = 0
+    try:
+        _become(request)
+        _run(request["argv"], request["cwd"])
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _reap(children: set[int]) -> None:
+    """Report every child that has ended."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        children.discard(pid)
+        _say({"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+
+
+def _serve() -> None:
+    """The zygote: import PRELOAD, then fork a child per request line until stdin ends."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    assert threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1, "the zygote must not fork threads"
+    _say({"ready": os.getpid()})
+    children: set[int] = set()
+    buffered = b""
+    while True:
+        _reap(children)
+        if not select.select([0], [], [], 0.05)[0]:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:  # the pytest process is gone or done
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            return
+        *lines, buffered = (buffered + chunk).split(b"\n")
+        for line in lines:
+            pid = os.fork()
+            if pid == 0:
+                _child(json.loads(line))
+            children.add(pid)
+            _say({"pid": pid})
+
+
+# --------------------------------------------------------------------------- the pytest side
+
+
+class ForkedProcess:
+    """What tests use of ``subprocess.Popen`` for a process the zygote forked."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self._zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+            self._zygote.wait_exit(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not yet reaped by the zygote, so the pid is still this process's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """One zygote process for this pytest process, started on first use."""
+
+    def __init__(self) -> None:
+        self.env = {"OMP_NUM_THREADS": "1", **os.environ}  # as Cluster starts workers
+        self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      env=self.env)
+        self._lock, self._exited = threading.Lock(), threading.Condition()
+        self._statuses: dict[int, int] = {}
+        self._pids: list[int] = []
+        first = json.loads(self._readline())
+        assert "ready" in first, first
+        self._reader = threading.Thread(target=self._read, daemon=True, name="zygote-reader")
+        self._reader.start()
+
+    def _readline(self) -> bytes:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the test zygote ended (status {self._proc.wait()})")
+        return line
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = json.loads(self._readline())
+            except RuntimeError:
+                return
+            with self._exited:
+                if "pid" in message:
+                    self._pids.append(message["pid"])
+                else:
+                    self._statuses[message["exited"]] = message["status"]
+                self._exited.notify_all()
+
+    def eligible(self, argv: Sequence[str], env: dict[str, str]) -> bool:
+        return all(env.get(k) == self.env.get(k) for k in FROZEN_ENV) and self._proc.poll() is None
+
+    def start(self, argv: list[str], env: dict[str, str], out: str | None) -> ForkedProcess:
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "out": out}) + "\n"
+        with self._lock:  # one start at a time: answers come in request order
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(request.encode())
+            self._proc.stdin.flush()
+            with self._exited:
+                self._exited.wait_for(lambda: self._pids or self._proc.poll() is not None, timeout=30)
+                if not self._pids:
+                    raise RuntimeError("the test zygote did not start the process")
+                pid = self._pids.pop(0)
+        return ForkedProcess(self, pid, [sys.executable, *argv])
+
+    def status(self, pid: int) -> int | None:
+        with self._exited:
+            return self._statuses.get(pid)
+
+    def wait_exit(self, timeout: float) -> None:
+        with self._exited:
+            self._exited.wait(timeout)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+_zygote: Zygote | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def popen(argv: list[str], env: dict[str, str], out: IO[bytes] | int | None) -> subprocess.Popen | ForkedProcess:
+    """``subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=STDOUT, start_new_session=True)``,
+    forked from the zygote where that is the same process (module docstring); ``out`` a file opened for append,
+    or DEVNULL."""
+    global _zygote
+    path = getattr(out, "name", None) if out not in (None, subprocess.DEVNULL) else None
+    if enabled() and (path is None or isinstance(path, str)):
+        if _zygote is None:
+            _zygote = Zygote()
+        if _zygote.eligible(argv, env):
+            return _zygote.start(argv, env, path)
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def close() -> None:
+    global _zygote
+    if _zygote is not None:
+        _zygote.close()
+        _zygote = None
+
+
+if __name__ == "__main__":
+    _serve()
