@@ -26,6 +26,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || { echo "pip install of .whl/*.whl into $SITE failed"; exit 2; }
 fi
 export CUDA_VISIBLE_DEVICES=
+source benchmarks/bytecode.sh  # no process compiles torch from source (that host's venv has no .pyc)
 missing=$(python3 -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "transformers", "zmq",
   "safetensors", "click", "prometheus_client", "tokenizers", "yaml", "numpy", "huggingface_hub", "pytest",
   "hypothesis", "pytest_timeout") if u.find_spec(m) is None))')

@@ -45,6 +45,7 @@ STEPS=${STEPS:-bench_full bench_packed gpu_tests compile_time}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || echo "pip install of .whl/ failed" | tee -a "$OUT/status.txt"
 export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/bytecode.sh > "$OUT/bytecode.txt"; cat "$OUT/bytecode.txt"  # compile times as a pip-installed torch has them
 { nvidia-smi -L; python3 -c "import torch, transformers, zmq, torch._inductor.config as c; print('torch', \
 torch.__version__, 'transformers', transformers.__version__, 'pyzmq', zmq.__version__, 'inductor deterministic mode:', \
 hasattr(c, 'deterministic'), 'nested_compile_region:', hasattr(torch.compiler, 'nested_compile_region'))"; git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$OUT/machine.txt"
