@@ -44,6 +44,31 @@ import pytest
 # too. Set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+
+def _own_port_range() -> None:
+    """Each pytest process picks ports (``free_port``) from a range of its own below the OS's ephemeral ports:
+    with many xdist processes on one host, a port one picked and had not bound yet was sometimes taken by
+    another's socket (a broker's HTTP probe then read a ZeroMQ greeting). Only where those ranges fit below
+    ``ip_local_port_range``; ranges given in the environment stand."""
+    from spec_serve.transport.sockets import PORT_RANGE_ENV
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else PORT_BLOCKS - 1
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    lo = PORT_BASE + index * PORT_BLOCK
+    if index < PORT_BLOCKS and lo + PORT_BLOCK <= ephemeral_low:
+        os.environ.setdefault(PORT_RANGE_ENV, f"{lo}-{lo + PORT_BLOCK - 1}")
+
+
+# Ranges of PORT_BLOCK ports from PORT_BASE: one per xdist process (gw0, gw1, ...), the last for a run without
+# xdist (the vLLM stage's, beside the main run's).
+PORT_BASE, PORT_BLOCK, PORT_BLOCKS = 12000, 1000, 20
+_own_port_range()
+
 # Keep a small draft vocab so EAGLE-3 batches exercise index_select and the t2d mask.
 TINY_DRAFT_VOCAB = 256
 

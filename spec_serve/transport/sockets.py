@@ -401,9 +401,51 @@ def _check_url(url: object, expect: str, default_port: int, host_example: str) -
     return url
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now (the OS picks it)."""
+# LO-HI: free_port picks from this range instead of the OS's ephemeral ports. Parallel runs on one host (the
+# test suite's processes) each given a range of their own never pick a port another has picked and not yet
+# bound, nor one the OS hands out meanwhile for an outgoing connection.
+PORT_RANGE_ENV = "SPEC_SERVE_PORT_RANGE"
+_port_cursor: dict[tuple[int, int], int] = {}  # per range: where this process's next pick starts
+
+
+def _port_range() -> tuple[int, int] | None:
+    text = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        lo, hi = (int(part) for part in text.split("-"))
+    except ValueError:
+        lo = hi = 0
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"{PORT_RANGE_ENV}={text!r} is not a range of TCP ports: give LO-HI, e.g. 20000-20999")
+    return lo, hi
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now: the OS picks it, or under PORT_RANGE_ENV the next
+    bindable one of that range, from a random start in each process (so a process and its children rarely
+    try the same one)."""
+    span = _port_range()
+    if span is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+            return port
+    lo, hi = span
+    size = hi - lo + 1
+    start = _port_cursor.setdefault(span, lo + int.from_bytes(os.urandom(4), "little") % size)
+    for step in range(size):
+        port = lo + (start - lo + step) % size
+        if _bindable(host, port):
+            _port_cursor[span] = lo + (port - lo + 1) % size
+            return port
+    raise RuntimeError(f"no free TCP port on {host} in {PORT_RANGE_ENV}={lo}-{hi}: widen the range")

@@ -1,0 +1,57 @@
+"""free_port under SPEC_SERVE_PORT_RANGE: the suite's xdist processes each pick from a range of their own
+(tests/conftest.py), so none picks a port another has picked and not yet bound."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from spec_serve.transport import sockets
+from spec_serve.transport.sockets import PORT_RANGE_ENV, free_port
+
+
+@pytest.fixture
+def port_range(monkeypatch):
+    def use(text: str) -> None:
+        monkeypatch.setenv(PORT_RANGE_ENV, text)
+        monkeypatch.setattr(sockets, "_port_cursor", {})
+
+    return use
+
+
+def test_picks_stay_in_the_range_and_move_on(port_range):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        lo = probe.getsockname()[1]
+    port_range(f"{lo}-{lo + 7}")
+    picks = [free_port() for _ in range(4)]
+    assert all(lo <= p <= lo + 7 for p in picks) and len(set(picks)) == 4, picks  # moves on, none twice
+
+
+def test_a_port_in_use_is_skipped_and_a_full_range_is_one_clear_error(port_range):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        port_range(f"{port}-{port}")
+        with pytest.raises(RuntimeError, match=f"no free TCP port on 127.0.0.1 in {PORT_RANGE_ENV}={port}-{port}"):
+            free_port()
+        port_range(f"{port}-{port + 1}")
+        assert free_port() == port + 1
+
+
+@pytest.mark.parametrize("text", ["20000", "2-1", "0-10", "a-b", "70000-70001"])
+def test_a_bad_range_says_what_to_give(port_range, text):
+    port_range(text)
+    with pytest.raises(ValueError, match="give LO-HI"):
+        free_port()
+
+
+def test_each_pytest_process_has_its_own_range():
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if ephemeral_low < 32000:
+        pytest.skip(f"the OS's own ports start at {ephemeral_low}: the suite's ranges do not fit below them")
+    lo, hi = sockets._port_range() or (0, 0)
+    assert hi - lo + 1 == 1000 and hi < ephemeral_low, (lo, hi)
