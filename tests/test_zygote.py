@@ -66,3 +66,23 @@ def test_a_forked_process_is_the_process_a_fresh_interpreter_runs(tmp_path, monk
     assert forked[1]["torch_loaded"], "not forked from the zygote: this test proves nothing"
     if mode != "hang":  # (a killed one's last lines race its kill)
         assert forked[2] == fresh[2] == ["atexit ran", "thread finished", "to stderr"]
+
+
+def test_a_zygote_that_dies_first_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """Its children then belong to init, and their exit statuses are lost: waiting on one must say so."""
+    monkeypatch.setenv(zygote.ENABLE_ENV, "1")
+    if zygote.unsafe() is not None:
+        pytest.skip(f"this host's workers start afresh: {zygote.unsafe()}")
+    mine = zygote.Zygote()
+    try:
+        script = tmp_path / "probe.py"
+        script.write_text(SCRIPT)
+        with open(tmp_path / "log", "ab") as out:
+            proc = mine.start([str(script), "hang"], {**os.environ}, out.name)
+        mine._proc.kill()
+        mine._proc.wait()
+        proc.kill()
+        with pytest.raises(RuntimeError, match=f"before process {proc.pid}: its status is lost"):
+            wait_until(lambda: proc.poll() is not None, 30, what="the orphan's end")
+    finally:
+        mine.close()

@@ -246,8 +246,15 @@ class Zygote:
         return ForkedProcess(self, pid, [sys.executable, *argv])
 
     def status(self, pid: int) -> int | None:
+        """The exit status of ``pid`` once the zygote has reaped it; None while it runs. A zygote that died first
+        (its children then belong to init) leaves the status lost: that is an error, not a wait forever."""
         with self._exited:
-            return self._statuses.get(pid)
+            if pid in self._statuses:
+                return self._statuses[pid]
+        if self._proc.poll() is not None and not _running(pid):
+            raise RuntimeError(f"the test zygote ended ({self._proc.returncode}) before process {pid}: "
+                               "its status is lost")
+        return None
 
     def wait_exit(self, timeout: float) -> None:
         with self._exited:
@@ -260,6 +267,15 @@ class Zygote:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 _zygote: Zygote | None = None
