@@ -45,7 +45,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-
 def _own_port_range() -> None:
     """Each pytest process picks ports (``free_port``) from a range of its own below the OS's ephemeral ports:
     with many xdist processes on one host, a port one picked and had not bound yet was sometimes taken by
@@ -55,12 +54,14 @@ def _own_port_range() -> None:
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else PORT_BLOCKS - 1
+    if worker and index >= PORT_BLOCKS - 1:  # more xdist processes than blocks: the OS picks
+        return
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return
     lo = PORT_BASE + index * PORT_BLOCK
-    if index < PORT_BLOCKS and lo + PORT_BLOCK <= ephemeral_low:
+    if lo + PORT_BLOCK <= ephemeral_low:
         os.environ.setdefault(PORT_RANGE_ENV, f"{lo}-{lo + PORT_BLOCK - 1}")
 
 

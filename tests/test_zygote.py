@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 import zygote
 from cluster_util import wait_until
+from spec_serve.tools.launch import python_process
 
 SCRIPT = """
 import atexit, json, os, sys, threading, time
@@ -47,11 +46,6 @@ def _run(start, tmp_path, mode: str, name: str):
     return status, report, sorted(line for line in lines if not line.startswith("{"))
 
 
-def _fresh(argv, env, out):
-    return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
 @pytest.mark.parametrize("mode", ["ok", "fail", "hang"])
 def test_a_forked_process_is_the_process_a_fresh_interpreter_runs(tmp_path, monkeypatch, mode):
     monkeypatch.setenv(zygote.ENABLE_ENV, "1")
@@ -59,7 +53,7 @@ def test_a_forked_process_is_the_process_a_fresh_interpreter_runs(tmp_path, monk
     if unsafe is not None:
         pytest.skip(f"this host's workers start afresh: {unsafe}")
     forked = _run(zygote.popen, tmp_path, mode, "forked")
-    fresh = _run(_fresh, tmp_path, mode, "fresh")
+    fresh = _run(python_process, tmp_path, mode, "fresh")
     assert forked[0] == fresh[0] == {"ok": 0, "fail": 3, "hang": -signal.SIGKILL}[mode]
     assert {**forked[1], "env": None, "torch_loaded": None} == {**fresh[1], "env": None, "torch_loaded": None}
     assert (forked[1]["env"], fresh[1]["env"]) == ("forked", "fresh")

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -228,7 +227,7 @@ class Zygote:
                     self._statuses[message["exited"]] = message["status"]
                 self._exited.notify_all()
 
-    def eligible(self, argv: Sequence[str], env: dict[str, str]) -> bool:
+    def eligible(self, env: dict[str, str]) -> bool:
         return self.unsafe is None and all(env.get(k) == self.env.get(k) for k in FROZEN_ENV) \
             and self._proc.poll() is None
 
@@ -297,16 +296,17 @@ def unsafe() -> str | None:
     return _started().unsafe
 
 
-def popen(argv: list[str], env: dict[str, str], out: IO[bytes] | int | None) -> subprocess.Popen | ForkedProcess:
-    """``subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=STDOUT, start_new_session=True)``,
-    forked from the zygote where that is the same process (module docstring) and the zygote could start
-    (``Zygote.unsafe``); ``out`` a file opened for append, or DEVNULL."""
-    path = getattr(out, "name", None) if out not in (None, subprocess.DEVNULL) else None
-    if enabled() and (path is None or isinstance(path, str)) and _started().eligible(argv, env):
-        return _started().start(argv, env, path)
-    return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def popen(argv: list[str], env: dict[str, str], out: IO[bytes] | int) -> subprocess.Popen | ForkedProcess:
+    """``launch.python_process(argv, env, out)``, forked from the zygote where that is the same process (module
+    docstring) and the zygote could start (``Zygote.unsafe``); ``out`` a file opened for append, or DEVNULL."""
+    from spec_serve.tools.launch import python_process
 
+    path = None if out == subprocess.DEVNULL else getattr(out, "name", None)
+    if enabled() and (path is None or isinstance(path, str)):
+        zygote = _started()
+        if zygote.eligible(env):
+            return zygote.start(argv, env, path)
+    return python_process(argv, env, out)
 
 def close() -> None:
     global _zygote

@@ -18,11 +18,15 @@ from typing import IO, ClassVar, cast
 from spec_serve.transport.sockets import free_port
 
 
+def session_process(argv: Sequence[str], env: dict[str, str], out: int | IO[bytes]) -> subprocess.Popen:
+    """``ARGV`` with its output to ``out``, in a new session: Ctrl-C in the parent's terminal reaches only the
+    parent, which then shuts the children down in order."""
+    return subprocess.Popen(list(argv), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def python_process(argv: list[str], env: dict[str, str], out: int | IO[bytes]) -> subprocess.Popen:
-    """``python ARGV`` with its output to ``out``, in a new session: Ctrl-C in the parent's terminal reaches only
-    the parent, which then shuts the children down in order."""
-    return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    """``python ARGV`` as ``session_process`` starts it."""
+    return session_process([sys.executable, *argv], env, out)
 
 
 @dataclass
@@ -95,8 +99,7 @@ class Cluster:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(log_path, "ab")
         if command is not None:
-            return subprocess.Popen([*command, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return session_process([*command, *args], env, out)
         start = type(self).start_worker_process if name.startswith("worker") else python_process
         return start(["-m", "spec_serve.tools.cli", *args], env, out)
 
