@@ -35,6 +35,7 @@ python3 -c 'import platform, torch, transformers, zmq
 print(f"python {platform.python_version()}, torch {torch.__version__} (MKL {torch.backends.mkl.is_available()}, "
       f"{torch.backends.cpu.get_cpu_capability()}), transformers {transformers.__version__}, pyzmq {zmq.__version__}")'
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "the OS's own (ephemeral) ports: $(cat /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null)"
 
 if [ -n "${COMPOSITION:-}" ]; then
   PYTHON=python3 LOG_DIR="$OUT/composition-logs" bash benchmarks/composition_suite.sh "$@" | tee "$OUT/composition_suite.log"

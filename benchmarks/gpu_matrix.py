@@ -247,10 +247,9 @@ def _status(row: dict) -> str:
 
 
 def start_worker(target: Path, device: str, gpu_8b: bool, log_dir: Path | None):
-    from spec_serve.tools.launch import Cluster, free_port
+    from spec_serve.tools.launch import Cluster
 
-    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
-                      env={"SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "900"}, log_dir=log_dir)
+    cluster = Cluster.on_free_ports(env={"SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "900"}, log_dir=log_dir)
     cluster.start_broker()
     extra = ["--dtype", "bfloat16", "--aux-layer-ids", LLAMA_8B_AUX_LAYERS] if gpu_8b else []
     cluster.start_worker(target, "--device", device, *extra)

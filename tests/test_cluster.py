@@ -21,7 +21,7 @@ import torch
 from cluster_util import assert_contract, assert_equal_batches, wait_until, workers
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.protocol import wire
-from spec_serve.tools.launch import Cluster, free_port, local_cluster
+from spec_serve.tools.launch import Cluster, local_cluster
 from spec_serve.tools.tiny import sample_batch
 
 KINDS = ("eagle3", "dspark")
@@ -215,7 +215,7 @@ def _metrics_once_counted(cluster: Cluster, metrics: tuple[str, ...], timeout: f
 
 def test_readiness_goes_503_to_200_and_metrics(tiny_target_dir):
     """/health (liveness) answers 200 throughout; /ready is 503 until a worker registers, and again once it died."""
-    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port())
+    cluster = Cluster.on_free_ports()
     try:
         cluster.start_broker()
         code, body = cluster.get("/ready")
@@ -269,7 +269,7 @@ def _listening_addresses(port: int) -> set[str]:
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc/net/tcp")
 def test_http_shim_binds_loopback_by_default():
     """The broker started without --http-host: its shim listens on 127.0.0.1 and nowhere else."""
-    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port())
+    cluster = Cluster.on_free_ports()
     try:
         cluster.start_broker()
         assert cluster.get("/health")[0] in (200, 503)

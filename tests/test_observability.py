@@ -84,8 +84,7 @@ def test_worker_http_port_reports_health_and_metrics(tiny_target_dir, tiny_vocab
     back; 503 while it drains after SIGTERM. /metrics counts what it served: requests, tokens, bytes per
     data plane, forward seconds, digests, queue depth, memory."""
     reference = Reference(tiny_target_dir, tiny_vocab_mapping)
-    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(), env=FAST_ENV,
-                      log_dir=tmp_path)
+    cluster = Cluster.on_free_ports(env=FAST_ENV, log_dir=tmp_path)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     try:

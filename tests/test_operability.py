@@ -263,8 +263,7 @@ def test_cli_errors_are_one_line(cluster, tiny_target_dir, tmp_path):
 def test_worker_logs_its_lifecycle_at_info(tiny_target_dir, tmp_path):
     """Started before its broker (--wait-for-broker): waiting, then, once a broker answers, loading, loaded
     (seconds, memory), ready; broker lost once per outage however long, then regained."""
-    c = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(), env=ENV,
-                log_dir=tmp_path)
+    c = Cluster.on_free_ports(env=ENV, log_dir=tmp_path)
     try:
         c.start_worker(tiny_target_dir, "--wait-for-broker", "120")
         log = tmp_path / "worker0.log"

@@ -150,8 +150,7 @@ def test_status_pages_hundreds_of_workers_and_forgets_idle_services(engine, tmp_
     """300 workers (raw peers sending READY) and 1,000 service names: target_info(), status() and
     ``spec-serve status`` all work; names no one uses any more are forgotten."""
     env = {"SPEC_SERVE_HEARTBEAT_LIVENESS": "100000", "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "600"}
-    broker = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(), env=env,
-                     log_dir=tmp_path)
+    broker = Cluster.on_free_ports(env=env, log_dir=tmp_path)
     peers: list[RawPeer] = []
     junk: list[RawPeer] = []
     try:

@@ -1,13 +1,20 @@
-"""free_port under SPEC_SERVE_PORT_RANGE: the suite's xdist processes each pick from a range of their own
-(tests/conftest.py), so none picks a port another has picked and not yet bound."""
+"""Ports picked, then bound by another process: free_port under SPEC_SERVE_PORT_RANGE (the suite's xdist processes
+each pick from a range of their own, tests/conftest.py, so none picks a port another has picked and not yet bound);
+where no range applies, a broker that finds its port taken exits with EXIT_ADDRESS_IN_USE and a cluster on ports it
+picked itself starts it again on new ones."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE
+from spec_serve.tools.launch import BrokerExited, Cluster, free_endpoints
 from spec_serve.transport import sockets
 from spec_serve.transport.sockets import PORT_RANGE_ENV, free_port
 
@@ -55,3 +62,52 @@ def test_each_pytest_process_has_its_own_range():
         pytest.skip(f"the OS's own ports start at {ephemeral_low}: the suite's ranges do not fit below them")
     lo, hi = sockets._port_range() or (0, 0)
     assert hi - lo + 1 == 1000 and hi < ephemeral_low, (lo, hi)
+
+
+@contextlib.contextmanager
+def held(port: int):
+    """Another process's listening socket on ``port`` (loopback), for as long as the block runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        yield
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("taken", ["frontend", "backend", "http-port"])
+def test_a_broker_on_a_taken_port_exits_98_naming_it(taken):
+    front, back, http = free_endpoints()
+    port = {"frontend": _port(front), "backend": _port(back), "http-port": http}[taken]
+    with held(port):
+        done = subprocess.run([sys.executable, "-m", "spec_serve.tools.cli", "broker", "--frontend", front,
+                               "--backend", back, "--http-port", str(http)], capture_output=True, text=True, timeout=60)
+    print(done.stderr)
+    assert done.returncode == EXIT_ADDRESS_IN_USE, done.stderr
+    line, = done.stderr.strip().splitlines()
+    assert f"--{taken}" in line and str(port) in line and "address already in use" in line
+
+
+def test_a_cluster_on_free_ports_picks_again_when_its_broker_loses_one():
+    cluster = Cluster.on_free_ports()
+    taken = cluster.frontend
+    try:
+        with held(_port(taken)):
+            cluster.start_broker()
+        assert cluster.frontend != taken and cluster.get("/health")[0] == 200
+        # Once served, the ports stay: a restart (workers know them) must not move.
+        assert cluster.repick_host is None
+    finally:
+        cluster.stop()
+
+
+def test_a_cluster_on_given_ports_reports_the_taken_port():
+    cluster = Cluster(*free_endpoints())
+    try:
+        with held(_port(cluster.backend)), pytest.raises(BrokerExited) as exited:
+            cluster.start_broker()
+        assert exited.value.returncode == EXIT_ADDRESS_IN_USE
+    finally:
+        cluster.stop()

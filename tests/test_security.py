@@ -80,8 +80,7 @@ def cluster(tiny_target_dir, keys, tmp_path_factory):
     """A CURVE broker listening beyond loopback (allowed without --insecure-network: CURVE admits only its
     keys) and one worker, both started with exactly the flags `spec-serve keygen` printed."""
     log_dir = tmp_path_factory.mktemp("security-logs")
-    c = Cluster(f"tcp://{NETWORK}:{free_port()}", f"tcp://{NETWORK}:{free_port()}", free_port(), env=dict(FAST_ENV),
-                log_dir=log_dir)
+    c = Cluster.on_free_ports(NETWORK, env=dict(FAST_ENV), log_dir=log_dir)
     try:
         c.start_broker(*printed_flags(keys, "broker"))
         c.start_worker(tiny_target_dir, *printed_flags(keys, "worker"))
@@ -232,7 +231,7 @@ def test_one_key_directory_for_both_sockets_is_refused(tmp_path):
 
 
 def test_http_shim_binds_loopback_by_default(tiny_target_dir, tmp_path):
-    c = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(), env=dict(FAST_ENV))
+    c = Cluster.on_free_ports(env=dict(FAST_ENV))
     try:
         c.start_broker()
         listening = set()
@@ -309,8 +308,7 @@ def test_protected_mode_refuses_a_network_bind_without_keys(listener, tiny_targe
 def test_insecure_network_listens_beyond_loopback_with_a_warning(tmp_path):
     """--insecure-network: the broker listens on the network address, serves a client that reaches it
     there, and logs one WARNING per exposed listener at start."""
-    c = Cluster(f"tcp://{NETWORK}:{free_port()}", f"tcp://{NETWORK}:{free_port()}", free_port(), env=dict(FAST_ENV),
-                log_dir=tmp_path)
+    c = Cluster.on_free_ports(NETWORK, env=dict(FAST_ENV), log_dir=tmp_path)
     try:
         c.start_broker("--insecure-network")
         with RemoteTargetModel(c.frontend, timeout=30, **CLIENT_KW) as client:

@@ -100,9 +100,9 @@ WorkerHandler = Callable[[WorkerState, Message, float], None]
 class BindError(OSError):
     """The broker cannot bind one of its endpoints; ``role`` says which ("frontend" or "backend")."""
 
-    def __init__(self, role: str, endpoint: str, reason: str):
+    def __init__(self, role: str, endpoint: str, reason: str, in_use: bool = False):
         super().__init__(f"cannot bind the {role} {endpoint}: {reason}")
-        self.role, self.endpoint, self.reason = role, endpoint, reason
+        self.role, self.endpoint, self.reason, self.in_use = role, endpoint, reason, in_use
 
 
 @contextlib.contextmanager
@@ -111,10 +111,10 @@ def _binding(role: str, endpoint: str) -> Iterator[None]:
     try:
         yield
     except zmq.ZMQError as e:
-        reason = e.strerror
-        if e.errno == zmq.EADDRINUSE:
+        reason, in_use = e.strerror, e.errno == zmq.EADDRINUSE
+        if in_use:
             reason = "address already in use (another broker running? choose a free port)"
-        raise BindError(role, endpoint, reason) from e
+        raise BindError(role, endpoint, reason, in_use) from e
 
 
 def _check_listeners(frontend: str, backend: str, security: Security | None, insecure_network: bool) -> None:

@@ -942,12 +942,11 @@ class Context:
 
     def start_cluster(self, services: set[str]) -> None:
         """One broker; each service its own workers (all start in parallel, then we wait)."""
-        from spec_serve.tools.launch import Cluster, free_port
+        from spec_serve.tools.launch import Cluster
 
         cfg = self.cfg
         log_dir = Path(cfg.log_dir) if cfg.log_dir else None
-        cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
-                          env={"SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "600"}, log_dir=log_dir)
+        cluster = Cluster.on_free_ports(env={"SPEC_SERVE_UNKNOWN_SERVICE_GRACE": "600"}, log_dir=log_dir)
         self._stack.callback(cluster.stop)
         cluster.start_broker()
         common = ["--capacity", "2"]

@@ -37,6 +37,17 @@ log = logging.getLogger("spec_serve.worker")
 # rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
 DEFAULT_PACKED_TOKENS = 8192
 
+# The exit status of a command that cannot bind a port it was told to use because something else holds it
+# (EADDRINUSE's number on Linux): whoever picked that port (e.g. with free_port) can tell a lost race from any
+# other failure, and pick again (spec_serve.tools.launch does).
+EXIT_ADDRESS_IN_USE = 98
+
+
+class AddressInUse(click.ClickException):
+    """A port this command was told to bind is held by another socket (exits EXIT_ADDRESS_IN_USE)."""
+
+    exit_code = EXIT_ADDRESS_IN_USE
+
 
 def _ids(value: str | None) -> list[int] | None:
     if value is None or value == "":
@@ -257,7 +268,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
     except ExposureError as e:
         raise click.UsageError(str(e)) from None
     except BindError as e:
-        raise click.ClickException(f"--{e.role} {e.endpoint}: {e.reason}") from None
+        raise (AddressInUse if e.in_use else click.ClickException)(f"--{e.role} {e.endpoint}: {e.reason}") from None
     shim = _start_shim(b, http_host, http_port, security is not None, insecure_network) if http_port else None
     _serve_until_signal(b.stop)
     local = security is None and not insecure_network  # protected mode refused anything else
@@ -287,7 +298,7 @@ def _start_shim(b, host: str, port: int, authenticated: bool, insecure_network: 
         if isinstance(e, ExposureError):
             raise click.UsageError(str(e)) from None
         if e.errno == errno.EADDRINUSE:
-            raise click.ClickException(f"--http-port {port}: address already in use (another broker running? "
+            raise AddressInUse(f"--http-port {port}: address already in use (another broker running? "
                                        f"choose a free port, or 0 for no HTTP shim)") from None
         raise click.ClickException(f"--http-host {host} --http-port {port}: cannot serve HTTP there: "
                                    f"{e.strerror or e}") from None
@@ -483,7 +494,7 @@ def _start_worker_http(status, host: str, port: int, authenticated: bool, insecu
         raise click.UsageError(str(e)) from None
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise click.ClickException(f"--http-port {port}: address already in use (another worker's? give each "
+            raise AddressInUse(f"--http-port {port}: address already in use (another worker's? give each "
                                        f"worker its own port, or 0 for none)") from None
         raise click.ClickException(f"--http-host {host} --http-port {port}: cannot serve HTTP there: "
                                    f"{e.strerror or e}") from None

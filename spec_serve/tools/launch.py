@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar, cast
 
+from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE
 from spec_serve.transport.sockets import free_port
+
+# How often a cluster on ports it picked itself picks new ones when its broker finds one of them taken.
+PORT_ATTEMPTS = 5
 
 
 def session_process(argv: Sequence[str], env: dict[str, str], out: int | IO[bytes]) -> subprocess.Popen:
@@ -27,6 +31,20 @@ def session_process(argv: Sequence[str], env: dict[str, str], out: int | IO[byte
 def python_process(argv: list[str], env: dict[str, str], out: int | IO[bytes]) -> subprocess.Popen:
     """``python ARGV`` as ``session_process`` starts it."""
     return session_process([sys.executable, *argv], env, out)
+
+
+class BrokerExited(RuntimeError):
+    """The broker process ended before its HTTP shim answered; ``returncode`` is its exit status."""
+
+    def __init__(self, returncode: int):
+        super().__init__(f"broker exited with {returncode}")
+        self.returncode = returncode
+
+
+def free_endpoints(host: str = "127.0.0.1") -> tuple[str, str, int]:
+    """A frontend and a backend on ``host``, and an HTTP port on loopback (where the shim listens unless told
+    otherwise), that nothing listens on now (free_port)."""
+    return f"tcp://{host}:{free_port(host)}", f"tcp://{host}:{free_port(host)}", free_port()  # the shim: loopback
 
 
 @dataclass
@@ -45,6 +63,15 @@ class Cluster:
     workers: list = field(default_factory=list)
     env: dict = field(default_factory=dict)
     log_dir: Path | None = None
+    # Set by ``on_free_ports``: the host whose free ports this cluster picked, so that a broker that finds one taken
+    # before it ever served (another process bound it between the pick and the bind) gets new ones.
+    repick_host: str | None = None
+
+    @classmethod
+    def on_free_ports(cls, host: str = "127.0.0.1", **kwargs) -> Cluster:
+        """A cluster on ports of ``host`` that nothing listens on now (``free_endpoints``), picked again if the
+        broker loses one of them to another process before it starts (``start_broker``)."""
+        return cls(*free_endpoints(host), repick_host=host, **kwargs)
 
     @property
     def http_url(self) -> str:
@@ -64,11 +91,25 @@ class Cluster:
             return code, body
 
     def start_broker(self, *extra: str) -> subprocess.Popen:
-        """The broker, listening on the cluster's (loopback) endpoints: protected mode needs no keys there."""
-        self.broker = self._spawn("broker", ["broker", "--frontend", self.frontend, "--backend", self.backend,
-                                             "--http-port", str(self.http_port), *extra])
-        self.wait_http()
-        return self.broker
+        """The broker, listening on the cluster's (loopback) endpoints: protected mode needs no keys there.
+
+        On ports picked by ``on_free_ports``, and while no worker was told them, a broker that exits because one
+        was taken (EXIT_ADDRESS_IN_USE) is started again on new ones, up to PORT_ATTEMPTS times."""
+        attempt = 1
+        while True:
+            self.broker = self._spawn("broker", ["broker", "--frontend", self.frontend, "--backend", self.backend,
+                                                 "--http-port", str(self.http_port), *extra])
+            try:
+                self.wait_http()
+            except BrokerExited as e:
+                if (e.returncode != EXIT_ADDRESS_IN_USE or self.repick_host is None or self.workers
+                        or attempt == PORT_ATTEMPTS):
+                    raise
+                self.frontend, self.backend, self.http_port = free_endpoints(self.repick_host)
+                attempt += 1
+                continue
+            self.repick_host = None  # served on these ports: a restart must keep them (workers know them)
+            return self.broker
 
     def start_worker(self, target: str | Path, *extra: str, service: str = "default", env: dict | None = None,
                      command: Sequence[str] | None = None) -> subprocess.Popen:
@@ -107,7 +148,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.broker is not None and self.broker.poll() is not None:
-                raise RuntimeError(f"broker exited with {self.broker.returncode}")
+                raise BrokerExited(self.broker.returncode)
             try:
                 self.get("/workers")
                 return
@@ -153,8 +194,7 @@ def local_cluster(target: str | Path | None = None, workers: int = 2, *, worker_
                   broker_args: Sequence[str] = (), env: dict | None = None,
                   log_dir: Path | None = None, ready_timeout: float = 180.0) -> Iterator[Cluster]:
     """A broker plus ``workers`` hf workers of ``target`` on free loopback ports."""
-    cluster = Cluster(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port(),
-                      env=env or {}, log_dir=log_dir)
+    cluster = Cluster.on_free_ports(env=env or {}, log_dir=log_dir)
     try:
         cluster.start_broker(*broker_args)
         for _ in range(workers):
