@@ -7,13 +7,13 @@
 #   3. gpu_tests     tests/test_compile.py -m gpu: a compiled worker bit-equal to the compiled colocated
 #                    engine, bf16 within the tolerance and the derived flip bound (printed beside eager's own
 #                    batch-composition noise)
-#   4. compile_time  at the 8B shape, each a fresh process: cold (empty Inductor cache, every class), warm (a
-#                    second process on that cache as a worker without --packing loads, no packed class; its
-#                    manifest spares it the compile-worker pool), warm_packing (the same as a packing worker),
-#                    warm_pool (that without the manifest) and artifacts (an empty cache loaded with the cold
-#                    run's cache artifacts, the load counted); each split by phase (trace, backend, guards,
-#                    other) and by batch class, plus the eager forward run before compiling (targets: <= 30 s
-#                    cold, <= 5 s warm)
+#   4. compile_time  at the 8B shape, each a fresh process: cold (empty cache, every class compiled and saved),
+#                    warm (a second process on that cache as a worker without --packing loads: the saved
+#                    classes load whole, no packed class), warm_packing (the same as a packing worker),
+#                    warm_unsaved (that with the saved classes deleted: Inductor's kernels alone) and artifacts
+#                    (an empty cache loaded with the cold run's cache artifacts, the load counted); each split by
+#                    phase (trace, backend, guards, load, other) and by batch class, plus the eager forward run
+#                    before compiling (targets: <= 30 s cold, <= 5 s warm)
 # Every compiled batch is verified within compiled.TOLERANCE of the eager forward, its flips within the bound
 # derived for the batch (engines/flips.py), and counted bit-equal to the colocated compiled forward.
 # Each step runs under its own time limit, cut to what is left of the 9 minutes; a step that fails or times

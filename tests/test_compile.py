@@ -2,22 +2,25 @@
 
 What costs here is Inductor building C++ (g++, seconds of CPU a kernel on a loaded 2-core box), so
 exactly one engine compiles with Inductor, and only the two batch classes its checks need: single full
-rows (what a worker's load-time probe sends) and packed sequences of several rows. Its kernels go to an
-Inductor cache of this module's own, from which the worker test's worker loads them instead of building
-them again. The checks of the plumbing (one graph per batch class serving every layer, recompiles counted
-and logged, the fall back to eager, metrics) compile every class with dynamo's ``eager`` backend
-(``compiled.TEST_BACKEND_ENV``): the same graphs, guards and classes, without code generation; compiled
-that way answers equal eager ones bit for bit, which checks the capture hooks around compiled layers
-exactly. Every Inductor answer must lie within ``compiled.TOLERANCE`` of the eager forward, and a compiled
-worker's answers must equal the compiled colocated engine's bit for bit. Workers run with one math thread,
-so the colocated engines here do too.
+rows (what a worker's load-time probe sends) and packed sequences of several rows. It saves those classes
+(engines/precompiled.py) in an Inductor cache of this module's own, from which the worker test's workers load
+them whole instead of compiling them again. The checks of the plumbing (one graph per batch class serving every
+layer, classes saved and loaded, recompiles counted and logged, the fall back to eager, metrics) compile every
+class with AOTAutograd's ``aot_eager`` backend (``compiled.TEST_BACKEND_ENV``), or dynamo's ``eager`` where
+saving is not the point: the same graphs, guards and classes, without code generation; compiled that way
+answers equal eager ones bit for bit, which checks the capture hooks around compiled layers exactly. Every
+Inductor answer must lie within ``compiled.TOLERANCE`` of the eager forward, and a compiled worker's answers
+must equal the compiled colocated engine's bit for bit. Workers run with one math thread, so the colocated
+engines here do too.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from spec_serve.client.api import RemoteTargetModel
-from spec_serve.engines import compiled, packing
+from spec_serve.engines import compiled, packing, precompiled
 from spec_serve.engines.flips import flip_bound
 from spec_serve.engines.hf import HFTarget
 from spec_serve.supervision.eagle3 import lm_head_slice
@@ -70,13 +73,12 @@ def inductor_engine(one_thread, inductor_cache, tiny_target_dir, tiny_vocab_mapp
 
 
 @pytest.fixture(scope="module")
-def plumbing_engine(one_thread, inductor_engine, tiny_target_dir, tiny_vocab_mapping):
-    """Every WARMUP class compiled with dynamo's eager backend; after the Inductor engine, which so traces its
-    graphs from the same state as a fresh worker does (dynamo names a layer's shape symbols from the graphs
-    it traced before for that code, whatever their backend: another history, another graph, a cache miss)."""
+def plumbing_engine(one_thread, inductor_engine, tiny_target_dir, tiny_vocab_mapping, tmp_path_factory):
+    """Every WARMUP class compiled ahead of time with the aot_eager backend and saved (in a cache of its own);
+    after the Inductor engine, whose recompiles through dynamo so start from the state a fresh worker's do."""
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(compiled.TEST_BACKEND_ENV, "eager")
-        engine = HFTarget(tiny_target_dir, compile=True)
+        env.setenv(compiled.TEST_BACKEND_ENV, "aot_eager")
+        engine = HFTarget(tiny_target_dir, compile=True, compile_cache=tmp_path_factory.mktemp("plumbing-cache"))
     engine.set_vocab_mapping(*tiny_vocab_mapping)
     return engine
 
@@ -152,20 +154,67 @@ def _worst(into: dict[str, float], report: dict[str, dict[str, float]]) -> None:
 
 
 def test_one_compile_serves_every_layer(plumbing_engine):
-    """Each warm-up class compiled one graph for all 8 layers (8 per class if each layer compiled its own), the
-    report says where the load's seconds went, and the worker's metrics say so."""
+    """Each warm-up class compiled one graph for all 8 layers (8 per class if each layer compiled its own), saved
+    as one function, the report says where the load's seconds went, and the worker's metrics say so."""
     report = plumbing_engine.compile_report
     assert report.active and report.reason is None, report
     assert report.graphs == len(compiled.WARMUP) and list(report.classes) == list(compiled.WARMUP), report
-    assert all("forward" in layer.__dict__ for layer in plumbing_engine._layers)
-    assert set(report.phases) == {*compiled.PHASE_TIMERS, "other"} and report.phases["trace"] > 0, report
+    forwards = [layer.__dict__.get("forward") for layer in plumbing_engine._layers]
+    assert all(isinstance(f, precompiled.LayerForward) for f in forwards)
+    saved = forwards[0].saved
+    assert all(f.saved is saved for f in forwards) and saved.compiled == list(compiled.WARMUP), saved.compiled
+    assert len(saved.functions) == len(compiled.WARMUP) and report.loaded == 0 and report.saved_classes_off is None
+    assert sorted(p.name for p in saved.directory.iterdir()) == sorted(saved.path(n).name for n in compiled.WARMUP)
+    assert set(report.phases) == {*compiled.PHASE_TIMERS, "load", "other"} and report.phases["trace"] > 0, report
     assert sum(report.phases.values()) == pytest.approx(report.seconds, abs=0.05), report
     assert 0 < sum(report.classes.values()) <= report.seconds + 0.05 and report.device_seconds > 0, report
     exported = _metrics(plumbing_engine)
     assert exported.get_sample_value("spec_serve_worker_compile_graphs_total") == report.graphs
+    assert exported.get_sample_value("spec_serve_worker_compile_classes_loaded_total") == 0
     assert exported.get_sample_value("spec_serve_worker_compile_seconds_total", {"phase": "load"}) == report.seconds
     assert exported.get_sample_value("spec_serve_worker_compiled") == 1
     assert exported.get_sample_value("spec_serve_worker_compile_fallbacks_total") == 0
+
+
+def test_saved_classes_load_whole_and_a_broken_one_is_compiled_again(plumbing_engine, eager_engine, tiny_target_dir,
+                                                                    tiny_vocab_mapping, tmp_path, monkeypatch, caplog):
+    """A second engine on (a copy of) the plumbing engine's cache loads the saved classes whole: nothing traced,
+    answers unchanged. One saved file cut short does not load: that class alone is compiled again, with one INFO
+    line naming the file, and saved anew."""
+    cache, source = tmp_path / "cache", Path(plumbing_engine.compile_report.cache_dir)
+    shutil.copytree(source, cache)
+    broken = cache / plumbing_engine._layers[0].forward.saved.path("row").relative_to(source)
+    broken.write_bytes(broken.read_bytes()[:1000])
+    monkeypatch.setenv(compiled.TEST_BACKEND_ENV, "aot_eager")
+    with caplog.at_level(logging.INFO, logger="spec_serve.engines.compiled"), _propagating():
+        engine = HFTarget(tiny_target_dir, compile=True, compile_cache=cache)
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    report, saved = engine.compile_report, engine._layers[0].forward.saved
+    assert report.loaded == len(compiled.WARMUP) - 1 and report.graphs == 1, report
+    assert saved.compiled == ["row"] and saved.loaded == [n for n in compiled.WARMUP if n != "row"], saved.loaded
+    assert report.phases["load"] > 0, report
+    unusable = [r.getMessage() for r in caplog.records if "compile.saved_class_unusable" in r.getMessage()]
+    assert len(unusable) == 1 and str(broken) in unusable[0], unusable
+    assert broken.stat().st_size > 1000
+    for batch in _batches(tiny_target_dir):
+        assert mismatch(engine.generate_batch(*batch), eager_engine.generate_batch(*batch)) is None
+    assert engine.compile_report.recompiles == 0
+
+
+def test_saving_classes_turned_off_traces_every_load(tiny_target_dir, monkeypatch, caplog):
+    """SPEC_SERVE_COMPILE_SAVE_CLASSES=0: the layers are dynamo's compiled forwards, nothing saved, and the
+    start line says why."""
+    monkeypatch.setenv(compiled.SAVE_CLASSES_ENV, "0")
+    monkeypatch.setenv(compiled.TEST_BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv(compiled.TEST_CLASSES_ENV, "rows")
+    with caplog.at_level(logging.INFO, logger="spec_serve.engines.compiled"), _propagating():
+        engine = HFTarget(tiny_target_dir, compile=True)
+    report = engine.compile_report
+    assert report.active and report.saved_classes is None, report
+    assert report.saved_classes_off == f"{compiled.SAVE_CLASSES_ENV}=0", report
+    assert not any(isinstance(layer.forward, precompiled.LayerForward) for layer in engine._layers)
+    start = [r.getMessage() for r in caplog.records if "compile.start" in r.getMessage()]
+    assert len(start) == 1 and f"saved_classes='off ({compiled.SAVE_CLASSES_ENV}=0)'" in start[0], start
 
 
 def test_an_engine_that_never_packs_compiles_no_packed_class(plumbing_engine, eager_engine, tiny_target_dir,
@@ -229,7 +278,7 @@ def test_compiled_within_tolerance_of_eager(inductor_engine, eager_engine, tiny_
     """Inductor's kernels on single rows, every kind: within TOLERANCE of eager, flips within the bound derived
     for the batch, yet not eager's bits (the compiled kernels ran), and no batch compiled anything new."""
     report = inductor_engine.compile_report
-    assert report.active and report.graphs == 2 and report.cache_misses == 2 and report.cache_hits == 0, report
+    assert report.active and report.graphs == 2 and report.loaded == 0 and report.saved_classes, report
     worst: dict[str, float] = {}
     differs = False
     for batch in (sample_batch(tiny_target_dir, 1, seq, seed=20 + seq) for seq in (33, 57, 20)):
@@ -327,25 +376,19 @@ def test_a_failed_compile_falls_back_to_eager(when, one_thread, tiny_target_dir,
 
 def test_compiled_worker_equals_compiled_colocated_bit_for_bit(inductor_engine, inductor_cache, tiny_target_dir,
                                                                tiny_vocab_mapping, tmp_path):
-    """A real worker started with --packing --compile: packed requests equal the compiled colocated engine's
-    answers bit for bit, every kind; the worker logged its compile at INFO. A second worker on the same cache
-    (--compile-cache: a restarted worker) loaded every kernel from it, and the manifest there spared it a
-    compile pool. The first worker's lookups are not asserted: whether a worker hits what the test process
-    compiled depends on the torch (torch 2.13 here: it does; torch 2.11 on the GPU host's CPU keys the two
-    processes' example inputs apart, identical as they print, and the worker compiles afresh; BENCHMARKS.md)."""
+    """A real worker started with --packing --compile on the colocated engine's cache (--compile-cache: a worker
+    restarted, or started beside a trainer that compiled): it loaded the classes the engine saved whole, traced and
+    compiled nothing, and its answers to packed requests equal the compiled colocated engine's bit for bit, every
+    kind; it logged its compile at INFO and exported it."""
     args = ["--device", "cpu", "--compile-cache", str(inductor_cache)]
     env = {compiled.TEST_CLASSES_ENV: INDUCTOR_CLASSES}
-    batches = _batches(tiny_target_dir)
-    log, metrics = _worker_matches_colocated(inductor_engine, tiny_target_dir, tiny_vocab_mapping, batches, args,
-                                             tmp_path / "first", env=env, padded=False)
+    log, metrics = _worker_matches_colocated(inductor_engine, tiny_target_dir, tiny_vocab_mapping,
+                                             _batches(tiny_target_dir), args, tmp_path, env=env, padded=False)
     assert f"cache={inductor_cache}" in log and "manifest=True" in log, log
-    assert re.search(r"INFO \S+ compile\.done .*graphs=2 ", log), log
+    assert re.search(r"INFO \S+ compile\.done .*graphs=0 loaded=2 .*phases=trace:0,", log), log
     assert metrics["spec_serve_worker_compiled"] == 1 and metrics["spec_serve_worker_compile_recompiles_total"] == 0
-    assert metrics["spec_serve_worker_compile_graphs_total"] == 2
-    log, metrics = _worker_matches_colocated(inductor_engine, tiny_target_dir, tiny_vocab_mapping, batches[:1], args,
-                                             tmp_path / "restarted", env=env, padded=False)
-    assert re.search(r"INFO \S+ compile\.done .*graphs=2 cache_hits=2 cache_misses=0", log), log
-    assert "manifest=True" in log and metrics['spec_serve_worker_compile_cache_lookups_total{result="hit"}'] == 2
+    assert metrics["spec_serve_worker_compile_graphs_total"] == 0
+    assert metrics["spec_serve_worker_compile_classes_loaded_total"] == 2
 
 
 def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log_dir, env=None,

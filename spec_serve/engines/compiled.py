@@ -16,30 +16,31 @@ Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and
 always specialises, and what the graph branches on (whether there is a padding mask). So a graph is
 chosen by the class of a batch (several rows or one; padding or none; padded or packed), never by the
 history of shapes. ``WARMUP`` compiles those classes at load with fixed shapes in a fixed order (an engine
-that never packs leaves out ``packed``, the last), so every process that compiles the same model compiles
-the same graphs (given that nothing compiled that layer's code in the process before: dynamo names a
-graph's shape symbols after what it traced for the same code earlier, so another history gives other graphs
-and other cache keys): a compiled colocated target and a compiled worker compute bit-equal results
-(Inductor's deterministic mode, where the torch has it, keeps on-device benchmarking from choosing other
-reduction kernels in another process). A batch outside those classes
-(a sequence of one token) compiles when it first comes: a recompile, logged and counted.
+that never packs leaves out ``packed``, the last). Each is compiled ahead of time on its own and saved whole
+(precompiled.py), so every process that compiles the same model compiles the same graphs, and a later load
+of them loads the same compiled code: a compiled colocated target and a compiled worker compute bit-equal
+results (Inductor's deterministic mode, where the torch has it, keeps on-device benchmarking from choosing
+other reduction kernels in another process). Where classes are not saved (SAVE_CLASSES_ENV, a torch without
+ahead-of-time compile) dynamo traces them, and then the graphs also depend on what it traced for that layer's
+code in the process before (it names a graph's shape symbols after earlier traces). A batch outside those
+classes (a sequence of one token) compiles through dynamo when it first comes: a recompile, logged and counted.
 
 Start-up: one eager forward first (``device_seconds``: the device and library initialisation an eager
-engine pays on its first batch), then the classes, each timed, and what dynamo spent split into its
-phases (``CompileReport.phases``: tracing, the backend, guards; ``other`` is the forwards themselves and
-one-time set-up such as imports). Even with every kernel in the cache, dynamo traces each class again in
-a new process: the graphs are per class, one for all layers, so that is five traces (four), not 5 x N.
+engine pays on its first batch), then the classes, each timed, and the time split into phases
+(``CompileReport.phases``: tracing, the backend, guards, loading saved classes; ``other`` is the forwards
+themselves and one-time set-up such as imports). A warm load (every class saved) traces nothing.
 
 Numerics: fused kernels keep intermediates in float32 and round once, where eager rounds after each
 op; that is one or two roundings of the model dtype per fused op, the same kind and size of
 perturbation as a batch of another composition gets from its GEMM kernels. ``TOLERANCE`` states the
 bound, docs/compile.md derives it.
 
-Caches: Inductor's FX graph cache and AOTAutograd cache (on by default in torch) under
-``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``): a restarted process loads the
-kernels instead of generating and compiling them. Once a load has compiled its classes, a manifest
-under ``spec_serve/`` in that directory records them, in order, for this model, dtype, device and torch; a
-later load of those classes or the first of them expects cache hits and starts no pool of compile workers
+Caches: the saved classes, and Inductor's FX graph cache and AOTAutograd cache (on by default in torch), under
+``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``): a restarted process loads the classes,
+or where one is missing, at least its kernels, instead of generating and compiling them. Once a load has
+compiled its classes, a manifest under ``spec_serve/`` in that directory records them, in order, for this
+model, dtype, device and torch; a later load of those classes or the first of them expects cache hits and
+starts no pool of compile workers
 (Inductor would otherwise start one process per core, each importing torch, only to load kernels; should
 something miss after all, it is compiled in this process).
 
@@ -53,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -66,7 +68,7 @@ from typing import Any
 
 import torch
 
-from spec_serve.engines import packing
+from spec_serve.engines import packing, precompiled
 from spec_serve.telemetry.logs import event, one_line
 
 log = logging.getLogger("spec_serve.engines.compiled")
@@ -89,10 +91,17 @@ RECOMPILE_LIMIT = 64
 # against the eager padded forward, over real positions (``packing.compare``).
 TOLERANCE = packing.TOLERANCE
 
-# Dynamo's timers (``torch._dynamo.utils.compilation_time_metrics``) behind each phase of CompileReport.phases;
-# the three do not overlap. What the load took besides them is ``other``.
-PHASE_TIMERS = {"trace": "bytecode_tracing", "backend": "OutputGraph.call_user_compiler", "guards": "build_guards"}
+# Dynamo's timers (``torch._dynamo.utils.compilation_time_metrics``) behind each phase of CompileReport.phases:
+# a phase is the longest of its timers (a traced class runs the AOT dispatcher inside call_user_compiler, a class
+# compiled ahead of time runs it alone). The three phases do not overlap; with ``load`` (saved classes read, not
+# a dynamo timer) what the load took besides them is ``other``.
+PHASE_TIMERS = {"trace": ("bytecode_tracing",),
+                "backend": ("OutputGraph.call_user_compiler", "create_aot_dispatcher_function"),
+                "guards": ("build_guards",)}
 MANIFEST_DIR = "spec_serve"
+# 0: compile every load's classes through dynamo, saving none (torch's ahead-of-time compile is experimental: the
+# way back should it misbehave). Default 1: saved and loaded whole where torch can (precompiled.py).
+SAVE_CLASSES_ENV = "SPEC_SERVE_COMPILE_SAVE_CLASSES"
 
 
 @dataclasses.dataclass
@@ -111,8 +120,11 @@ class CompileReport:
     deterministic: bool = False  # Inductor's deterministic mode was on
     device_seconds: float = 0.0  # the eager forward before compiling (not in ``seconds``)
     classes: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per WARMUP class, in order
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # ``seconds`` split (PHASE_TIMERS, other)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # ``seconds`` split (_phases)
     manifest: bool = False  # a manifest said the cache holds every class: no compile-worker pool at load
+    saved_classes: str | None = None  # where compiled classes are saved and loaded whole (precompiled.py), or None
+    saved_classes_off: str | None = None  # why they are not (every load traces its classes)
+    loaded: int = 0  # classes loaded whole at load: compiled before, saved, nothing traced
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -149,14 +161,18 @@ def _cache_lookups() -> tuple[int, int]:
 
 
 def _timers() -> dict[str, float]:
-    """Seconds dynamo has spent so far in each phase of PHASE_TIMERS (process-wide totals)."""
+    """Seconds dynamo has spent so far under each timer of PHASE_TIMERS (process-wide totals)."""
     from torch._dynamo.utils import compilation_time_metrics
 
-    return {phase: sum(compilation_time_metrics.get(timer, ())) for phase, timer in PHASE_TIMERS.items()}
+    return {timer: sum(compilation_time_metrics.get(timer, ())) for timers in PHASE_TIMERS.values() for timer in timers}
 
 
-def _phases(before: dict[str, float], seconds: float) -> dict[str, float]:
-    spent = {phase: round(value - before[phase], 2) for phase, value in _timers().items()}
+def _phases(before: dict[str, float], seconds: float, load: float) -> dict[str, float]:
+    """``seconds`` split by phase since the timers read ``before``; ``load``: seconds spent loading saved classes."""
+    now = _timers()
+    spent = {phase: round(max(now[timer] - before[timer] for timer in timers), 2)
+             for phase, timers in PHASE_TIMERS.items()}
+    spent["load"] = round(load, 2)
     return {**spent, "other": round(max(seconds - sum(spent.values()), 0.0), 2)}
 
 
@@ -183,6 +199,26 @@ def _bound(forward: Callable[..., Any], layer: torch.nn.Module, config: dict[str
             return forward(layer, *args, **kwargs)
 
     return call
+
+
+def _ahead_of_time(backend: dict[str, Any], config: dict[str, Any]) -> precompiled.Compiler:
+    """How ``precompiled`` compiles a class: one whole graph (``fullgraph``) with our backend and dynamo config."""
+
+    def compile_ahead(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with torch._dynamo.config.patch(config):
+            whole = torch.compile(function, dynamic=True, fullgraph=True, **backend)
+            return whole.aot_compile((args, kwargs))  # type: ignore[attr-defined]  # torch >= 2.10
+
+    return compile_ahead
+
+
+def _saved_classes_off() -> str | None:
+    """Why this load's classes are not saved and loaded whole (precompiled.py), or None."""
+    if os.environ.get(SAVE_CLASSES_ENV, "1") == "0":
+        return f"{SAVE_CLASSES_ENV}=0"
+    if os.environ.get(TEST_FAULT_ENV):
+        return f"{TEST_FAULT_ENV} puts a failing backend in the compiler's place"
+    return precompiled.unavailable_reason(_backend_name())
 
 
 # Test-only hooks (tests/test_compile.py), read at load:
@@ -241,14 +277,31 @@ def _cache_dir() -> str:
     return cache_dir()
 
 
-def _manifest(model: Any, device: torch.device, backend: str) -> Path:
-    """Where loads of ``model`` on ``device`` record the classes they compiled: keyed by what the cached kernels
-    depend on (torch, the model's configuration and dtype, the device, the backend and its options)."""
+def _store_key(model: Any, layers: Sequence[torch.nn.Module], device: torch.device, backend: str) -> str:
+    """What cached kernels and saved classes of ``model`` on ``device`` depend on, hashed: torch and transformers,
+    the source of the layers' classes, the model's configuration and dtype, the device, the backend and its
+    options."""
+    import transformers
+
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = json.dumps([torch.__version__, config, str(next(model.parameters()).dtype), name, backend, _options()],
-                     sort_keys=True, default=str)
-    return Path(_cache_dir()) / MANIFEST_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    sources = sorted({_source_digest(type(layer)) for layer in layers})
+    key = json.dumps([torch.__version__, transformers.__version__, sources, config, str(next(model.parameters()).dtype),
+                      name, backend, _options()], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _source_digest(cls: type) -> str:
+    """A digest of the file that defines ``cls`` (its name where the file cannot be read)."""
+    try:
+        return hashlib.sha256(Path(inspect.getfile(cls)).read_bytes()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return cls.__qualname__
+
+
+def _manifest(key: str) -> Path:
+    """Where loads of the model keyed ``key`` record the classes they compiled."""
+    return Path(_cache_dir()) / MANIFEST_DIR / f"{key}.json"
 
 
 def _recorded(path: Path) -> list[str]:
@@ -311,17 +364,21 @@ class CompiledLayers:
             self._fail(reason)
             return self.report
         classes, options = _classes(self.packed), _options() if _backend_name() == "inductor" else {}
-        manifest = _manifest(self.model, device, _backend_name())
+        key = _store_key(self.model, self.layers, device, _backend_name())
+        manifest, saved_off = _manifest(key), _saved_classes_off()
+        store = None if saved_off else Path(_cache_dir()) / MANIFEST_DIR / key
         started = time.monotonic()
         self._warm_up(*next(iter(classes.values())))  # eager: the device's own start-up, not compiling
         self.report = dataclasses.replace(self.report, deterministic=bool(options),
                                           manifest=_cached(manifest, list(classes)),
+                                          saved_classes=None if store is None else str(store),
+                                          saved_classes_off=saved_off,
                                           device_seconds=round(time.monotonic() - started, 2))
         event(log, logging.INFO, "compile.start", model=self.name, layers=len(self.layers), device=device,
               classes=",".join(classes), cache=_cache_dir(), deterministic=self.report.deterministic,
-              manifest=self.report.manifest)
+              manifest=self.report.manifest, saved_classes=store or f"off ({saved_off})")
         try:
-            self._compile(classes, options)
+            self._compile(classes, options, store)
         except Exception as e:
             if not compile_error(e):
                 self._undo()
@@ -330,31 +387,44 @@ class CompiledLayers:
             return self.report
         _record(manifest, self.report)
         event(log, logging.INFO, "compile.done", model=self.name, seconds=self.report.seconds,
-              graphs=self.report.graphs, cache_hits=self.report.cache_hits, cache_misses=self.report.cache_misses,
-              device_seconds=self.report.device_seconds, phases=_joined(self.report.phases),
-              classes=_joined(self.report.classes))
+              graphs=self.report.graphs, loaded=self.report.loaded, cache_hits=self.report.cache_hits,
+              cache_misses=self.report.cache_misses, device_seconds=self.report.device_seconds,
+              phases=_joined(self.report.phases), classes=_joined(self.report.classes))
         return self.report
 
-    def _compile(self, classes: dict[str, tuple[int, int, bool, bool]], options: dict[str, Any]) -> None:
-        """Bind the compiled forward to every layer and run each class once, under the forward lock's caller."""
+    def _compile(self, classes: dict[str, tuple[int, int, bool, bool]], options: dict[str, Any],
+                 store: Path | None) -> None:
+        """Bind the compiled forward to every layer and run each class once, under the forward lock's caller; with
+        a ``store``, each class is loaded whole from there, or compiled ahead of time and saved (precompiled.py)."""
         graphs, (hits, misses), timers, started = _graphs(), _cache_lookups(), _timers(), time.monotonic()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        backend = _backend(options, lambda: self.report.active)
+        backend, config = _backend(options, lambda: self.report.active), _tracing_config()
         compiled = {cls: torch.compile(cls.forward, dynamic=True, **backend)
                     for cls in {type(layer) for layer in self.layers}}
+        saved = {} if store is None else {cls: precompiled.ClassFunctions(cls, store, _ahead_of_time(backend, config))
+                                          for cls in compiled}
         for layer in self.layers:
-            layer.forward = _bound(compiled[type(layer)], layer, _tracing_config())
+            traced = _bound(compiled[type(layer)], layer, config)
+            layer.forward = precompiled.LayerForward(saved[type(layer)], layer, traced) if saved else traced
         seconds: dict[str, float] = {}
         with _no_compile_pool(self.report.manifest):
             for name, shape in classes.items():
                 begun = time.monotonic()
-                self._warm_up(*shape)
+                for functions in saved.values():
+                    functions.warming = None if functions.failed else name
+                try:
+                    self._warm_up(*shape)
+                finally:
+                    for functions in saved.values():
+                        functions.warming = None
                 seconds[name] = round(time.monotonic() - begun, 2)
         now_hits, now_misses = _cache_lookups()
         total = round(time.monotonic() - started, 2)
+        loaded = sum(all(name in f.loaded for f in saved.values()) for name in classes) if saved else 0
         self.report = dataclasses.replace(self.report, active=True, seconds=total, graphs=_graphs() - graphs,
-                                          cache_hits=now_hits - hits, cache_misses=now_misses - misses,
-                                          cache_dir=_cache_dir(), classes=seconds, phases=_phases(timers, total))
+                                          loaded=loaded, cache_hits=now_hits - hits, cache_misses=now_misses - misses,
+                                          cache_dir=_cache_dir(), classes=seconds,
+                                          phases=_phases(timers, total, sum(f.load_seconds for f in saved.values())))
 
     # -- serving ---------------------------------------------------------------------------------
 

@@ -62,8 +62,9 @@ _OPTIONS = (
                  "logs why [off] [env SPEC_SERVE_COMPILE=1]."),
     _option("--compile-cache", "compile_cache", metavar="DIR", section=HF, keywords={"hf": "compile_cache"},
             envvar="SPEC_SERVE_COMPILE_CACHE",
-            help="Inductor's cache directory, so that a restarted worker loads its kernels instead of compiling "
-                 "them again [TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER] "
+            help="Where compiled layers are cached: Inductor's kernels and the compiled batch classes, so that a "
+                 "restarted worker loads them whole instead of compiling again "
+                 "[TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER] "
                  "[env SPEC_SERVE_COMPILE_CACHE]."),
     _option("--tensor-parallel-size", "--tp-size", "tensor_parallel_size", type=click.IntRange(min=1),
             section=BOTH, keywords={"vllm": "tensor_parallel_size", "sglang": "tp_size"},

@@ -174,6 +174,8 @@ class CompileCollector(Collector):
         yield seconds
         yield CounterMetricFamily("spec_serve_worker_compile_graphs", "Graphs compiled at load",
                                   value=report.graphs)
+        yield CounterMetricFamily("spec_serve_worker_compile_classes_loaded", "Batch classes loaded whole at load "
+                                  "(compiled and saved by an earlier load: nothing traced)", value=report.loaded)
         yield CounterMetricFamily("spec_serve_worker_compile_recompiles", "Forwards after load that compiled graphs",
                                   value=report.recompiles)
         cache = CounterMetricFamily("spec_serve_worker_compile_cache_lookups", "Inductor FX graph cache lookups at "

@@ -41,13 +41,13 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   compile_cold        seconds a fresh process takes to compile the target's layers (HFTarget(compile=True)
                       with an empty Inductor cache, every class as a packing worker compiles), then
                       compile_warm: a second process on that cache, as a worker without --packing loads
-                      (no packed class; its manifest says every class is cached: no compile-worker pool),
-                      compile_warm_packing: the same as a packing worker loads, compile_warm_pool: that
-                      with the manifest deleted (a pool, as a cold start starts), and
+                      (no packed class: the classes the cold one saved load whole, nothing traced),
+                      compile_warm_packing: the same as a packing worker loads, compile_warm_unsaved: that
+                      with the saved classes and manifests deleted (Inductor's kernel cache alone), and
                       compile_artifacts: a process with an empty cache that first loads the cache artifacts
                       the cold one saved (torch.compiler.save/load_cache_artifacts; that load is counted in
-                      its seconds). Each figure splits its seconds: per batch class, and dynamo's phases
-                      (trace, backend, guards, other); device_seconds is the eager forward before compiling
+                      its seconds). Each figure splits its seconds: per batch class, and the phases
+                      (trace, backend, guards, load, other); device_seconds is the eager forward before compiling
   small_unbatched     many small requests from several ranks, one worker without packing
   small_batched       the same against a worker started with --packing --max-batch-tokens, so
                       queued requests share a packed forward (within packing.TOLERANCE, not bit-equal)
@@ -745,7 +745,7 @@ def _row_noise(engine, batch) -> dict[str, float]:
 
 
 def run_compile_time(ctx: Context) -> dict[str, Any]:
-    """compile_cold, compile_warm, compile_warm_packing, compile_warm_pool and compile_artifacts, each a fresh
+    """compile_cold, compile_warm, compile_warm_packing, compile_warm_unsaved and compile_artifacts, each a fresh
     process (``_compile_probe``) on the target, in that order; the figures go into the report at once
     (``Context.extra_figures``). compile_warm is the load of a worker without --packing (no packed class), the
     others a packing worker's (every class; the cold one so fills the cache for both)."""
@@ -755,7 +755,7 @@ def run_compile_time(ctx: Context) -> dict[str, Any]:
         shutil.rmtree(d, ignore_errors=True)
     artifacts.unlink(missing_ok=True)
     runs = {"compile_cold": (cold_dir, "save", True), "compile_warm": (cold_dir, "", False),
-            "compile_warm_packing": (cold_dir, "", True), "compile_warm_pool": (cold_dir, "forget", True),
+            "compile_warm_packing": (cold_dir, "", True), "compile_warm_unsaved": (cold_dir, "forget", True),
             "compile_artifacts": (fresh_dir, "load", True)}
     figures = {name: _compile_probe(ctx, name, cache, mode, artifacts, packed)
                for name, (cache, mode, packed) in runs.items()}
@@ -789,7 +789,7 @@ def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: P
 def _compile_probe_main(args: list[str]) -> None:
     """A fresh process: build ``HFTarget(compile=True)`` on an Inductor cache dir and print its compile report as
     JSON. ``save``: then write the cache artifacts; ``load``: first load them (timed: ``artifacts_seconds``);
-    ``forget``: first delete the manifests a load left in the cache (so this load starts a compile pool).
+    ``forget``: first delete the manifests and saved classes loads left in the cache (Inductor's kernels stay).
     ``packed`` empty: the engine of a worker without --packing (``compile_packed=False``)."""
     from spec_serve.engines import compiled
     from spec_serve.engines.hf import HFTarget
