@@ -36,8 +36,12 @@ def compile_figure(name: str, f: dict) -> list[str]:
     verdict = "" if target is None else ("  MET" if f["seconds"] <= target else "  NOT MET")
     lines = [f"  {name}: {f['seconds']} s (target {'<= ' + str(target) + ' s' if target else '-'}; "
              f"process {f.get('load_seconds')} s, graphs {f.get('graphs')}, cache hits {f.get('cache_hits')}, "
-             f"misses {f.get('cache_misses')}, manifest {f.get('manifest')}){verdict}"
+             f"misses {f.get('cache_misses')}, manifest {f.get('manifest')}, "
+             f"classes loaded whole {f.get('loaded')}){verdict}"
              f"{'  ' + f['error'] if 'error' in f else ''}"]
+    for key in ("saved_classes_off", "saved_classes_issue"):
+        if f.get(key):
+            lines.append(f"      {key}: {f[key]}")
     if "phases" in f:
         artifacts = f" + loading the artifacts {f['artifacts_seconds']} s" if f.get("artifacts_seconds") else ""
         lines.append("      by phase: " + ", ".join(f"{k} {v}" for k, v in f["phases"].items()) + artifacts

@@ -125,6 +125,7 @@ class CompileReport:
     saved_classes: str | None = None  # where compiled classes are saved and loaded whole (precompiled.py), or None
     saved_classes_off: str | None = None  # why they are not (every load traces its classes)
     loaded: int = 0  # classes loaded whole at load: compiled before, saved, nothing traced
+    saved_classes_issue: str | None = None  # the last reason a class was not loaded or saved (logged as it happened)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -421,8 +422,10 @@ class CompiledLayers:
         now_hits, now_misses = _cache_lookups()
         total = round(time.monotonic() - started, 2)
         loaded = sum(all(name in f.loaded for f in saved.values()) for name in classes) if saved else 0
+        issue = next((f.issue for f in saved.values() if f.issue), None)
         self.report = dataclasses.replace(self.report, active=True, seconds=total, graphs=_graphs() - graphs,
-                                          loaded=loaded, cache_hits=now_hits - hits, cache_misses=now_misses - misses,
+                                          loaded=loaded, saved_classes_issue=issue, cache_hits=now_hits - hits,
+                                          cache_misses=now_misses - misses,
                                           cache_dir=_cache_dir(), classes=seconds,
                                           phases=_phases(timers, total, sum(f.load_seconds for f in saved.values())))
 

@@ -77,6 +77,7 @@ class ClassFunctions:
         self.loaded: list[str] = []
         self.compiled: list[str] = []
         self.failed: str | None = None  # why a class did not compile ahead of time: no more are tried
+        self.issue: str | None = None  # the last reason a class was not loaded or not saved (also logged)
         self.load_seconds = 0.0  # spent reading and rebuilding saved functions
 
     def path(self, name: str) -> Path:
@@ -103,6 +104,7 @@ class ClassFunctions:
             self.loaded.append(name)
             return function
         if function is not None:
+            self.issue = f"{name}: its guards refuse the warm-up's call"
             event(log, logging.INFO, "compile.saved_class_unusable", path=self.path(name),
                   reason="its guards refuse the warm-up's call", action="compiling")
         return self._compile(name, args, kwargs)
@@ -116,6 +118,7 @@ class ClassFunctions:
             with open(path, "rb") as f:
                 return torch.compiler.load_compiled_function(f, external_data={FORWARD_KEY: self.forward})
         except Exception as e:  # whatever unpickling a stale or broken file raises: compile it again
+            self.issue = f"{name}: {one_line(e)}"
             event(log, logging.INFO, "compile.saved_class_unusable", path=path, reason=one_line(e), action="compiling")
             return None
         finally:
@@ -127,6 +130,7 @@ class ClassFunctions:
             function = self._compiler(self.forward, args, kwargs)
         except Exception as e:  # e.g. a graph break, which a whole-graph capture refuses: dynamo traces instead
             self.failed = one_line(e)
+            self.issue = f"{name}: {self.failed}"
             event(log, logging.INFO, "compile.ahead_of_time_failed", batch_class=name, reason=self.failed,
                   effect="this and later classes are traced by dynamo at every load")
             return None
@@ -137,6 +141,7 @@ class ClassFunctions:
             path.parent.mkdir(parents=True, exist_ok=True)
             function.save_compiled_function(str(path), external_data={FORWARD_KEY: self.forward})
         except Exception as e:  # OSError, or an object of this model torch cannot pickle
+            self.issue = f"{name} unsaved: {one_line(e)}"
             event(log, logging.INFO, "compile.class_unsaved", path=path, reason=one_line(e),
                   effect="a restart compiles this class again")
         return function

@@ -783,6 +783,8 @@ def _compile_probe(ctx: Context, name: str, cache: Path, mode: str, artifacts: P
                    compiled=report["active"], h200_target_s=COMPILE_TARGET_S.get(name),
                    artifacts_seconds=report["artifacts_seconds"], device_seconds=report["device_seconds"],
                    phases=report["phases"], classes=report["classes"], manifest=report["manifest"],
+                   loaded=report["loaded"], saved_classes_off=report["saved_classes_off"],
+                   saved_classes_issue=report["saved_classes_issue"],
                    **({} if report["active"] else {"status": "INVALID", "error": report["reason"]}))
 
 
