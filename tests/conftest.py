@@ -49,9 +49,13 @@ def _own_port_range() -> None:
     """Each pytest process picks ports (``free_port``) from a range of its own below the OS's ephemeral ports:
     with many xdist processes on one host, a port one picked and had not bound yet was sometimes taken by
     another's socket (a broker's HTTP probe then read a ZeroMQ greeting). Only where those ranges fit below
-    ``ip_local_port_range``; ranges given in the environment stand."""
+    ``ip_local_port_range``; a range given in the environment stands, but not one this function set in the
+    process an xdist process inherited its environment from (its controller's: the same for all of them)."""
     from spec_serve.transport.sockets import PORT_RANGE_ENV
 
+    if os.environ.get(PORT_RANGE_ENV) and not os.environ.get(OWN_RANGE_ENV):
+        return
+    os.environ.pop(PORT_RANGE_ENV, None)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else PORT_BLOCKS - 1
     if worker and index >= PORT_BLOCKS - 1:  # more xdist processes than blocks: the OS picks
@@ -62,12 +66,13 @@ def _own_port_range() -> None:
         return
     lo = PORT_BASE + index * PORT_BLOCK
     if lo + PORT_BLOCK <= ephemeral_low:
-        os.environ.setdefault(PORT_RANGE_ENV, f"{lo}-{lo + PORT_BLOCK - 1}")
+        os.environ[PORT_RANGE_ENV], os.environ[OWN_RANGE_ENV] = f"{lo}-{lo + PORT_BLOCK - 1}", "1"
 
 
 # Ranges of PORT_BLOCK ports from PORT_BASE: one per xdist process (gw0, gw1, ...), the last for a run without
 # xdist (the vLLM stage's, beside the main run's).
 PORT_BASE, PORT_BLOCK, PORT_BLOCKS = 12000, 1000, 20
+OWN_RANGE_ENV = "SPEC_SERVE_TEST_OWN_PORT_RANGE"  # beside a range _own_port_range set
 _own_port_range()
 
 # Keep a small draft vocab so EAGLE-3 batches exercise index_select and the t2d mask.

@@ -6,11 +6,13 @@ picked itself starts it again on new ones."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 
 from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE
@@ -60,8 +62,12 @@ def test_each_pytest_process_has_its_own_range():
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     if ephemeral_low < 32000:
         pytest.skip(f"the OS's own ports start at {ephemeral_low}: the suite's ranges do not fit below them")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") else conftest.PORT_BLOCKS - 1
     lo, hi = sockets._port_range() or (0, 0)
-    assert hi - lo + 1 == 1000 and hi < ephemeral_low, (lo, hi)
+    # This process's own block (an xdist process once kept its controller's: the same block for all of them).
+    assert lo == conftest.PORT_BASE + index * conftest.PORT_BLOCK and hi - lo + 1 == 1000 and hi < ephemeral_low, \
+        (worker, lo, hi)
 
 
 @contextlib.contextmanager
