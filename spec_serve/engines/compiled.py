@@ -205,8 +205,11 @@ def _bound(forward: Callable[..., Any], layer: torch.nn.Module, config: dict[str
 def _ahead_of_time(backend: dict[str, Any], config: dict[str, Any]) -> precompiled.Compiler:
     """How ``precompiled`` compiles a class: one whole graph (``fullgraph``) with our backend and dynamo config."""
 
+    # torch 2.11 has the API behind a flag, off by default; torch 2.13 has it on.
+    flag = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+
     def compile_ahead(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        with torch._dynamo.config.patch(config):
+        with torch._dynamo.config.patch({**config, **flag}):
             whole = torch.compile(function, dynamic=True, fullgraph=True, **backend)
             return whole.aot_compile((args, kwargs))  # type: ignore[attr-defined]  # torch >= 2.10
 
