@@ -43,6 +43,9 @@ FP32 = compiled.TOLERANCE[torch.float32]
 KINDS = ("eagle3", "dspark", "eagle3_compact")
 # The classes the Inductor engine compiles (and the worker test's worker loads): the probe's, and packed.
 INDUCTOR_CLASSES = "row,packed"
+# Why the plumbing engine's aot_eager classes are not saved on this torch (2.11 cannot save that backend's
+# output; Inductor's it can), or None.
+AOT_EAGER_UNSAVED = precompiled.unavailable_reason("aot_eager")
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +163,14 @@ def test_one_compile_serves_every_layer(plumbing_engine):
     assert report.active and report.reason is None, report
     assert report.graphs == len(compiled.WARMUP) and list(report.classes) == list(compiled.WARMUP), report
     forwards = [layer.__dict__.get("forward") for layer in plumbing_engine._layers]
-    assert all(isinstance(f, precompiled.LayerForward) for f in forwards)
-    saved = forwards[0].saved
-    assert all(f.saved is saved for f in forwards) and saved.compiled == list(compiled.WARMUP), saved.compiled
-    assert len(saved.functions) == len(compiled.WARMUP) and report.loaded == 0 and report.saved_classes_off is None
-    assert sorted(p.name for p in saved.directory.iterdir()) == sorted(saved.path(n).name for n in compiled.WARMUP)
+    if AOT_EAGER_UNSAVED is None:
+        assert all(isinstance(f, precompiled.LayerForward) for f in forwards)
+        saved = forwards[0].saved
+        assert all(f.saved is saved for f in forwards) and saved.compiled == list(compiled.WARMUP), saved.compiled
+        assert len(saved.functions) == len(compiled.WARMUP) and report.loaded == 0 and report.saved_classes_off is None
+        assert sorted(p.name for p in saved.directory.iterdir()) == sorted(saved.path(n).name for n in compiled.WARMUP)
+    else:  # traced by dynamo, as with saving off
+        assert all(f is not None for f in forwards) and report.saved_classes_off == AOT_EAGER_UNSAVED, report
     assert set(report.phases) == {*compiled.PHASE_TIMERS, "load", "other"} and report.phases["trace"] > 0, report
     assert sum(report.phases.values()) == pytest.approx(report.seconds, abs=0.05), report
     assert 0 < sum(report.classes.values()) <= report.seconds + 0.05 and report.device_seconds > 0, report
@@ -176,6 +182,7 @@ def test_one_compile_serves_every_layer(plumbing_engine):
     assert exported.get_sample_value("spec_serve_worker_compile_fallbacks_total") == 0
 
 
+@pytest.mark.skipif(AOT_EAGER_UNSAVED is not None, reason=f"{AOT_EAGER_UNSAVED} (the Inductor worker test loads)")
 def test_saved_classes_load_whole_and_a_broken_one_is_compiled_again(plumbing_engine, eager_engine, tiny_target_dir,
                                                                     tiny_vocab_mapping, tmp_path, monkeypatch, caplog):
     """A second engine on (a copy of) the plumbing engine's cache loads the saved classes whole: nothing traced,

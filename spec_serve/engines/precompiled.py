@@ -37,7 +37,9 @@ from spec_serve.telemetry.logs import event, one_line
 
 log = logging.getLogger("spec_serve.engines.compiled")
 
-SAVABLE_BACKENDS = ("inductor", "aot_eager")
+# The backends whose output torch saves, from which torch: AOTAutograd's aot_eager only from 2.13 (torch 2.11 on
+# the GPU machine refused it: "expected OutputCode, got <class 'function'>").
+SAVABLE_BACKENDS = {"inductor": (2, 11), "aot_eager": (2, 13)}
 SUFFIX = ".aot"
 # The name the saved functions give the layer class's forward: pickle cannot refer to it by its qualified name,
 # which names the decorated function, so each process hands over its own.
@@ -54,10 +56,16 @@ def unavailable_reason(backend: str) -> str | None:
     needed = ("guard_check", "disable_guard_check", "save_compiled_function")
     if load is None or function is None or not all(hasattr(function, n) for n in needed) \
             or "external_data" not in inspect.signature(load).parameters:
-        return f"torch {torch.__version__} has no ahead-of-time compile this engine can use (torch >= 2.13 has)"
-    if backend not in SAVABLE_BACKENDS:
-        return f"the {backend} backend's output cannot be saved"
+        return f"torch {torch.__version__} has no ahead-of-time compile this engine can use (torch 2.11 and 2.13 have)"
+    since = SAVABLE_BACKENDS.get(backend)
+    if since is None or _torch_version() < since:
+        return f"the {backend} backend's output cannot be saved by torch {torch.__version__}"
     return None
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 class ClassFunctions:
