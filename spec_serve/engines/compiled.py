@@ -283,13 +283,13 @@ def _cache_dir() -> str:
 
 def _store_key(model: Any, layers: Sequence[torch.nn.Module], device: torch.device, backend: str) -> str:
     """What cached kernels and saved classes of ``model`` on ``device`` depend on, hashed: torch and transformers,
-    the source of the layers' classes, the model's configuration and dtype, the device, the backend and its
-    options."""
+    the source of the layers' classes and of packing (its attention function is traced into the packed class),
+    the model's configuration and dtype, the device, the backend and its options."""
     import transformers
 
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    sources = sorted({_source_digest(type(layer)) for layer in layers})
+    sources = sorted({_source_digest(type(layer)) for layer in layers} | {_source_digest(packing.PackedLayout)})
     key = json.dumps([torch.__version__, transformers.__version__, sources, config, str(next(model.parameters()).dtype),
                       name, backend, _options()], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
