@@ -36,7 +36,7 @@ from click.testing import CliRunner
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
-from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
+from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE, device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
@@ -255,6 +255,7 @@ def test_cli_errors_are_one_line(cluster, tiny_target_dir, tmp_path):
         else:
             assert expected in error_line(results[name]), (name, results[name].stderr)
     assert "address already in use" in error_line(results["port"])
+    assert results["port"].returncode == EXIT_ADDRESS_IN_USE  # a launcher that picked the port can pick again
 
 
 # ------------------------------------------------------------------------ say what is happening
