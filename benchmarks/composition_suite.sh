@@ -25,6 +25,7 @@ TESTS=(
   tests/test_nccl_binding.py
   tests/test_reply_memory.py
   tests/test_packing.py
+  tests/test_compile.py
 )
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t composition-suite-XXXX)}
 mkdir -p "$LOG_DIR"
