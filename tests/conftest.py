@@ -34,7 +34,6 @@ import fcntl
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,19 +67,6 @@ def _own_port_range() -> None:
     lo = PORT_BASE + index * PORT_BLOCK
     if lo + PORT_BLOCK <= ephemeral_low:
         os.environ[PORT_RANGE_ENV], os.environ[OWN_RANGE_ENV] = f"{lo}-{lo + PORT_BLOCK - 1}", "1"
-
-
-def _own_compile_cache() -> None:
-    """One Inductor cache (kernels and saved compiled classes) for the run, empty at start, unless the environment
-    names one: a compiled worker or bench then compiles what it compiles on a fresh machine, whatever earlier runs
-    left in the user's cache (/tmp/torchinductor_$USER), and leaves nothing there (removed at the end). The xdist
-    processes share their controller's (they inherit its environment)."""
-    if not os.environ.get(CACHE_ENV):
-        os.environ[CACHE_ENV], os.environ[OWN_CACHE_ENV] = tempfile.mkdtemp(prefix="spec-serve-test-inductor-"), "1"
-
-
-CACHE_ENV, OWN_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR", "SPEC_SERVE_TEST_OWN_INDUCTOR_CACHE"
-_own_compile_cache()
 
 
 # Ranges of PORT_BLOCK ports from PORT_BASE: one per xdist process (gw0, gw1, ...), the last for a run without
@@ -202,14 +188,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The run's own Inductor cache is removed. A worker a test SIGKILLs leaves its same-host plane segments for the
-    next worker on the host to reap (docs/ARCHITECTURE.md); after the last test no worker follows, so reap them
-    here: a test run leaves no /dev/shm file of a dead test worker behind. Under xdist, in the controller, once
-    every xdist worker finished (each xdist worker's session finishes on its own, while others still run tests)."""
+    """A worker a test SIGKILLs leaves its same-host plane segments for the next worker on the host to reap
+    (docs/ARCHITECTURE.md); after the last test no worker follows, so reap them here: a test run leaves no
+    /dev/shm file of a dead test worker behind. Under xdist, in the controller, once every xdist worker
+    finished (each xdist worker's session finishes on its own, while others still run tests)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if os.environ.get(OWN_CACHE_ENV):
-        shutil.rmtree(os.environ[CACHE_ENV], ignore_errors=True)
     from spec_serve.paths.plane import shm
 
     reaped = shm.reap()
