@@ -303,9 +303,10 @@ def _source_digest(cls: type) -> str:
         return cls.__qualname__
 
 
-def _manifest(key: str) -> Path:
-    """Where loads of the model keyed ``key`` record the classes they compiled."""
-    return Path(_cache_dir()) / MANIFEST_DIR / f"{key}.json"
+def _store(key: str) -> Path:
+    """Where loads of the model keyed ``key`` keep what they compiled: the saved classes in this directory, the
+    manifest of the classes compiled beside it (the same name with ``.json``)."""
+    return Path(_cache_dir()) / MANIFEST_DIR / key
 
 
 def _recorded(path: Path) -> list[str]:
@@ -368,9 +369,9 @@ class CompiledLayers:
             self._fail(reason)
             return self.report
         classes, options = _classes(self.packed), _options() if _backend_name() == "inductor" else {}
-        key = _store_key(self.model, self.layers, device, _backend_name())
-        manifest, saved_off = _manifest(key), _saved_classes_off()
-        store = None if saved_off else Path(_cache_dir()) / MANIFEST_DIR / key
+        directory = _store(_store_key(self.model, self.layers, device, _backend_name()))
+        manifest, saved_off = directory.with_suffix(".json"), _saved_classes_off()
+        store = None if saved_off else directory
         started = time.monotonic()
         self._warm_up(*next(iter(classes.values())))  # eager: the device's own start-up, not compiling
         self.report = dataclasses.replace(self.report, deterministic=bool(options),
