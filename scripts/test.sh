@@ -8,9 +8,10 @@
 #   extra arguments go to the main pytest run, e.g. `bash scripts/test.sh -k wire`
 #
 # Two stages run side by side: the vLLM stage (scripts/vllm_stage.sh: build .venv-vllm, mostly waiting on
-# pip, then the vLLM tests) in the background at a low CPU priority (nice 10), and the main stage (.venv,
-# lint, types, the main pytest run) in the foreground, which it barely slows: the vLLM stage takes the CPU
-# the main stage leaves idle, and all of it once the main stage is done. Its output follows the main one's.
+# pip, then the vLLM tests) in the background at a low CPU priority (nice 10, its scheduling group's too:
+# scripts/low_priority.sh says why), and the main stage (.venv, lint, types, the main pytest run) in the
+# foreground, which it barely slows: the vLLM stage takes the CPU the main stage leaves idle, and all of it
+# once the main stage is done. Its output follows the main one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,7 +37,7 @@ fi
 # editable, and two builds at once would share its egg-info).
 if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
   VLLM_LOG=$(mktemp "${TMPDIR:-/tmp}/spec-serve-vllm-stage.XXXXXX")
-  setsid nice -n 10 bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
+  bash scripts/low_priority.sh bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
   VLLM_PID=$!
   # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
   trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; true' EXIT
