@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import zygote
 from cluster_util import FAST_ENV, Reference, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.cli import main
@@ -324,13 +325,13 @@ def _swap(text: str, swaps: dict[str, str]) -> str:
     return pattern.sub(lambda m: swaps[m.group(0)], text)
 
 
-def _start(name: str, argv: list[str], env: dict[str, str], swaps: dict[str, str], log_dir: Path) -> subprocess.Popen:
+def _start(name: str, argv: list[str], env: dict[str, str], swaps: dict[str, str],
+           log_dir: Path) -> subprocess.Popen | zygote.ForkedProcess:
     """``spec-serve ARGS`` of a deploy file, as a process of this checkout, with ``swaps`` applied."""
     args = [_swap(a, swaps) for a in argv[1:]]
     full_env = {**os.environ, **FAST_ENV, "OMP_NUM_THREADS": "1", **{k: _swap(v, swaps) for k, v in env.items()}}
-    with open(log_dir / f"{name}.log", "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", *args], env=full_env, stdout=out,
-                                stderr=subprocess.STDOUT)
+    with open(log_dir / f"{name}.log", "wb") as out:  # forked from the test zygote where it is the same process
+        return zygote.popen(["-m", "spec_serve.tools.cli", *args], full_env, out)
 
 
 def _grace(path: Path, deployment: str) -> float:

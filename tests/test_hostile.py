@@ -20,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+import zygote
 from cluster_util import (
     CLIENT_KW,
     FAST_ENV,
@@ -242,10 +243,9 @@ def test_broker_message_of_many_frames_is_refused_by_the_worker(tiny_target_dir,
     port = broker.bind_to_random_port("tcp://127.0.0.1")
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
-        worker = subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "worker", "--target",
-                                   str(tiny_target_dir), "--device", "cpu", "--broker", f"tcp://127.0.0.1:{port}"],
-                                  env={**os.environ, **FAST_ENV, "OMP_NUM_THREADS": "1"}, stdout=out,
-                                  stderr=subprocess.STDOUT)
+        worker = zygote.popen(["-m", "spec_serve.tools.cli", "worker", "--target", str(tiny_target_dir), "--device",
+                               "cpu", "--broker", f"tcp://127.0.0.1:{port}"],
+                              {**os.environ, **FAST_ENV, "OMP_NUM_THREADS": "1"}, out)
     try:
         def ready():  # the worker's next READY (its registration); its broker check (a heartbeat) answered
             while broker.poll(120_000):

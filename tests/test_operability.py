@@ -33,6 +33,7 @@ import torch
 import zmq
 from click.testing import CliRunner
 
+import zygote
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
@@ -241,12 +242,11 @@ def test_cli_errors_are_one_line(cluster, tiny_target_dir, tmp_path):
 
     holder = zmq.Context.instance().socket(zmq.ROUTER)
     holder.bind(busy)  # the port in use
-    try:
-        procs = {name: subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-                 for name, (args, _) in cases.items()}
-        outputs = {name: p.communicate(timeout=120) for name, p in procs.items()}
-        results = {name: subprocess.CompletedProcess(p.args, p.returncode, *outputs[name]) for name, p in procs.items()}
+    try:  # all at once, forked from the test zygote: what is checked is each command's output, not its imports
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            futures = {name: pool.submit(zygote.run, ["-m", "spec_serve.tools.cli", *args], dict(os.environ), 120)
+                       for name, (args, _) in cases.items()}
+        results = {name: future.result() for name, future in futures.items()}
     finally:
         holder.close(0)
     for name, (_, expected) in cases.items():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -60,6 +62,25 @@ def test_a_forked_process_is_the_process_a_fresh_interpreter_runs(tmp_path, monk
     assert forked[1]["torch_loaded"], "not forked from the zygote: this test proves nothing"
     if mode != "hang":  # (a killed one's last lines race its kill)
         assert forked[2] == fresh[2] == ["atexit ran", "thread finished", "to stderr"]
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_run_captures_what_subprocess_run_captures(tmp_path, monkeypatch, mode):
+    """zygote.run: standard output and error apart, the status, as ``subprocess.run(capture_output=True)``."""
+    monkeypatch.setenv(zygote.ENABLE_ENV, "1")
+    if zygote.unsafe() is not None:
+        pytest.skip(f"this host's workers start afresh: {zygote.unsafe()}")
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "ZYGOTE_PROBE": "run"}
+    forked = zygote.run([str(script), mode], env, timeout=60)
+    fresh = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=60)
+    assert forked.returncode == fresh.returncode == {"ok": 0, "fail": 3}[mode]
+    assert forked.stderr == fresh.stderr == "to stderr\n"
+    report = json.loads(forked.stdout.splitlines()[0])
+    assert report["torch_loaded"], "not forked from the zygote: this test proves nothing"
+    assert sorted(forked.stdout.splitlines()[1:]) == sorted(fresh.stdout.splitlines()[1:]) == ["atexit ran",
+                                                                                              "thread finished"]
 
 
 def test_a_zygote_that_dies_first_is_an_error_not_a_hang(tmp_path, monkeypatch):

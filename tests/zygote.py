@@ -13,7 +13,8 @@ read its environment yet); and a start whose environment differs from the zygote
 read it (``FROZEN_ENV``) starts a fresh interpreter instead, as does a start with another command. So does
 every start under ``SPEC_SERVE_TEST_ZYGOTE=0``: run the suite that way to rule the zygote out.
 
-Wire: JSON lines. To the zygote, on its stdin: ``{"argv", "env", "cwd", "out"}``; it answers on its stdout
+Wire: JSON lines. To the zygote, on its stdin: ``{"argv", "env", "cwd", "out", "err"}`` (``err`` null: standard
+error goes to ``out`` too); it answers on its stdout
 ``{"pid"}`` for each start (in order) and ``{"exited", "status"}`` for each child that ends (status as
 ``subprocess.Popen.returncode``: negative for a signal). On stdin's end it SIGKILLs the children it still has.
 Where an import starts a thread (a fork copies only the calling one), the zygote answers ``{"unsafe": why}``
@@ -28,6 +29,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,11 +56,12 @@ def _become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     stdin = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(request["out"] or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    out, err = (os.open(path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                for path in (request["out"], request.get("err") or request["out"]))
     os.dup2(stdin, 0)
     os.dup2(out, 1)
-    os.dup2(out, 2)
-    for fd in (stdin, out):
+    os.dup2(err, 2)
+    for fd in (stdin, out, err):
         os.close(fd)
 
 
@@ -231,8 +234,8 @@ class Zygote:
         return self.unsafe is None and all(env.get(k) == self.env.get(k) for k in FROZEN_ENV) \
             and self._proc.poll() is None
 
-    def start(self, argv: list[str], env: dict[str, str], out: str | None) -> ForkedProcess:
-        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "out": out}) + "\n"
+    def start(self, argv: list[str], env: dict[str, str], out: str | None, err: str | None = None) -> ForkedProcess:
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "out": out, "err": err}) + "\n"
         with self._lock:  # one start at a time: answers come in request order
             assert self._proc.stdin is not None
             self._proc.stdin.write(request.encode())
@@ -307,6 +310,24 @@ def popen(argv: list[str], env: dict[str, str], out: IO[bytes] | int) -> subproc
         if zygote.eligible(env):
             return zygote.start(argv, env, path)
     return python_process(argv, env, out)
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, *ARGV], env=env, capture_output=True, text=True, timeout=timeout)``, forked from
+    the zygote where ``popen`` would fork it: for CLI commands that load a model (a fork costs a fraction of a
+    fresh interpreter's imports), never for one whose test is about what a fresh interpreter imports."""
+    if not (enabled() and _started().eligible(env)):
+        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="zygote-run-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = _started().start(argv, env, str(out), str(err))
+        try:
+            proc.wait(timeout)
+        finally:
+            proc.kill()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
+
 
 def close() -> None:
     global _zygote
