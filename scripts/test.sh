@@ -7,8 +7,8 @@
 #   SPEC_SERVE_SKIP_VLLM=1     skip the real vLLM-on-CPU engine tests (they build their own venv)
 #   extra arguments go to the main pytest run, e.g. `bash scripts/test.sh -k wire`
 #
-# Two stages run side by side: the vLLM stage (scripts/vllm_stage.sh: build .venv-vllm, mostly waiting on
-# pip, then the vLLM tests) in the background at a low CPU priority (nice 10, its scheduling group's too:
+# Two stages run side by side from the start: the vLLM stage (scripts/vllm_stage.sh: build .venv-vllm, then the
+# vLLM tests) in the background at a low CPU priority (nice 10, its scheduling group's too:
 # scripts/low_priority.sh says why), and the main stage (.venv, lint, types, the main pytest run) in the
 # foreground, which it barely slows: the vLLM stage takes the CPU the main stage leaves idle, and all of it
 # once the main stage is done. Its output follows the main one's.
@@ -20,10 +20,32 @@ WORKERS=${SPEC_SERVE_TEST_WORKERS:-2}
 START=$SECONDS
 VLLM_PID=
 
+# Byte code is written by the first import of each module (both venvs are installed with pip --no-compile),
+# not for every file at install time: the processes of a run import a fraction of what pip would compile (the
+# vLLM venv alone has 21,510 .py files, about 100 CPU-s to compile). Where PYTHONDONTWRITEBYTECODE is set (this
+# workplace's shells, many container images), every process would then compile what it imports from source
+# again, so the test command unsets it for its own processes.
+unset PYTHONDONTWRITEBYTECODE
+
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+
+# The vLLM stage starts now, beside this stage's own installs (pip leaves the second core idle). Both install
+# this checkout editable, and two builds at once would share its egg-info: the stage waits for $EDITABLE_DONE.
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/spec-serve-test.XXXXXX")
+EDITABLE_DONE=$SCRATCH/editable-installed
+trap 'rm -rf "$SCRATCH"' EXIT
+if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
+  VLLM_LOG=$SCRATCH/vllm-stage.log
+  SPEC_SERVE_VLLM_EDITABLE_AFTER=$EDITABLE_DONE \
+    bash scripts/low_priority.sh bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
+  VLLM_PID=$!
+  # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
+  trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
+fi
+
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check --no-compile)
 if [ -n "${SPEC_SERVE_LATEST_DEPS:-}" ]; then
   DEPS=(--upgrade --upgrade-strategy eager)
 else
@@ -32,27 +54,13 @@ fi
 # torch is pinned to the CPU build that this workplace's pip serves from local disk.
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" "${DEPS[@]}" -e '.[dev]'
-
-# From here the vLLM stage runs beside this one (after .venv is installed: both install this checkout
-# editable, and two builds at once would share its egg-info).
-if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
-  VLLM_LOG=$(mktemp "${TMPDIR:-/tmp}/spec-serve-vllm-stage.XXXXXX")
-  bash scripts/low_priority.sh bash scripts/vllm_stage.sh >"$VLLM_LOG" 2>&1 </dev/null &
-  VLLM_PID=$!
-  # A failed or interrupted main stage takes the vLLM stage (its own process group) down with it.
-  trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; true' EXIT
-fi
+touch "$EDITABLE_DONE"
 
 # ip netns for the multi-host test (root only; the test skips with a reason otherwise).
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then
   (apt-get install -y -qq iproute2 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq iproute2)) \
     >/dev/null 2>&1 || echo "note: iproute2 not installed; the netns test will skip"
 fi
-
-# Byte-compile the package once: where PYTHONDONTWRITEBYTECODE is set (this workplace's shells, many container
-# images) every process the run starts (workers, brokers, CLI commands: hundreds) would compile it again from
-# source, 0.2 CPU-s a worker. compileall writes the .pyc files whatever that variable says; imports then read them.
-"$VENV/bin/python" -m compileall -q spec_serve
 
 # Guard rails (configured in pyproject.toml): lint, then type-check, before any test runs.
 "$VENV/bin/ruff" check .
@@ -75,7 +83,6 @@ if [ -n "$VLLM_PID" ]; then
   wait "$VLLM_PID" || status=$?
   VLLM_PID=
   cat "$VLLM_LOG"
-  rm -f "$VLLM_LOG"
   echo "vLLM stage done at $((SECONDS - START)) s"
   exit "$status"
 fi

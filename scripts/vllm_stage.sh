@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
+unset PYTHONDONTWRITEBYTECODE  # the venv has no byte code until first imports write it (scripts/test.sh)
 bash .ci/setup_vllm_venv.sh
 echo "vLLM venv ready after $((SECONDS - START)) s"
 VLLM_VENV=${SPEC_SERVE_VLLM_VENV:-.venv-vllm}
