@@ -67,7 +67,13 @@ def soak(target: str, duration: float, workers: int, ranks: int, kill_every: flo
                 counts[k] += v
 
     env = {**FAST_ENV, "SPEC_SERVE_HEARTBEAT_LIVENESS": str(liveness)}
-    with local_cluster(target, workers=workers, env=env, log_dir=log_dir) as cluster:
+    # A request held by each worker the chaos killed looks to the broker like a request that crashes its workers
+    # (--max-request-deaths, broker/poison.py), which it fails instead of sending on. The chaos kills at random,
+    # not because of a request, so no request may run out of deaths here: one more than the most kills the
+    # chaos thread can make (one each half kill_every at the most). The poison policy has its own tests.
+    deaths = int(duration / (0.5 * kill_every)) + 2
+    with local_cluster(target, workers=workers, env=env, log_dir=log_dir,
+                       broker_args=("--max-request-deaths", str(deaths))) as cluster:
         def rank(r: int):
             with RemoteTargetModel(cluster.frontend, prefetch_depth=4, timeout=timeout, max_retries=max_retries,
                                    heartbeat_interval=0.2, liveness=15) as client:
@@ -131,7 +137,8 @@ def soak(target: str, duration: float, workers: int, ranks: int, kill_every: flo
     redispatched = sum(float(line.split()[-1]) for line in metrics.splitlines()
                        if line.startswith("spec_serve_redispatched_total"))
     return {**counts, "hung_ranks": hung, "redispatched": redispatched, "duration_s": round(elapsed, 1),
-            "workers": workers, "ranks": ranks, "kill_every_s": kill_every, "seed": seed, "errors": errors[:5]}
+            "workers": workers, "ranks": ranks, "kill_every_s": kill_every, "seed": seed,
+            "max_request_deaths": deaths, "errors": errors[:5]}
 
 
 def main(argv=None) -> int:

@@ -117,6 +117,9 @@ def test_chaos_soak_short(tiny_target_dir, tmp_path):
                                                   "dropped_duplicates", "worker_kills", "worker_restarts",
                                                   "redispatched", "hung_ranks", "duration_s")})
     assert result["hung_ranks"] == 0
+    # A request on two killed workers would fail as poison under the broker's default (2; it did on the GPU
+    # host's CPU, 1 of 3,034): the soak's broker allows more deaths than the chaos can kill.
+    assert result["worker_kills"] < result["max_request_deaths"]
     assert result["lost"] == 0 and result["duplicated"] == 0 and result["wrong"] == 0, result["errors"]
     assert result["verified"] == result["sent"] > 0
     assert result["worker_kills"] >= 1 and result["worker_restarts"] >= 1, "the soak killed no worker"
