@@ -56,8 +56,9 @@ def _become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     stdin = os.open(os.devnull, os.O_RDONLY)
-    out, err = (os.open(path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                for path in (request["out"], request.get("err") or request["out"]))
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    out = os.open(request["out"] or os.devnull, flags, 0o644)
+    err = os.open(request["err"], flags, 0o644) if request.get("err") else os.dup(out)
     os.dup2(stdin, 0)
     os.dup2(out, 1)
     os.dup2(err, 2)
@@ -281,6 +282,7 @@ def _running(pid: int) -> bool:
 
 
 _zygote: Zygote | None = None
+_starting = threading.Lock()  # tests start processes from several threads at once: one zygote for them all
 
 
 def enabled() -> bool:
@@ -289,9 +291,18 @@ def enabled() -> bool:
 
 def _started() -> Zygote:
     global _zygote
-    if _zygote is None:
-        _zygote = Zygote()
-    return _zygote
+    with _starting:
+        if _zygote is None:
+            _zygote = Zygote()
+        return _zygote
+
+
+def _forking(env: dict[str, str]) -> Zygote | None:
+    """The zygote, where it may fork a process with ``env`` (module docstring); None: start a fresh interpreter."""
+    if not enabled():
+        return None
+    zygote = _started()
+    return zygote if zygote.eligible(env) else None
 
 
 def unsafe() -> str | None:
@@ -305,10 +316,9 @@ def popen(argv: list[str], env: dict[str, str], out: IO[bytes] | int) -> subproc
     from spec_serve.tools.launch import python_process
 
     path = None if out == subprocess.DEVNULL else getattr(out, "name", None)
-    if enabled() and (path is None or isinstance(path, str)):
-        zygote = _started()
-        if zygote.eligible(env):
-            return zygote.start(argv, env, path)
+    zygote = _forking(env) if path is None or isinstance(path, str) else None
+    if zygote is not None:
+        return zygote.start(argv, env, path)
     return python_process(argv, env, out)
 
 
@@ -316,12 +326,13 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
     """``subprocess.run([python, *ARGV], env=env, capture_output=True, text=True, timeout=timeout)``, forked from
     the zygote where ``popen`` would fork it: for CLI commands that load a model (a fork costs a fraction of a
     fresh interpreter's imports), never for one whose test is about what a fresh interpreter imports."""
-    if not (enabled() and _started().eligible(env)):
+    zygote = _forking(env)
+    if zygote is None:
         return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
     with tempfile.TemporaryDirectory(prefix="zygote-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = _started().start(argv, env, str(out), str(err))
+        proc = zygote.start(argv, env, str(out), str(err))
         try:
             proc.wait(timeout)
         finally:
