@@ -202,7 +202,9 @@ def test_a_slow_honest_peer_is_never_cut_by_the_fair_share(frontend, dropped):
     """The owner never finds its socket empty (another peer keeps it busy with small messages), so only its
     fair share of reads proves a message unfinished. A client on a slow link sends a request in parts, each
     part's bytes trickling in: the watcher proves its part in progress unfinished, again and again, and
-    never past the bound, so every part arrives and nothing is cut."""
+    never past the bound, so every part arrives and nothing is cut. The first part ends only once the
+    watcher proved it unfinished: on a loaded host the owner's share of reads can take longer than the
+    trickle, and a run that never saw the proof would check nothing (it failed `0 < most` then)."""
     endpoint, ingress, owner = frontend("never-empty")
     messages = _request_parts()
     most = 0
@@ -210,9 +212,12 @@ def test_a_slow_honest_peer_is_never_cut_by_the_fair_share(frontend, dropped):
         wait_until(lambda: owner.reads > 1000, 30, interval=0.01, what="the owner reading the small messages")
         peer = RawZmtpPeer(endpoint)
         try:
-            for message in messages:
+            for n, message in enumerate(messages):
                 wire = b"".join(peer.frame(bytes(f), more=i < len(message) - 1) for i, f in enumerate(message))
                 for at in range(0, len(wire), 32 << 10):
+                    if n == 0 and at + (32 << 10) >= len(wire):  # the first part's last bytes wait for a proof
+                        wait_until(lambda: any(c.unfinished for c in _conns(ingress)), 30, interval=0.01,
+                                   what="the watcher proving the first part unfinished")
                     peer.sock.sendall(wire[at:at + (32 << 10)])
                     time.sleep(0.005)
                     most = max([most, *(c.unfinished for c in _conns(ingress))])
