@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 VENV=${SPEC_SERVE_VENV:-.venv}
 OUT=.ci/constraints.txt
 {
-  echo "# The versions CI last passed with: scripts/test.sh installs these (pip install -c)."
+  echo "# The versions CI last passed with: scripts/test.sh installs these (as constraints, -c)."
   echo "# SPEC_SERVE_LATEST_DEPS=1 bash scripts/test.sh tests the newest instead; scripts/pin_deps.sh rewrites this"
   echo "# file from the test venv. torch is pinned by scripts/test.sh itself (the build this host's pip serves)."
   # A local version label (+cpu) names one build; the version alone admits the build each host serves.

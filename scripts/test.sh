@@ -20,7 +20,7 @@ WORKERS=${SPEC_SERVE_TEST_WORKERS:-2}
 START=$SECONDS
 VLLM_PID=
 
-# Byte code is written by the first import of each module (both venvs are installed with pip --no-compile),
+# Byte code is written by the first import of each module (uv installs none, like pip --no-compile),
 # not for every file at install time: the processes of a run import a fraction of what pip would compile (the
 # vLLM venv alone has 21,510 .py files, about 100 CPU-s to compile). Where PYTHONDONTWRITEBYTECODE is set (this
 # workplace's shells, many container images), every process would then compile what it imports from source
@@ -31,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 
-# The vLLM stage starts now, beside this stage's own installs (pip leaves the second core idle). Both install
+# The vLLM stage starts now, beside this stage's own installs (they leave the second core idle). Both install
 # this checkout editable, and two builds at once would share its egg-info: the stage waits for $EDITABLE_DONE.
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/spec-serve-test.XXXXXX")
 EDITABLE_DONE=$SCRATCH/editable-installed
@@ -45,15 +45,16 @@ if [ -z "${SPEC_SERVE_SKIP_VLLM:-}" ] && [ -f .ci/setup_vllm_venv.sh ]; then
   trap '[ -n "$VLLM_PID" ] && kill -- -"$VLLM_PID" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 fi
 
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check --no-compile)
+# uv installs (the same resolution as pip, about a fifth of its time), with the package sources pip is configured
+# with here (scripts/uv_pip.py says why). Like `pip --no-compile`, it writes no byte code.
+[ -x "$VENV/bin/uv" ] || "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile -c .ci/constraints.txt uv
 if [ -n "${SPEC_SERVE_LATEST_DEPS:-}" ]; then
-  DEPS=(--upgrade --upgrade-strategy eager)
+  DEPS=(--upgrade)
 else
   DEPS=(-c .ci/constraints.txt)
 fi
 # torch is pinned to the CPU build that this workplace's pip serves from local disk.
-"${PIP[@]}" torch==2.13.0
-"${PIP[@]}" "${DEPS[@]}" -e '.[dev]'
+"$VENV/bin/python" scripts/uv_pip.py install -q "${DEPS[@]}" torch==2.13.0 -e '.[dev]'
 touch "$EDITABLE_DONE"
 
 # ip netns for the multi-host test (root only; the test skips with a reason otherwise).
