@@ -79,10 +79,9 @@ def test_uv_gets_the_package_sources_pip_is_configured_with(tmp_path, monkeypatc
                     "extra-index-url = file:///a/simple file:///b/simple\nfind-links = /global/wheels\n"
                     "constraint = /etc/c.txt\ncert = /etc/ca.pem\n[install]\nfind-links = /install/wheels\n")
     uv_pip = _uv_pip()
-    for k, v in _pip_env(conf).items():
-        monkeypatch.setenv(k, v)
-    for k in [k for k in os.environ if k.startswith("PIP_") and k != "PIP_CONFIG_FILE"]:
+    for k in [k for k in os.environ if k.startswith("PIP_")]:
         monkeypatch.delenv(k)
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
     args, env = uv_pip.uv_options(uv_pip.pip_config(sys.executable))
     pairs = list(zip(args[::2], args[1::2]))
     assert pairs[0] == ("--index-strategy", "unsafe-best-match")
