@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
 
-from spec_serve.engines.compiled import TEST_CLASSES_ENV
 from spec_serve.tools.bench import bytes_per_token
 from spec_serve.tools.cli import main
 
@@ -173,30 +169,6 @@ def test_bench_packed_scenarios_verify_every_batch(tmp_path, tiny_target_dir):
     ratios = {r["ratio"] for r in report["ratios"]}
     assert "packed / padded forward, colocated (useful tokens/s)" in ratios
     assert "verified=3/3" in result.output
-
-
-@pytest.mark.timeout(900)  # a compiling worker and engine: minutes on a loaded 2-core box
-def test_bench_compiled_scenarios_verify_every_batch(tmp_path, tiny_target_dir):
-    """A compiled worker's scenario: every timed batch within compiled.TOLERANCE of the colocated eager forward,
-    the eager forward's own noise on the same rows beside it, and bit-equal to the colocated compiled forward
-    (which the bench builds for the check), flips within the bound derived per batch. A process of its own:
-    compiled engines of one model share compiled code within a process (tests/test_compile.py counts what
-    its engine compiles)."""
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "spec_serve.tools.bench", "--target", str(tiny_target_dir),
-                           "--only", "samehost_1w_compiled", "--steps", "2", "--warmup", "1", "--seq", "32",
-                           "--repeat", "2", "--json", str(out)], capture_output=True, text=True, timeout=1200,
-                          # Full rows of several and the worker's one-row probe: the two classes compiled (of
-                          # five: each costs Inductor's C++ build).
-                          env={**os.environ, "OMP_NUM_THREADS": "1", TEST_CLASSES_ENV: "rows,row"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figure = json.loads(out.read_text())["figures"]["samehost_1w_compiled"]
-    # Two rounds of 2 timed batches: the counts cover both rounds.
-    assert figure["verified"] == "4/4" and "status" not in figure and figure["plane_replies"] == 3, figure
-    assert figure["tolerance"]["hidden_rel_norm"] == 1e-5 and "aux_hidden_states.rel_norm" in figure["noise"]
-    assert 0 < figure["worst"]["aux_hidden_states.rel_norm"] <= 1e-5, figure  # compiled: not eager's bits
-    assert figure["bit_equal_compiled"] == "4/4" and "position_mask" in figure["flip_bound"], figure
-    assert "the eager forward's own noise on the same rows" in proc.stdout
 
 
 def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):

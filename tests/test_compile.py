@@ -1,22 +1,23 @@
 """Compiled decoder layers (``HFTarget(compile=True)``, ``--compile``; docs/compile.md) on CPU float32.
 
-What costs here is Inductor building C++ (g++, seconds of CPU a kernel on a loaded 2-core box), so
-exactly one engine compiles with Inductor, and only the two batch classes its checks need: single full
-rows (what a worker's load-time probe sends) and packed sequences of several rows. It saves those classes
-(engines/precompiled.py) in an Inductor cache of this module's own, from which the worker test's workers load
-them whole instead of compiling them again. The checks of the plumbing (one graph per batch class serving every
-layer, classes saved and loaded, recompiles counted and logged, the fall back to eager, metrics) compile every
-class with AOTAutograd's ``aot_eager`` backend (``compiled.TEST_BACKEND_ENV``), or dynamo's ``eager`` where
-saving is not the point: the same graphs, guards and classes, without code generation; compiled that way
-answers equal eager ones bit for bit, which checks the capture hooks around compiled layers exactly. Every
-Inductor answer must lie within ``compiled.TOLERANCE`` of the eager forward, and a compiled worker's answers
-must equal the compiled colocated engine's bit for bit. Workers run with one math thread, so the colocated
-engines here do too.
+What costs here is Inductor building C++ (g++, seconds of CPU a kernel on a loaded 2-core box), so exactly one
+engine compiles with Inductor, and only the two batch classes its checks need: single full rows (what a worker's
+load-time probe sends) and packed sequences of several rows. It saves those classes (engines/precompiled.py) in an
+Inductor cache of this module's own, from which the worker test's worker and the bench test's worker and colocated
+engine load them whole instead of compiling them again. The checks of the plumbing (one graph per batch class
+serving every layer, classes saved and loaded, recompiles counted and logged, the fall back to eager, metrics)
+compile every class with AOTAutograd's ``aot_eager`` backend (``compiled.TEST_BACKEND_ENV``), or dynamo's ``eager``
+where saving is not the point: the same graphs, guards and classes, without code generation; compiled that way
+answers equal eager ones bit for bit, which checks the capture hooks around compiled layers exactly. Every Inductor
+answer must lie within ``compiled.TOLERANCE`` of the eager forward, and a compiled worker's answers must equal the
+compiled colocated engine's bit for bit. Workers run with one math thread, so the colocated engines here do too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import shutil
 import urllib.request
@@ -27,6 +28,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+import zygote
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import compiled, packing, precompiled
 from spec_serve.engines.flips import flip_bound
@@ -396,6 +398,29 @@ def test_compiled_worker_equals_compiled_colocated_bit_for_bit(inductor_engine, 
     assert metrics["spec_serve_worker_compiled"] == 1 and metrics["spec_serve_worker_compile_recompiles_total"] == 0
     assert metrics["spec_serve_worker_compile_graphs_total"] == 0
     assert metrics["spec_serve_worker_compile_classes_loaded_total"] == 2
+
+
+def test_bench_compiled_scenario_verifies_every_batch(inductor_engine, inductor_cache, tiny_target_dir, tmp_path):
+    """``spec-serve bench``'s compiled worker scenario, on this module's saved classes (the bench's worker and its
+    colocated compiled engine load them whole, as a restarted worker does: Inductor's C++ is built once per run,
+    by ``inductor_engine``): every timed batch within compiled.TOLERANCE of the colocated eager forward, the
+    eager forward's own noise on the same rows beside it, bit-equal to the colocated compiled forward, flips
+    within the bound derived per batch. One-row batches: the class the Inductor engine saved for the probe."""
+    out = tmp_path / "bench.json"
+    # An engine's compile_cache is process-wide (compiled.cache_dir_from): name this module's cache explicitly.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", compiled.TEST_CLASSES_ENV: "row",
+           compiled.CACHE_ENV: str(inductor_cache)}
+    proc = zygote.run(["-m", "spec_serve.tools.bench", "--target", str(tiny_target_dir), "--only",
+                       "samehost_1w_compiled", "--steps", "2", "--warmup", "1", "--batch", "1", "--seq", "32",
+                       "--repeat", "2", "--json", str(out)], env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figure = json.loads(out.read_text())["figures"]["samehost_1w_compiled"]
+    # Two rounds of 2 timed batches: the counts cover both rounds.
+    assert figure["verified"] == "4/4" and "status" not in figure and figure["plane_replies"] == 3, figure
+    assert figure["tolerance"]["hidden_rel_norm"] == 1e-5 and "aux_hidden_states.rel_norm" in figure["noise"]
+    assert 0 < figure["worst"]["aux_hidden_states.rel_norm"] <= 1e-5, figure  # compiled: not eager's bits
+    assert figure["bit_equal_compiled"] == "4/4" and "position_mask" in figure["flip_bound"], figure
+    assert "the eager forward's own noise on the same rows" in proc.stdout
 
 
 def _worker_matches_colocated(engine, target, mapping, batches, worker_args, log_dir, env=None,
