@@ -170,10 +170,11 @@ def pytest_addoption(parser):
 # first, the rest after in file order: xdist hands each file whole to whichever process is free, so a slow
 # file started last (xdist's own order, most tests first, put the few-test slow ones there) keeps one process
 # busy while the other idles. Only the order changes; a file missing here just runs later.
-SLOWEST_FILES = ("test_operability.py", "test_bench_cli.py", "test_load.py", "test_hostile.py", "test_integrity.py",
-                 "test_lifecycle.py", "test_ordinary_use.py", "test_reliability.py", "test_compile.py",
-                 "test_samehost.py", "test_security.py", "test_netns.py", "test_nccl_binding.py", "test_examples.py",
-                 "test_reply_memory.py", "test_cluster.py")
+SLOWEST_FILES = ("test_compile.py", "test_operability.py", "test_netns.py", "test_hostile.py", "test_examples.py",
+                 "test_ordinary_use.py", "test_security.py", "test_load.py", "test_gpu_matrix.py", "test_cluster.py",
+                 "test_lifecycle.py", "test_reply_memory.py", "test_samehost.py", "test_reliability.py",
+                 "test_engine_sglang.py", "test_cheap_processes.py", "test_integrity.py", "test_nccl_binding.py",
+                 "test_deploy.py", "test_bench_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
