@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import zygote
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -18,11 +18,9 @@ def test_train_eagle3_demo_loss_goes_down(tiny_target_dir):
     # The demo starts a broker and 2 workers on the tiny target (the session's, not one more build), and
     # torchruns 2 gloo ranks (DDP over the draft) that share the workers. Few steps: the whole run is
     # mostly process start-up.
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_eagle3.py"), "--demo", "--target", str(tiny_target_dir),
-         "--steps", "20", "--log-every", "5"],
-        capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    # Forked nested from the test zygote: the script and the workers it starts skip importing torch again.
+    proc = zygote.run([str(EXAMPLES / "train_eagle3.py"), "--demo", "--target", str(tiny_target_dir), "--steps", "20",
+                       "--log-every", "5"], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=540, nested=True)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert re.search(r"^step +0 +loss ", proc.stdout, re.M), output[-4000:]

@@ -8,10 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_matrix.py"
@@ -48,8 +49,8 @@ def test_plan_covers_the_paths():
 def test_matrix_on_cpu_is_all_equal(tmp_path):
     out = tmp_path / "matrix.json"
     env = {**os.environ, "SPEC_SERVE_HOST_POOL": "1", "SPEC_SERVE_HOST_POOL_BUFFERS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--batches", "2", "--rows", "2",
-                           "--seq", "32", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    proc = zygote.run([str(SCRIPT), "--tiny", "--device", "cpu", "--batches", "2", "--rows", "2", "--seq", "32",
+                       "--json", str(out)], env, timeout=600, nested=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["all_equal"] and len(report["cells"]) == 24

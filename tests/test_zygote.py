@@ -101,3 +101,35 @@ def test_a_zygote_that_dies_first_is_an_error_not_a_hang(tmp_path, monkeypatch):
             wait_until(lambda: proc.poll() is not None, 30, what="the orphan's end")
     finally:
         mine.close()
+
+
+NESTED = """
+import json, os, sys
+from spec_serve.tools import launch
+probe, logs = sys.argv[1], sys.argv[2]
+env = {**os.environ, "ZYGOTE_PROBE": "nested"}
+with open(logs + "-fail.log", "ab") as out:
+    failed = launch.Cluster.start_worker_process([probe, "fail"], env, out)
+with open(logs + "-hang.log", "ab") as out:
+    hanging = launch.Cluster.start_worker_process([probe, "hang"], env, out)
+print(json.dumps({"kind": type(failed).__name__, "status": failed.wait(60), "hanging": hanging.pid}), flush=True)
+"""
+
+
+def test_a_nested_run_forks_the_workers_it_starts_and_ends_them_with_it(tmp_path, monkeypatch):
+    """zygote.run(nested=True): the script's own ``launch.Cluster`` forks its workers too (torch already loaded,
+    their statuses come back to the script), and a worker it leaves running is gone by the time the script's
+    exit is reported (its zygote killed and reaped it, and the script reaped its zygote)."""
+    monkeypatch.setenv(zygote.ENABLE_ENV, "1")
+    if zygote.unsafe() is not None:
+        pytest.skip(f"this host's workers start afresh: {zygote.unsafe()}")
+    probe, script = tmp_path / "probe.py", tmp_path / "nested.py"
+    probe.write_text(SCRIPT)
+    script.write_text(NESTED)
+    done = zygote.run([str(script), str(probe), str(tmp_path / "inner")], {**os.environ}, timeout=60, nested=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["kind"] == "ForkedProcess" and report["status"] == 3, report
+    inner = json.loads((tmp_path / "inner-fail.log").read_text().splitlines()[0])
+    assert inner["torch_loaded"] and inner["sid"] and inner["env"] == "nested", inner
+    assert (tmp_path / "inner-hang.log").exists() and not zygote._running(report["hanging"])

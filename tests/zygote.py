@@ -13,10 +13,14 @@ read its environment yet); and a start whose environment differs from the zygote
 read it (``FROZEN_ENV``) starts a fresh interpreter instead, as does a start with another command. So does
 every start under ``SPEC_SERVE_TEST_ZYGOTE=0``: run the suite that way to rule the zygote out.
 
-Wire: JSON lines. To the zygote, on its stdin: ``{"argv", "env", "cwd", "out", "err"}`` (``err`` null: standard
-error goes to ``out`` too); it answers on its stdout
-``{"pid"}`` for each start (in order) and ``{"exited", "status"}`` for each child that ends (status as
-``subprocess.Popen.returncode``: negative for a signal). On stdin's end it SIGKILLs the children it still has.
+A script that starts workers itself (the demo's ``local_cluster``, the bench's) is forked ``nested``: before it
+becomes the requested process, the child forks a zygote of its own from its pristine self (``_nest``), and its
+``launch.Cluster`` forks workers from that one, under the same rules.
+
+Wire: JSON lines. To the zygote, on its stdin: ``{"argv", "env", "cwd", "out", "err", "nested"}`` (``err`` null:
+standard error goes to ``out`` too); it answers on its stdout ``{"pid"}`` for each start (in order) and
+``{"exited", "status"}`` for each child that ends (status as ``subprocess.Popen.returncode``: negative for a
+signal). On stdin's end it SIGKILLs the children it still has, and reaps them.
 Where an import starts a thread (a fork copies only the calling one), the zygote answers ``{"unsafe": why}``
 instead of ``{"ready"}`` and ends, and every start of the run gets a fresh interpreter.
 """
@@ -50,8 +54,7 @@ PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers
 
 
 def _become(request: dict[str, Any]) -> None:
-    """In the forked child: the session, directory, environment and standard streams of the requested process."""
-    os.setsid()
+    """In the forked child: the directory, environment and standard streams of the requested process."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -97,12 +100,18 @@ def _exit(code: Any) -> None:
 
 
 def _child(request: dict[str, Any]) -> None:
-    """In the forked child: become the requested process and run it; never returns."""
+    """In the forked child: become the requested process and run it; never returns. A ``nested`` request's
+    process forks the workers it starts itself too (``_nest``)."""
     import traceback
 
     code: Any = 0
     try:
+        os.setsid()
+        frozen = dict(os.environ)  # the zygote's, which its imports read
+        nested = _nest() if request.get("nested") else None
         _become(request)
+        if nested is not None:
+            _adopt(Zygote(nested, frozen))
         _run(request["argv"], request["cwd"])
     except SystemExit as e:
         code = e.code
@@ -112,19 +121,59 @@ def _child(request: dict[str, Any]) -> None:
     _exit(code)
 
 
-def _say(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+def _nest() -> NestedZygote:
+    """In a forked child, before it becomes the requested process: fork a zygote of its own (a copy of this
+    pristine, single-threaded one, in the child's session) for the workers the process starts itself (a script's
+    ``local_cluster``). It serves over two pipes and ends with the child: its requests' pipe closes."""
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(requests_w)
+            os.close(answers_r)
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1):  # never the zygote's pipes to pytest
+                os.dup2(null, fd)
+            os.close(null)
+            _say({"ready": os.getpid()}, answers_w)
+            _serve_requests(requests_r, answers_w)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.close(requests_r)
+    os.close(answers_w)
+    return NestedZygote(pid, os.fdopen(requests_w, "wb"), os.fdopen(answers_r, "rb"))
 
 
-def _reap(children: set[int]) -> None:
+def _adopt(nested: Zygote) -> None:
+    """This process's workers (``launch.Cluster.start_worker_process``) fork from ``nested``, which is closed when
+    the process exits (its remaining children killed, itself reaped)."""
+    import atexit
+
+    from spec_serve.tools import launch
+
+    global _zygote
+    _zygote = nested
+    launch.Cluster.start_worker_process = staticmethod(popen)
+    atexit.register(close)
+
+
+def _say(message: dict[str, Any], fd: int = 1) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _reap(children: set[int], answers: int) -> None:
     """Report every child that has ended."""
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
         children.discard(pid)
-        _say({"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+        _say({"exited": pid, "status": os.waitstatus_to_exitcode(status)}, answers)
 
 
 def _serve() -> None:
@@ -139,24 +188,33 @@ def _serve() -> None:
             _say({"unsafe": f"importing {name} started {len(threads) - 1} thread(s) ({', '.join(names)})"})
             return
     _say({"ready": os.getpid()})
+    _serve_requests(0, 1)
+
+
+def _serve_requests(requests: int, answers: int) -> None:
+    """Fork a child per request line read from ``requests`` until it ends, answering on ``answers``."""
     children: set[int] = set()
     buffered = b""
     while True:
-        _reap(children)
-        if not select.select([0], [], [], 0.05)[0]:
+        _reap(children, answers)
+        if not select.select([requests], [], [], 0.05)[0]:
             continue
-        chunk = os.read(0, 1 << 16)
-        if not chunk:  # the pytest process is gone or done
+        chunk = os.read(requests, 1 << 16)
+        if not chunk:  # the pytest process (or a nested zygote's process) is gone or done
             for pid in children:
                 os.kill(pid, signal.SIGKILL)
+            for pid in children:  # reaped before the zygote ends: gone once whoever closed its requests waited on it
+                os.waitpid(pid, 0)
             return
         *lines, buffered = (buffered + chunk).split(b"\n")
         for line in lines:
             pid = os.fork()
             if pid == 0:
+                for fd in {requests, answers} - {0, 1}:  # a nested zygote's pipes: not its children's
+                    os.close(fd)
                 _child(json.loads(line))
             children.add(pid)
-            _say({"pid": pid})
+            _say({"pid": pid}, answers)
 
 
 # --------------------------------------------------------------------------- the pytest side
@@ -193,13 +251,43 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class Zygote:
-    """One zygote process for this pytest process, started on first use."""
+class NestedZygote:
+    """What ``Zygote`` uses of ``subprocess.Popen`` for the zygote a nested child forked (``_nest``): its parent."""
 
-    def __init__(self) -> None:
-        self.env = {"OMP_NUM_THREADS": "1", **os.environ}  # as Cluster starts workers
-        self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=self.env)
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]):
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"nested zygote {self.pid}", timeout)  # type: ignore[arg-type]
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class Zygote:
+    """A zygote: this pytest process's, started on first use, or one a nested child forked (``NestedZygote``)."""
+
+    def __init__(self, proc: subprocess.Popen | NestedZygote | None = None, env: dict[str, str] | None = None):
+        """``proc``, whose imports read ``env``; by default a new zygote process with this process's environment."""
+        if proc is None:
+            env = {"OMP_NUM_THREADS": "1", **os.environ}  # as Cluster starts workers
+            proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert env is not None
+        self.env, self._proc = env, proc
         self._lock, self._exited = threading.Lock(), threading.Condition()
         self._statuses: dict[int, int] = {}
         self._pids: list[int] = []
@@ -235,8 +323,11 @@ class Zygote:
         return self.unsafe is None and all(env.get(k) == self.env.get(k) for k in FROZEN_ENV) \
             and self._proc.poll() is None
 
-    def start(self, argv: list[str], env: dict[str, str], out: str | None, err: str | None = None) -> ForkedProcess:
-        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "out": out, "err": err}) + "\n"
+    def start(self, argv: list[str], env: dict[str, str], out: str | None, err: str | None = None,
+              nested: bool = False) -> ForkedProcess:
+        """Fork ``python ARGV``; ``nested``: the workers it starts itself fork from a zygote of its own."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "out": out, "err": err,
+                              "nested": nested}) + "\n"
         with self._lock:  # one start at a time: answers come in request order
             assert self._proc.stdin is not None
             self._proc.stdin.write(request.encode())
@@ -322,17 +413,18 @@ def popen(argv: list[str], env: dict[str, str], out: IO[bytes] | int) -> subproc
     return python_process(argv, env, out)
 
 
-def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run(argv: list[str], env: dict[str, str], timeout: float, nested: bool = False) -> subprocess.CompletedProcess:
     """``subprocess.run([python, *ARGV], env=env, capture_output=True, text=True, timeout=timeout)``, forked from
     the zygote where ``popen`` would fork it: for CLI commands that load a model (a fork costs a fraction of a
-    fresh interpreter's imports), never for one whose test is about what a fresh interpreter imports."""
+    fresh interpreter's imports), never for one whose test is about what a fresh interpreter imports.
+    ``nested``: a command that starts workers itself (``launch.Cluster``) forks them from a zygote of its own."""
     zygote = _forking(env)
     if zygote is None:
         return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
     with tempfile.TemporaryDirectory(prefix="zygote-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = zygote.start(argv, env, str(out), str(err))
+        proc = zygote.start(argv, env, str(out), str(err), nested)
         try:
             proc.wait(timeout)
         finally:
