@@ -140,6 +140,9 @@ def _nest() -> NestedZygote:
             _say({"ready": os.getpid()}, answers_w)
             _serve_requests(requests_r, answers_w)
         except BaseException:
+            import traceback
+
+            traceback.print_exc()  # to the zygote's standard error: pytest's
             code = 1
         os._exit(code)
     os.close(requests_r)
