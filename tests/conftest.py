@@ -167,11 +167,11 @@ def pytest_addoption(parser):
                      help="also run tests marked slow (long load and soak runs); or set SPEC_SERVE_RUN_SLOW=1")
 
 
-# The files that take longest on the 2-core box, longest first (seconds there, alone, plus 0.8 x their CPU
-# seconds for the other xdist process's share of the cores; BENCHMARKS.md, "The test suite's time"). They run
-# first, the rest after in file order: xdist hands each file whole to whichever process is free, so a slow
-# file started last (xdist's own order, most tests first, put the few-test slow ones there) keeps one process
-# busy while the other idles. Only the order changes; a file missing here just runs later.
+# The files that take longest on a 2-core box, longest first (each file's wall seconds on its xdist process in a
+# 2-process run; BENCHMARKS.md, "The test suite's time", session 9). They run first, the rest after in file order:
+# xdist hands each file whole to whichever process is free, so a slow file started last (xdist's own order, most
+# tests first, put the few-test slow ones there) keeps one process busy while the other idles. Only the order
+# changes; a file missing here just runs later.
 SLOWEST_FILES = ("test_compile.py", "test_operability.py", "test_netns.py", "test_hostile.py", "test_examples.py",
                  "test_ordinary_use.py", "test_security.py", "test_load.py", "test_gpu_matrix.py", "test_cluster.py",
                  "test_lifecycle.py", "test_reply_memory.py", "test_samehost.py", "test_reliability.py",

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -223,6 +224,17 @@ def _serve_requests(requests: int, answers: int) -> None:
 # --------------------------------------------------------------------------- the pytest side
 
 
+def _wait(poll: Callable[[], int | None], pause: Callable[[], None], args: Any, timeout: float | None) -> int:
+    """``Popen.wait`` over ``poll``: its status once it has one, ``pause`` between polls, TimeoutExpired after
+    ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (status := poll()) is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(args, timeout)  # type: ignore[arg-type]
+        pause()
+    return status
+
+
 class ForkedProcess:
     """What tests use of ``subprocess.Popen`` for a process the zygote forked."""
 
@@ -236,12 +248,7 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-            self._zygote.wait_exit(0.05)
-        return self.returncode  # type: ignore[return-value]
+        return _wait(self.poll, lambda: self._zygote.wait_exit(0.05), self.args, timeout)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # not yet reaped by the zygote, so the pid is still this process's
@@ -269,12 +276,7 @@ class NestedZygote:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"nested zygote {self.pid}", timeout)  # type: ignore[arg-type]
-            time.sleep(0.01)
-        return self.returncode  # type: ignore[return-value]
+        return _wait(self.poll, lambda: time.sleep(0.01), f"nested zygote {self.pid}", timeout)
 
     def kill(self) -> None:
         if self.poll() is None:
