@@ -419,7 +419,7 @@ def _slow_worker_main(argv: list[str]) -> None:
                     drain_timeout=args.drain_timeout)
     handle_stop_signals(worker)  # as `spec-serve worker` does: SIGTERM drains, a second one stops at once
     worker.run()
-    exit_if_computing(worker.compute)
+    exit_if_computing(worker.compute, worker.paths)
 
 
 def _swap_worker_main(argv: list[str]) -> None:
@@ -455,7 +455,7 @@ def _swap_worker_main(argv: list[str]) -> None:
     engine.generate_batch = generate_batch
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     worker.run()
-    exit_if_computing(worker.compute)
+    exit_if_computing(worker.compute, worker.paths)
 
 
 def _idle_client_main(argv: list[str]) -> None:

@@ -51,11 +51,11 @@ def test_bound_requests_go_to_the_bound_worker_only(router):
     bind(router, b"client", now)
     worker = next(w for w in router.workers.values() if w.bound_to == b"client")
     router.recorder.take()
-    request_id = submit(router, b"client", now, bound=worker.name, nccl=True)
+    request_id = submit(router, b"client", now, pin=worker.name)
     assert router.recorder.requests_to(worker.identity) == [request_id]
-    wrong = submit(router, b"client", now, bound="0" * 12)
+    wrong = submit(router, b"client", now, pin="0" * 12)
     [error] = router.recorder.to_client(b"client")
-    assert error.request_id == wrong and error.header["unbound"] is True
+    assert error.request_id == wrong and error.header["unpinned"] is True
 
 
 def test_bind_is_refused_when_every_worker_is_bound(router):
@@ -88,13 +88,13 @@ def test_the_binding_ends_with_its_client_or_its_worker(router):
     assert router.workers[b"A-worker"].bound_to is None
     bind(router, b"client", now)
     prefix = router.workers[b"A-worker"].bind_prefix
-    request_id = submit(router, b"client", now, bound=b"A-worker".hex()[:12], nccl=True)
+    request_id = submit(router, b"client", now, pin=b"A-worker".hex()[:12])
     router.recorder.take()
     router.delete_worker(router.workers[b"A-worker"], now, reason="heartbeat expired")
     [lost] = router.recorder.to_client(b"client", ClientCommand.BOUND)
     assert lost.header["lost"] == b"A-worker".hex()[:12] and lost.header["prefix"] == prefix
     [error] = router.recorder.to_client(b"client")
-    assert error.request_id == request_id and error.header["unbound"] is True
+    assert error.request_id == request_id and error.header["unpinned"] is True
     assert SERVICE in router.services and not router.requests
 
 
@@ -102,7 +102,7 @@ def test_a_done_for_a_bound_request_frees_the_slot_not_the_binding(router):
     now = time.monotonic()
     ready(router, b"A-worker", now)
     bind(router, b"client", now)
-    request_id = submit(router, b"client", now, bound=b"A-worker".hex()[:12], nccl=True)
+    request_id = submit(router, b"client", now, pin=b"A-worker".hex()[:12])
     done(router, b"A-worker", request_id, now)
     assert router.workers[b"A-worker"].bound_to == b"client" and not router.workers[b"A-worker"].inflight
 
@@ -149,7 +149,7 @@ def test_an_idle_binding_ends_after_bind_idle_s(router, monkeypatch):
     now = time.monotonic()
     ready(router, b"A-worker", now)
     bind(router, b"client", now)
-    request_id = submit(router, b"client", now + 4, bound=b"A-worker".hex()[:12], nccl=True)
+    request_id = submit(router, b"client", now + 4, pin=b"A-worker".hex()[:12])
     keep_alive(router, now + 6, b"A-worker", b"client")
     router.purge(now + 6)
     assert router.workers[b"A-worker"].bound_to == b"client"  # a request on it: in use

@@ -100,3 +100,18 @@ def test_the_version_is_one_number():
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["version"] == spec_serve.__version__
+
+
+def test_importing_the_client_loads_no_reply_path():
+    """``PATHS`` names modules imported when a client's or worker's paths are built: importing the client
+    loads neither NCCL's pair group (nor any torch.distributed module that ``import torch`` itself does not
+    load) nor the same-host plane."""
+    code = ("import sys; import torch; base = set(sys.modules); import spec_serve.client; "
+            "print(*sorted(set(sys.modules) - base))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.split()
+    assert "spec_serve.client.api" in loaded  # the probe saw the client's own modules
+    unwanted = [m for m in loaded
+                if m.startswith(("torch.distributed", "spec_serve.paths.nccl", "spec_serve.paths.plane"))]
+    assert unwanted == []

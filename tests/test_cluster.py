@@ -20,7 +20,9 @@ import torch
 
 from cluster_util import assert_contract, assert_equal_batches, wait_until, workers
 from spec_serve.client.api import RemoteTargetModel
+from spec_serve.paths.registry import Offers
 from spec_serve.protocol import wire
+from spec_serve.protocol.commands import Op
 from spec_serve.tools.launch import Cluster, local_cluster
 from spec_serve.tools.tiny import sample_batch
 
@@ -131,7 +133,7 @@ def test_unknown_service_is_a_clear_error(cluster, tiny_target_dir):
         # long before the client's own wait (10 s), whose "no reply within" must not be what is raised.
         target._info = None
         target.timeout = 10.0
-        future = target._submit(target._prepare({"op": "generate", "kind": "dspark", "timeout": 2}), [])
+        future = target._submit(target._request(Op.GENERATE, Offers(), kind="dspark", timeout=2), [])
         with pytest.raises((ValueError, TimeoutError), match="no worker of 'no-such-target' took the request "
                                                              "before its deadline|unknown service 'no-such-target'"):
             future.result(timeout=30)
@@ -148,7 +150,7 @@ def test_bad_request_is_refused_and_worker_keeps_serving(cluster, tiny_target_di
         with pytest.raises(ValueError, match="shape"):
             target.generate_batch(ids, attn[:, :4], loss, kind="dspark")
         # Past the client's own checks: the worker refuses a request with a foreign tensor set.
-        future = target._submit(target._prepare({"op": "generate", "kind": "dspark", "timeout": 60}),
+        future = target._submit(target._request(Op.GENERATE, Offers(), kind="dspark", timeout=60),
                                 wire.encode({"input_ids": ids, "labels": ids}))
         with pytest.raises(ValueError, match="request must hold"):
             future.result(timeout=60)

@@ -12,6 +12,7 @@ fingerprint) plays the other checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from cluster_util import (
     workers,
 )
 from spec_serve.client.api import IntegrityError, RemoteTargetModel, TargetChangedError
+from spec_serve.paths.registry import Offers
+from spec_serve.protocol.commands import Op
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
 from spec_serve.tools.verify import colocated_reference
@@ -264,7 +267,8 @@ def test_broker_refuses_a_worker_of_another_target(cluster, tiny_target_dir, oth
     assert "broker.worker_refused" in (cluster.log_dir / "broker.log").read_text()
     # A request naming another fingerprint than the service's workers serve is refused at once.
     with RemoteTargetModel(cluster.frontend, service="bad", max_retries=0, **CLIENT_KW) as client:
-        header = dict(client._prepare({"op": "generate", "kind": "dspark", "timeout": 10}), fingerprint="0" * 32)
+        header = dataclasses.replace(client._request(Op.GENERATE, Offers(), kind="dspark", timeout=10),
+                                     fingerprint="0" * 32)
         with pytest.raises(TargetChangedError, match="now serves target fingerprint"):
             client._submit(header, []).result(timeout=10)
 

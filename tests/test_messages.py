@@ -11,9 +11,12 @@ from typing import Any
 
 import pytest
 
+from spec_serve.paths.nccl.messages import NcclDescriptor, NcclOffer
 from spec_serve.protocol import messages as m
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ProtocolError, control, encode_header
 
+# The reply paths' own typed fields (offers[name], path[name]), documented in the same table format.
+PATH_FIELDS: tuple[type[m.WireMessage], ...] = (NcclOffer, NcclDescriptor)
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 PLANE_OFFER = {"host": "k", "pid": 12, "start": 34, "gpus": ["GPU-1"]}
 PLANE_SLOT = {"kind": "shm", "ctl": "spsv-1-2.ctl", "slot": 0, "gen": 3, "nbytes": 64, "segment": "spsv-1-2-0"}
@@ -25,10 +28,10 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.SupervisionRequest, {"op": "generate", "kind": "eagle3", "timeout": 120.0, "tokens": 12,
                             "reply_to": "tcp://10.0.0.1:4000", "max_reply_bytes": 1 << 30, "fingerprint": "f" * 16,
                             "vocab": "ab" * 16, "data_key": "k" * 40, "verify": True}),
-    (m.SupervisionRequest, {"op": "generate", "kind": "dspark", "timeout": 30, "tokens": 0, "plane": PLANE_OFFER,
-                            "reply_to": "ipc:///tmp/x", "max_reply_bytes": 10}),
-    (m.SupervisionRequest, {"op": "generate", "kind": "eagle3_compact", "timeout": 5, "tokens": 3, "bound": "w1",
-                            "nccl": True, "host": "boot-1:net-2", "reply_to": "tcp://h:1", "max_reply_bytes": 1,
+    (m.SupervisionRequest, {"op": "generate", "kind": "dspark", "timeout": 30, "tokens": 0,
+                            "offers": {"plane": PLANE_OFFER}, "reply_to": "ipc:///tmp/x", "max_reply_bytes": 10}),
+    (m.SupervisionRequest, {"op": "generate", "kind": "eagle3_compact", "timeout": 5, "tokens": 3, "pin": "w1",
+                            "offers": {"nccl": {"host": "boot-1:net-2"}}, "reply_to": "tcp://h:1", "max_reply_bytes": 1,
                             "vocab": "v", "client": "c0ffee"}),
     (m.SupervisionRequest, {"op": "embeddings", "which": "input", "timeout": 5, "reply_to": "tcp://h:1",
                             "max_reply_bytes": 1, "fingerprint": "f", "avoid": "w2"}),
@@ -38,7 +41,7 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.SetVocab, {}),
     (m.VocabOk, {"digest": "ab" * 16}),
     (m.BrokerError, {"code": "bad_request", "error": "no", "unknown_vocab": True}),
-    (m.BrokerError, {"code": "unavailable", "error": "gone", "unbound": True}),
+    (m.BrokerError, {"code": "unavailable", "error": "gone", "unpinned": True}),
     (m.StatusQuery, {}),
     (m.StatusQuery, {"service": "s", "after": [1, "s", "00ff"]}),
     (m.StatusPage, dict(SUMMARY, services={"s": {"workers": 1}}, workers=[{"id": "w"}], next=[0, "s"])),
@@ -64,9 +67,10 @@ SENT: list[tuple[type[m.WireMessage], dict[str, Any]]] = [
     (m.Disconnect, {"stopping": True}),
     (m.Reply, {"worker": "w", "compute_s": 0.25, "fingerprint": "f", "digests": {"hidden": 3}}),
     (m.Reply, {"worker": "fake", "fingerprint": "f"}),  # what the tests' fake workers send
-    (m.Reply, {"worker": "w", "compute_s": 0.25, "batched": 3, "plane": PLANE_SLOT, "fingerprint": "f"}),
-    (m.Reply, {"worker": "w", "compute_s": 0.1, "nccl": True, "pair": "p", "specs": [["x", [1, 2], "float32"]],
+    (m.Reply, {"worker": "w", "compute_s": 0.25, "batched": 3, "path": {"plane": PLANE_SLOT},
                "fingerprint": "f"}),
+    (m.Reply, {"worker": "w", "compute_s": 0.1,
+               "path": {"nccl": {"pair": "p", "specs": [["x", [1, 2], "float32"]]}}, "fingerprint": "f"}),
     (m.BindGrant, {"worker": "w", "bind": {"store_host": "10.0.0.2", "store_port": 29500, "prefix": "p",
                                            "worker": "w", "timeout": 30.0}}),
     (m.ErrorReply, {"worker": "w", "code": "internal", "error": "RuntimeError: boom"}),
@@ -91,14 +95,24 @@ def test_framing_takes_a_typed_header() -> None:
 
 def test_absent_keys_read_as_their_defaults() -> None:
     request = m.SupervisionRequest.from_json({"reply_to": "tcp://h:1"})
-    assert (request.timeout, request.op, request.nccl, request.vocab) == (120, None, False, None)
+    assert (request.timeout, request.op, request.pin, request.offers, request.vocab) == (120, None, None, None, None)
     assert m.Done.from_json({}).status == "ok" and m.Ready.from_json({"target_info": {}}).capacity == 1
     assert m.Ready.from_json({"target_info": {}, "max_message_bytes": -5}).max_message_bytes is None
 
 
-def test_unbound_drops_the_binding_only() -> None:
+def test_without_offer_drops_that_offer_and_the_pin_only() -> None:
     request = m.SupervisionRequest.from_json(SENT[2][1])
-    assert request.unbound().to_json() == {k: v for k, v in SENT[2][1].items() if k not in ("bound", "nccl", "host")}
+    assert request.offer("nccl") == {"host": "boot-1:net-2"} and request.offer("plane") is None
+    assert request.without_offer("nccl", unpin=True).to_json() == {
+        k: v for k, v in SENT[2][1].items() if k not in ("pin", "offers")}
+    assert request.without_offer("plane").to_json() == SENT[2][1]
+
+
+def test_a_reply_names_one_path() -> None:
+    reply = m.Reply.from_json(SENT[-4][1])
+    assert reply.descriptor("plane") == PLANE_SLOT and reply.descriptor("nccl") is None
+    with pytest.raises(ProtocolError, match="'path'"):
+        m.Reply.from_json({"worker": "w", "path": {"plane": {}, "nccl": {}}})
 
 
 BAD: list[tuple[type[m.WireMessage], dict[str, Any], str]] = [
@@ -112,8 +126,8 @@ BAD: list[tuple[type[m.WireMessage], dict[str, Any], str]] = [
     (m.SupervisionRequest, {"reply_to": "tcp://h:1", "vocab": None}, "'vocab'"),
     (m.SupervisionRequest, {"reply_to": "tcp://h:1", "avoid": 3}, "'avoid'"),
     (m.SupervisionRequest, {"reply_to": "tcp://h:1", "fingerprint": "f" * 129}, "'fingerprint'"),
-    (m.SupervisionRequest, {"reply_to": "tcp://h:1", "nccl": "yes"}, "'nccl'"),
-    (m.SupervisionRequest, {"reply_to": "tcp://h:1", "plane": [1]}, "'plane'"),
+    (m.SupervisionRequest, {"reply_to": "tcp://h:1", "pin": 3}, "'pin'"),
+    (m.SupervisionRequest, {"reply_to": "tcp://h:1", "offers": [1]}, "'offers'"),
     (m.SetVocab, {"release": "d1"}, "'release'"),
     (m.SetVocab, {"release": ["d"] * 300}, "'release'"),
     (m.StatusQuery, {"service": 5}, "'service'"),
@@ -166,6 +180,13 @@ def _declared(cls: type[m.WireMessage]) -> list[tuple[str, str, str]]:
 
 def test_docs_list_every_message_and_field() -> None:
     documented = _documented()
-    assert list(documented) == [cls.__name__ for cls in m.MESSAGES]
-    for cls in m.MESSAGES:
+    typed = (*m.MESSAGES, *PATH_FIELDS)
+    assert list(documented) == [cls.__name__ for cls in typed]
+    for cls in typed:
         assert documented[cls.__name__] == _declared(cls), cls.__name__
+
+
+def test_no_shared_message_names_a_path() -> None:
+    """The paths' fields travel under ``offers``/``path``: no key of a shared message names a path."""
+    keys = {m.json_key(f) for cls in m.MESSAGES for f in dataclasses.fields(cls)}
+    assert not keys & {"nccl", "plane", "bound", "pair", "specs", "spool"}

@@ -12,7 +12,10 @@ run for real): it runs ``call`` at once and records what a path resolves and fal
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
+import pathlib
+import re
 import threading
 import time
 import types
@@ -127,11 +130,19 @@ def _segments() -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if (o := shm.owner_of(n)) is not None and o.pid == os.getpid()}
 
 
+def _offered(side: base.ClientSide, op: str = "generate", **fields) -> SupervisionRequest:
+    """A request of ``op`` carrying what ``side`` offers, as the client builds it (ClientPaths.offer)."""
+    offer = side.offer(op)
+    assert offer is not None
+    return SupervisionRequest(reply_to=REPLY_TO, op=op, pin=offer.pin,
+                              offers={side.name: offer.body} if offer.body is not None else None, **fields)
+
+
 def test_plane_on_its_own():
     port = RecordingPort()
     worker_setup, client_setup = _setups(port, same_host_plane=True)
     worker, client = PlanePath.worker(worker_setup), PlanePath.client(client_setup)
-    request = SupervisionRequest(reply_to=REPLY_TO, **client.offer("generate"))
+    request = _offered(client)
     assert not worker.takes(request)  # not started: no slots
     worker.start()
     try:
@@ -181,14 +192,14 @@ def test_nccl_on_its_own_over_gloo():
     worker, client = NcclPath.worker(worker_setup), NcclPath.client(client_setup)
     posted, control = _bound(port, worker)
     try:
-        fields = client.offer("generate")  # binds: the pair group forms between the two halves
+        request = _offered(client, client="c0ffee")  # binds: the pair group forms between the two halves
         control[0].join(30)
-        assert fields["bound"] == "w0" and fields["nccl"] and posted[0][0] is Status.OK
-        request = SupervisionRequest(reply_to=REPLY_TO, client="c0ffee", **fields)
+        assert request.pin == "w0" and request.offer("nccl") is not None and posted[0][0] is Status.OK
         assert worker.takes(request) and worker.local(request)  # same host key
-        assert client.offer("embeddings") == {"bound": "w0"}  # other ops: our worker too, as frames
+        assert client.offer("embeddings") == base.Offer(pin="w0")  # other ops: our worker too, as frames
+        assert client.holds() == "w0" and client.may_hold
         with pytest.raises(base.PathUnavailable):
-            worker.takes(SupervisionRequest(reply_to=REPLY_TO, client="another", **fields))
+            worker.takes(dataclasses.replace(request, client="another"))
         request_id = uuid.uuid4().bytes
         (outgoing,) = worker.deliver([base.Delivery(request_id, request, _tensors(6), Reply(worker="w0"))])
         assert outgoing.frames == [] and outgoing.via == "nccl" and outgoing.after_post is not None
@@ -198,7 +209,8 @@ def test_nccl_on_its_own_over_gloo():
         outgoing.after_post()  # the tensors over the pair group, received on the client's pair thread
         assert port.arrived.wait(30) and not port.fallbacks
         _assert_same(port.resolved[request_id], _tensors(6))
-        assert client.without(request).nccl is False and client.pins(request)
+        again = client.without(request)
+        assert again.offers is None and again.pin is None and client.pins(request) and not client.pins(again)
     finally:
         worker.close()
         client.close()
@@ -211,7 +223,7 @@ def test_nccl_reply_without_a_binding_falls_back():
     _, client_setup = _setups(port)  # enable_nccl off: nothing offered
     client = NcclPath.client(client_setup)
     assert client.offer("generate") is None
-    reply = Reply(worker="w9", nccl=True, pair="p", specs=[["x", [1], "float32"]])
+    reply = Reply(worker="w9", path={"nccl": {"pair": "p", "specs": [["x", [1], "float32"]]}})
     client.accept(base.Arrival(b"r" * 16, reply, {}, [], None, 1 << 30, pytest.fail))
     assert port.fallbacks == [(b"r" * 16, "nccl", "nccl reply from worker w9 without a live binding")]
 
@@ -221,7 +233,7 @@ def test_spool_on_its_own():
     worker_setup, client_setup = _setups(port)
     worker, client = SpoolPath.worker(worker_setup), SpoolPath.client(client_setup)
     try:
-        request = SupervisionRequest(reply_to=REPLY_TO, **client.offer("generate"))
+        request = _offered(client)
         outgoing, landed = _round_trip(worker, client, request, _tensors(7))
         _assert_same(landed, _tensors(7))
         assert outgoing.via == "spool" and not any(client.dir.iterdir())  # read, then deleted
@@ -246,9 +258,8 @@ def test_the_order_decides_and_a_path_that_cannot_deliver_hands_on():
     paths.start()
     try:
         assert [s.name for s in paths.sides] == ["spool", "plane", "frames"]
-        assert "offers" in clients.offer("generate")  # the first path that offers
-        plane_offer = clients.named("plane").offer("generate")
-        request = SupervisionRequest(reply_to=REPLY_TO, **plane_offer)
+        assert list(clients.offer("generate").offers) == ["spool"]  # the first path that offers
+        request = _offered(clients.named("plane"))
         route = paths.route(request)
         assert route.side.name == "plane"  # spool does not take it (no spool offer)
         items = [base.Delivery(bytes([i]) * 16, request, _tensors(i), Reply(worker="w0")) for i in range(2)]
@@ -274,7 +285,7 @@ def test_spool_end_to_end_from_one_registry_line(broker, tiny_target_dir, tiny_v
     comes by spool, equal to the colocated forward, and no file is left."""
     from spec_serve.engines.hf import HFTarget
 
-    monkeypatch.setattr(registry, "PATHS", (SpoolPath, *registry.PATHS))
+    monkeypatch.setattr(registry, "PATHS", ("extra_paths.spool:SpoolPath", *registry.PATHS))
     worker = Worker(HFTarget(tiny_target_dir), broker.backend, service="spool")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -296,3 +307,14 @@ def test_spool_end_to_end_from_one_registry_line(broker, tiny_target_dir, tiny_v
         worker.stop()
         thread.join(30)
     assert not spool_dir.exists()  # the client's stop removed its directory
+
+
+def test_protocol_and_broker_name_no_path():
+    """Adding a path touches no file of protocol/ or broker/: they name none of the paths, so a path's
+    fields ride the shared messages opaquely (``offers``, ``path``) and the broker routes by ``pin`` alone."""
+    root = pathlib.Path(registry.__file__).resolve().parents[1]
+    names = re.compile(r"\b(nccl|plane|spool|samehost|frames path)\b", re.IGNORECASE)
+    files = [path for folder in ("protocol", "broker") for path in sorted((root / folder).glob("*.py"))]
+    named = [f"{path.relative_to(root)}:{n}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    assert named == []

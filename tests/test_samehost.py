@@ -109,7 +109,7 @@ def reference(tiny_target_dir, tiny_vocab_mapping):
 def test_worker_lends_only_to_wellformed_same_host_offers():
     plane = samehost.WorkerPlane(torch.device("cpu"), slots=1, lease_s=60)
     try:
-        kind, owner = plane.transport({"plane": _offer()})
+        kind, owner = plane.transport(_offer())
         assert kind == "shm" and owner == shm.Owner.current()  # a CPU worker, or one process: shared memory
         good = _offer()
         refused = [
@@ -120,9 +120,9 @@ def test_worker_lends_only_to_wellformed_same_host_offers():
             [good], "plane", 7, None,
         ]
         for bad in refused:
-            assert plane.transport({"plane": bad}) is None, bad
-            assert plane.export({"plane": bad}, _tensors(0), None) is None
-        assert plane.transport({}) is None
+            assert plane.transport(bad) is None, bad
+            assert plane.export(bad, _tensors(0), None) is None
+        assert plane.transport(None) is None
     finally:
         plane.close()
     assert not _segments(os.getpid())
@@ -131,14 +131,14 @@ def test_worker_lends_only_to_wellformed_same_host_offers():
 def test_a_worker_that_never_runs_holds_no_segment(tiny_target_dir):
     """run() owns the plane: building a Worker (as tests and tools do without serving) maps nothing."""
     worker = Worker(HFTarget(tiny_target_dir), "tcp://127.0.0.1:1")
-    assert worker.plane is None and not _segments(os.getpid())
+    assert worker.paths.named("plane").plane is None and not _segments(os.getpid())
 
 
 def test_client_refuses_malformed_descriptors():
     plane = samehost.WorkerPlane(torch.device("cpu"), slots=1, lease_s=60)
     client = samehost.ClientPlane(torch.device("cpu"))
     try:
-        export = plane.export({"plane": _offer()}, _tensors(1), None)
+        export = plane.export(_offer(), _tensors(1), None)
         d = export.descriptor
         other = shm.Owner.current().name("00000000", "s0v1")
         bad = [
@@ -150,12 +150,11 @@ def test_client_refuses_malformed_descriptors():
         ]
         for descriptor in bad:
             with pytest.raises(samehost.PlaneError):
-                client.open({"plane": descriptor}, export.frames, b"r" * 16, lambda reason: None)
+                client.open(descriptor, export.frames, b"r" * 16, lambda reason: None)
         for payload in ([], [*export.frames, b"x"], [export.frames[0][:-8]], [b"\0" * 8]):
             with pytest.raises(samehost.PlaneError):
-                client.open({"plane": d}, payload, b"r" * 16, lambda reason: None)
-        reply = client.open({"plane": d, "worker": "w"}, export.frames, b"r" * 16, lambda reason: None)
-        assert reply.header["worker"] == "w"  # the worker's header travels unchanged
+                client.open(d, payload, b"r" * 16, lambda reason: None)
+        reply = client.open(d, export.frames, b"r" * 16, lambda reason: None)
         assert all(torch.equal(_copy_out(reply)[n], t) for n, t in _tensors(1).items())
         assert reply.settle() is None and plane.ctl.acked(d["slot"])
     finally:
@@ -169,25 +168,25 @@ def test_slot_lifetimes_in_one_process():
     client = samehost.ClientPlane(torch.device("cpu"))
     resent: list[str] = []
     try:
-        first = plane.export({"plane": _offer()}, _tensors(1), None)
-        reply = client.open({"plane": first.descriptor}, first.frames, b"a" * 16, resent.append)
-        assert plane.export({"plane": _offer()}, _tensors(2), None) is None  # lent, not given back: busy
+        first = plane.export(_offer(), _tensors(1), None)
+        reply = client.open(first.descriptor, first.frames, b"a" * 16, resent.append)
+        assert plane.export(_offer(), _tensors(2), None) is None  # lent, not given back: busy
         assert all(torch.equal(_copy_out(reply)[n], t) for n, t in _tensors(1).items())
         assert reply.settle() is None and not resent
-        second = plane.export({"plane": _offer()}, _tensors(2), None)
+        second = plane.export(_offer(), _tensors(2), None)
         assert second.descriptor["gen"] == first.descriptor["gen"] + 1
         second.dropped()  # undeliverable
-        dead = plane.export({"plane": _offer(pid=_dead_pid())}, _tensors(3), None)
+        dead = plane.export(_offer(pid=_dead_pid()), _tensors(3), None)
         assert dead is not None and plane.reclaimed == 0
-        after_death = plane.export({"plane": _offer()}, _tensors(4), None)  # the dead client's slot came back
+        after_death = plane.export(_offer(), _tensors(4), None)  # the dead client's slot came back
         assert after_death is not None and plane.reclaimed == 1
         after_death.dropped()
 
         plane.lease_s = 0.05
-        slow = plane.export({"plane": _offer()}, _tensors(5), None)
-        slow_reply = client.open({"plane": slow.descriptor}, slow.frames, b"s" * 16, resent.append)
+        slow = plane.export(_offer(), _tensors(5), None)
+        slow_reply = client.open(slow.descriptor, slow.frames, b"s" * 16, resent.append)
         time.sleep(0.2)
-        fast = plane.export({"plane": _offer()}, _tensors(6), None)  # lease ran out: lent again, overwritten
+        fast = plane.export(_offer(), _tensors(6), None)  # lease ran out: lent again, overwritten
         assert fast is not None and plane.reclaimed == 2
         landed = _copy_out(slow_reply)
         assert not torch.equal(landed["probs"], _tensors(5)["probs"])  # what a client would have returned

@@ -1,4 +1,5 @@
-"""NCCL binding negotiation at the broker (docs/nccl.md): a client takes a worker of its own.
+"""Bindings at the broker: a client takes a worker of its own (for a reply path that needs one), and its
+requests name that worker as their ``pin``.
 
 The broker only picks the worker and keeps the record (``WorkerState.bound_to``); the worker grants
 the binding itself, sending the client the rendezvous over its data socket, and tells the broker with a
@@ -124,12 +125,12 @@ class Bindings:
                 self.unbind(worker, "released by its client")
 
     def bound_worker(self, client: ClientState, msg: Message, name: str) -> WorkerState | None:
-        """The worker ``name`` a bound request names (it goes there only, never queued for the pool); None
+        """The worker ``name`` a pinned request names (it goes there only, never queued for the pool); None
         after telling the client it has no such binding."""
         bound = next((w for w in self.bound_to(client.identity) if w.name == name and w.service == msg.service), None)
         if bound is None:
             self.ctx.send_error(client.identity, msg.request_id, ErrorCode.UNAVAILABLE,
-                                f"no worker {name!r} of {msg.service!r} is bound to this client", unbound=True)
+                                f"no worker {name!r} of {msg.service!r} is bound to this client", unpinned=True)
         return bound
 
     def bound_to(self, client: bytes) -> list[WorkerState]:

@@ -52,7 +52,7 @@ class BrokerContext:
         return self.send(Peer.WORKER, identity, frames)
 
     def send_error(self, client: bytes, request_id: bytes, code: ErrorCode, message: str, *,
-                   unknown_vocab: bool = False, unbound: bool = False) -> None:
+                   unknown_vocab: bool = False, unpinned: bool = False) -> None:
         self.metrics.errors.labels(code=code.value).inc()
-        error = BrokerError(code=code.value, error=message, unknown_vocab=unknown_vocab, unbound=unbound)
+        error = BrokerError(code=code.value, error=message, unknown_vocab=unknown_vocab, unpinned=unpinned)
         self.to_client(client, control(CLIENT_TAG, ClientCommand.ERROR.value, "", request_id, error))

@@ -73,14 +73,14 @@ class Dispatcher:
         self.ctx.metrics.duplicate_requests.inc()
         return True
 
-    def accept(self, client: ClientState, request: Request, bound: WorkerState | None, now: float) -> None:
-        """Hold ``request``: straight to the client's ``bound`` worker, or queued for the service's pool."""
+    def accept(self, client: ClientState, request: Request, pinned: WorkerState | None, now: float) -> None:
+        """Hold ``request``: straight to the worker it is ``pinned`` to, or queued for the service's pool."""
         self.requests[request.request_id] = request
         client.requests.add(request.request_id)
         service = self.services.service(request.service, now)
         self.ctx.metrics.requests.labels(service=request.service).inc()
-        if bound is not None:
-            self.send_request(service, bound, request)
+        if pinned is not None:
+            self.send_request(service, pinned, request)
             return
         self.services.push(request)
         self.dispatch(service)
@@ -192,7 +192,7 @@ class Dispatcher:
         return status
 
     def orphan(self, service: ServiceState, worker: WorkerState, reason: str, died: bool) -> None:
-        """``worker`` is gone: each request it held goes back to the front of its queue, or fails (bound, or
+        """``worker`` is gone: each request it held goes back to the front of its queue, or fails (pinned, or
         on ``max_request_deaths`` workers as they ``died``), or is dropped (its client left)."""
         for request_id in worker.inflight:
             request = self.requests.get(request_id)
@@ -203,11 +203,11 @@ class Dispatcher:
 
     def _orphaned(self, worker: WorkerState, request: Request, reason: str, died: bool) -> None:
         request.worker = None
-        if request.header.bound is not None:
-            # Its binding died with the worker: the client re-sends it as frames.
+        if request.header.pin is not None:
+            # The worker it was pinned to is gone: the client re-sends it to the pool.
             self.clients.forget_request(request)
             self.ctx.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
-                                f"bound worker {worker.name} is gone ({reason})", unbound=True)
+                                f"bound worker {worker.name} is gone ({reason})", unpinned=True)
         elif died and self._killed_by(request, worker):
             return
         elif request.client in self.clients.clients:
@@ -248,11 +248,11 @@ class Dispatcher:
               worker=worker.name if worker else held_by.hex()[:12])
         request.missed.add(held_by)
         request.worker = None
-        if request.header.bound is not None:  # its binding is no use: the client re-sends it as frames
+        if request.header.pin is not None:  # its worker is no use: the client re-sends it to the pool
             self.clients.forget_request(request)
             name = worker.name if worker else "?"
             self.ctx.send_error(request.client, request.request_id, ErrorCode.UNAVAILABLE,
-                                f"bound worker {name} missed the request's deadline", unbound=True)
+                                f"bound worker {name} missed the request's deadline", unpinned=True)
             return
         request.deadline = max(request.deadline, time.monotonic() + float(request.header.timeout))
         self.services.push(request, front=True)

@@ -2,7 +2,8 @@
 
 Each part has one job: ``WorkerRegistry`` (workers.py) who is registered, ``ServiceQueues`` (services.py)
 services and their fair queues, ``Dispatcher`` (dispatch.py) dispatch and re-dispatch, ``Bindings``
-(binding.py) NCCL bindings, ``ClientTable`` (clients.py) client state and what clients may hold. The
+(binding.py) bindings (a worker a client holds, which its requests' ``pin`` names), ``ClientTable``
+(clients.py) client state and what clients may hold. The
 router only sequences them where one event touches several (a worker or client that goes, a request that
 arrives) and runs the periodic ``heartbeat`` and ``purge``. Nothing here owns a socket: every part sends
 through the injected ``send(peer, identity, frames)`` (context.py), so all of it runs under a test without
@@ -95,7 +96,8 @@ class Router:
         return self.client_table.seen(identity, now)
 
     def enqueue(self, client: ClientState, msg: Message, now: float) -> None:
-        """REQUEST: queue it for the service's pool, or send it straight to the client's bound worker."""
+        """REQUEST: queue it for the service's pool, or send it straight to the worker it is pinned to (one the
+        client holds: a binding)."""
         if not msg.request_id:
             raise ProtocolError("REQUEST without a request id")
         header = SupervisionRequest.from_json(msg.header)
@@ -104,14 +106,14 @@ class Router:
         size = self.client_table.admit(client, msg, header, now)
         if size is None:
             return
-        bound = None
-        if header.bound is not None:
-            bound = self.bindings.bound_worker(client, msg, header.bound)
-            if bound is None:
+        pinned = None
+        if header.pin is not None:
+            pinned = self.bindings.bound_worker(client, msg, header.pin)
+            if pinned is None:
                 return
         request = Request(msg.request_id, client.identity, msg.service, header, msg.payload,
                           now + float(header.timeout), now, size)
-        self.dispatcher.accept(client, request, bound, now)
+        self.dispatcher.accept(client, request, pinned, now)
 
     def register_mapping(self, client: ClientState, msg: Message, now: float) -> None:
         """SET_VOCAB."""

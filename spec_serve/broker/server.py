@@ -3,9 +3,9 @@
 Clients talk to the frontend, workers to the backend. This module is the plumbing: the two sockets,
 the poll loop, and a table from each command to the handler that serves it. What the broker decides
 lives beside it: routing.py puts the parts together (workers.py the registry, services.py the queues,
-dispatch.py dispatch and re-dispatch, poison.py the poison-request policy, binding.py NCCL bindings,
-clients.py client state, vocab_registry.py draft-vocab mappings), parts.py joins payloads sent in parts,
-status.py answers STATUS and keeps the HTTP shim's snapshot.
+dispatch.py dispatch and re-dispatch, poison.py the poison-request policy, binding.py bindings (a worker
+a client holds), clients.py client state, vocab_registry.py draft-vocab mappings), parts.py joins payloads
+sent in parts, status.py answers STATUS and keeps the HTTP shim's snapshot.
 Bulk reply bytes go from worker to client directly; the broker only sees a small DONE. Method names
 follow the Majordomo spec: ``process_client``, ``process_worker``.
 """
@@ -90,7 +90,7 @@ GOODBYE_LINGER_MS = 1000
 # window, if longer) is stalled, and /health says so.
 LOOP_STALL_S = 10.0
 # Why a CURVE broker refuses BIND at once, before it takes a worker out of the pool (workers refuse it too).
-CURVE_BIND_REFUSAL = ("this broker runs CURVE: an NCCL binding's rendezvous (TCPStore, gloo/NCCL connections) "
+CURVE_BIND_REFUSAL = ("this broker runs CURVE: a binding's rendezvous (the pair group's store and connections) "
                       "cannot be authenticated, so bindings are refused; replies stay CURVE frames")
 
 ClientHandler = Callable[[ClientState, Message, float], None]

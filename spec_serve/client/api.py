@@ -26,8 +26,7 @@ from spec_serve.client.path_port import PathPort
 from spec_serve.client.staging import Staging
 from spec_serve.client.stats import ClientStats
 from spec_serve.paths.base import ClientSetup
-from spec_serve.paths.nccl.client import NcclClient
-from spec_serve.paths.registry import ClientPaths
+from spec_serve.paths.registry import ClientPaths, Offers
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
@@ -41,7 +40,7 @@ from spec_serve.supervision.contract import (
     weight_specs,
 )
 from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICE_BYTES, CLIENT_LM_HEAD_SLICES
-from spec_serve.transport.sockets import Security, check_exposure
+from spec_serve.transport.sockets import Security
 
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).
 __all__ = ["BrokerUnreachable", "ClientStats", "IntegrityError", "RemoteError", "RemoteTargetModel",
@@ -107,23 +106,12 @@ class RemoteTargetModel:
                             connect_timeout=o["connect_timeout"])
         self._io.start()
         try:
-            if o["enable_nccl"]:
-                self._check_rendezvous_exposure(o["insecure_network"])
-            self._setup(o["compact"], o["enable_nccl"], o["nccl_timeout"], o["nccl_retry_s"], o["same_host_plane"])
+            self._setup(o["compact"], o.values)
         except BaseException:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
 
-    def _check_rendezvous_exposure(self, insecure_network: bool) -> None:
-        """Protected mode: the NCCL rendezvous (gloo/NCCL connections) cannot be authenticated, so it listens
-        beyond loopback only when told ``insecure_network`` (or SPEC_SERVE_INSECURE_NETWORK)."""
-        check_exposure(self._io.local_host, "enable_nccl=True: this client's NCCL rendezvous (gloo/NCCL "
-                       "connections)", authenticated=False, insecure_network=insecure_network,
-                       fix="insecure_network=True (env SPEC_SERVE_INSECURE_NETWORK=1), or use frames "
-                           "(enable_nccl=False)")
-
-    def _setup(self, compact: bool | str, enable_nccl: bool, nccl_timeout: float, nccl_retry_s: float,
-               same_host_plane: bool | None) -> None:
+    def _setup(self, compact: bool | str, path_options: Mapping[str, Any]) -> None:
         self._vocab_digest: str | None = None
         # The largest request payload the broker and this service's workers accept (learnt from STATUS).
         self._max_request_bytes: int | None = None
@@ -141,16 +129,10 @@ class RemoteTargetModel:
         self._expander = expander_thread(self.device)
         # Frames bound for a GPU land through pinned slabs (staging.py); a CPU client keeps zero-copy views.
         self._staging = Staging(self.device) if self.device.type == "cuda" else None
-        # Where replies come by (paths/registry.py, in its order): with enable_nccl, a worker of our own,
-        # tensors over a private 2-rank group (docs/nccl.md; bound lazily by generate calls, every failure
-        # falls back to frames); a same-host worker lends them through the plane (same_host_plane; default
-        # SPEC_SERVE_SAME_HOST_PLANE, on); any other sends frames.
-        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device, {
-            "same_host_plane": same_host_plane, "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout,
-            "nccl_retry_s": nccl_retry_s}))
+        # Where replies come by (paths/registry.py, in its order; docs/reply-paths.md): each path reads its own
+        # options (the table in options.py), and every failure of a path falls back to frames.
+        self._paths = ClientPaths(ClientSetup(PathPort(self._io), self.service, self.device, path_options))
         self._io.use_paths(self._paths)
-        nccl = self._paths.named("nccl")
-        self._binding = nccl.binding if isinstance(nccl, NcclClient) else None
 
     @property
     def stats(self) -> ClientStats:
@@ -164,14 +146,14 @@ class RemoteTargetModel:
     @property
     def bound_worker(self) -> str | None:
         """Id of the worker bound to this client (enable_nccl), or None while frames are used."""
-        return self._binding.worker if self._binding is not None else None
+        return self._paths.holds()
 
     def rebind(self) -> str | None:
         """Drop the binding (if any) and ask for a worker of our own now; returns its id or None."""
-        if self._binding is None:
-            raise RuntimeError("rebind() needs enable_nccl=True")
-        self.target_info()
-        return self._binding.rebind()
+        try:
+            return self._paths.hold_again(before=self.target_info)
+        except NotImplementedError:
+            raise RuntimeError("rebind() needs enable_nccl=True") from None
 
     # ---------------------------------------------------------- supervision
 
@@ -189,7 +171,7 @@ class RemoteTargetModel:
         auto = self.compact == "auto" and kind is Kind.EAGLE3  # the worker picks the format, reply by reply
         if kind is not Kind.DSPARK and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
-        offers = self._paths.offer(Op.GENERATE.value)  # binds a worker of our own first, with enable_nccl
+        offers = self._paths.offer(Op.GENERATE.value)  # a path may take a worker of our own first
         if auto and not offers:
             # Frames only: the worker answers compact (paths/registry.py, reply_kind). The slice is fetched now,
             # ahead of the request, as compact=True does: fetched on the first reply instead, its request queues
@@ -228,7 +210,7 @@ class RemoteTargetModel:
                          self._expander)
 
     def _shard_request(self, input_ids, attention_mask, loss_mask, lo: int, hi: int, wire_kind: Kind,
-                       offers: Mapping[str, Any], auto: bool) -> tuple[SupervisionRequest, list]:
+                       offers: Offers, auto: bool) -> tuple[SupervisionRequest, list]:
         """The prepared header and payload of the request for rows ``lo:hi`` of a batch."""
         # Copies, not views: the frames are sent later by the I/O thread, and again on a retry or
         # after a broker restart, while the caller may already refill its input tensors.
@@ -238,12 +220,10 @@ class RemoteTargetModel:
             "loss_mask": loss_mask[lo:hi].to("cpu", copy=True),
         })
         self._check_request_size(payload, f"request for rows {lo}:{hi}")
-        header: dict[str, Any] = {"op": Op.GENERATE.value, "kind": wire_kind.value, "timeout": self.timeout,
-                  "tokens": int(attention_mask[lo:hi].sum())}
-        header.update(offers)  # what the first path that offers needs (our bound worker; the plane's offer)
-        if auto:
-            header["format"] = ReplyFormat.AUTO.value
-        return SupervisionRequest.from_json(self._prepare(header)), payload
+        # ``offers``: what the first path that offers needs (and the worker it pins the request to).
+        return self._request(Op.GENERATE, offers, kind=wire_kind.value,
+                             format=ReplyFormat.AUTO.value if auto else None,
+                             tokens=int(attention_mask[lo:hi].sum())), payload
 
     def lm_head_slice(self) -> torch.Tensor:
         """The draft-vocab rows ``[Vd, H]`` of the target's lm_head for the current mapping, on ``device``:
@@ -255,8 +235,7 @@ class RemoteTargetModel:
         return self._slices.get(mapping, self._draft_vocab)
 
     def _fetch_lm_head_slice(self, mapping: str, draft_vocab: int) -> torch.Tensor:
-        reply = self._fetch({"op": Op.LM_HEAD_SLICE.value, "timeout": self.timeout, "vocab": mapping},
-                            Expected(weight_specs(self.target_info(), draft_vocab)))
+        reply = self._fetch(Op.LM_HEAD_SLICE, Expected(weight_specs(self.target_info(), draft_vocab)), vocab=mapping)
         return reply["weight"]
 
     def _count_slice(self, weight: torch.Tensor) -> None:
@@ -266,12 +245,11 @@ class RemoteTargetModel:
         CLIENT_LM_HEAD_SLICES.labels(service=self.service).inc()
         CLIENT_LM_HEAD_SLICE_BYTES.labels(service=self.service).inc(nbytes)
 
-    def _fetch(self, header: dict, expect: Expected) -> dict[str, torch.Tensor]:
+    def _fetch(self, op: Op, expect: Expected, **fields: Any) -> dict[str, torch.Tensor]:
         """A request without payload (embeddings, lm_head slice): its tensors on ``device``, checked like a batch."""
         self.target_info()  # pins the target every reply must come from
-        # With a worker of our own (enable_nccl) it answers these too, as frames: the pool may have none left.
-        header = {**header, **self._paths.offer(header["op"])}
-        request = SupervisionRequest.from_json(self._prepare(header))
+        # With a worker of our own it answers these too, as frames: the pool may have none left.
+        request = self._request(op, self._paths.offer(op.value), **fields)
         requests: list[tuple[SupervisionRequest, Sequence]] = [(request, [])]
         return assemble([self._submit(*requests[0], expect)], [0], self.device, None,
                         self._digest_check(requests, [expect]), staging=self._staging).result()
@@ -287,31 +265,26 @@ class RemoteTargetModel:
                              f"bytes a token, or --max-message-bytes, or its workers'): send fewer rows per request "
                              f"(num_shards) or raise the limit")
 
-    def _prepare(self, header: dict) -> dict:
-        """``header`` with what every request carries: where to reply, the vocab mapping, the target we set
-        up with (``fingerprint``, once ``target_info`` ran), whether to digest the reply (``verify``), and
-        the largest reply we take (``max_reply_bytes``: the worker refuses a bigger one instead of sending
-        it, and computing it again on every retry)."""
+    def _request(self, op: Op, offers: Offers, *, vocab: str | None = None, timeout: float | None = None,
+                 **fields: Any) -> SupervisionRequest:
+        """A request of ``op`` with what every request carries: what its reply paths offer (and the worker
+        they pin it to), where to reply, the vocab mapping, the target we set up with (``fingerprint``, once
+        ``target_info`` ran), whether to digest the reply (``verify``), and the largest reply we take
+        (``max_reply_bytes``: the worker refuses a bigger one instead of sending it, and computing it again
+        on every retry)."""
         security = self._io.security
         if security is not None and security.worker_keys_dir is None:
             raise ValueError("with CURVE this client's data socket admits only workers' keys: give "
                              "Security(worker_keys_dir=...), the directory the broker admits workers from")
-        header = dict(header, reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes)
-        if self._fingerprint is not None:
-            header["fingerprint"] = self._fingerprint
-        if self._vocab_digest is not None:
-            header.setdefault("vocab", self._vocab_digest)
-        if self._io.data_key:
-            header["data_key"] = self._io.data_key
-        if self._sampler.wants():
-            header["verify"] = True
-        return header
+        return SupervisionRequest(
+            op=op.value, timeout=self.timeout if timeout is None else timeout, pin=offers.pin, offers=offers.offers,
+            reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes,
+            fingerprint=self._fingerprint, vocab=vocab if vocab is not None else self._vocab_digest,
+            data_key=self._io.data_key or None, verify=self._sampler.wants(), **fields)
 
-    def _submit(self, header: SupervisionRequest | Mapping[str, Any], payload: Sequence,
+    def _submit(self, request: SupervisionRequest, payload: Sequence,
                 expect: Expected | None = None) -> concurrent.futures.Future:
-        """Send a prepared request (its fields as ``_prepare`` gives them are checked here, once);
-        ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
-        request = header if isinstance(header, SupervisionRequest) else SupervisionRequest.from_json(header)
+        """Send a request; ``expect``: the tensors its reply must hold (``contract.reply_specs``)."""
         return self._io.submit(ClientCommand.REQUEST, self.service, request, payload, self.timeout, expect=expect)
 
     def _digest_check(self, requests: list[tuple[SupervisionRequest, Sequence]],
@@ -423,8 +396,7 @@ class RemoteTargetModel:
 
     def _embeddings(self, which: str) -> types.SimpleNamespace:
         info = self.target_info()
-        reply = self._fetch({"op": Op.EMBEDDINGS.value, "which": which, "timeout": self.timeout},
-                            Expected(weight_specs(info, info.vocab_size)))
+        reply = self._fetch(Op.EMBEDDINGS, Expected(weight_specs(info, info.vocab_size)), which=which)
         return types.SimpleNamespace(weight=reply["weight"])
 
     # ------------------------------------------------------------- lifecycle
@@ -433,7 +405,7 @@ class RemoteTargetModel:
         """Leave the broker; workers and other clients carry on."""
         if not self._closed:
             self._closed = True
-            self._paths.close()  # what peers hold for us goes back (an NCCL RELEASE) before the DISCONNECT
+            self._paths.close()  # what peers hold for us goes back (a binding's RELEASE) before the DISCONNECT
             self._io.close()
             self._expander.shutdown(wait=False)
             if self._staging is not None:

@@ -38,7 +38,7 @@ def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: t
     tensors and no concatenation. A shard whose tensors do not fit the others' fails the batch.
     ``check(k, reply, landed)`` then sees shard ``k``'s tensors as landed: None accepts them, a future
     (a retry) is waited for instead and lands on the same rows, an exception fails the batch.
-    A shard lent through the same-host plane is settled first, once copied: its slot goes back to the
+    A shard whose path lent it memory is settled first, once copied: its slot goes back to the
     worker, and if the worker reused the slot meanwhile the shard is asked for again (frames), likewise.
 
     Shards land per the kind their reply names (``asked`` when it names none: a worker may answer

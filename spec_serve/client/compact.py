@@ -66,7 +66,7 @@ class Expansion:
         def run() -> None:
             try:
                 expanded = expand_shards(parts, kinds, rows, self.weight(), self.mask)
-                if self.device.type == "cuda":  # resolved means complete, as for frames and NCCL replies,
+                if self.device.type == "cuda":  # resolved means complete, as for every other reply,
                     torch.cuda.current_stream(self.device).synchronize()  # whichever stream reads it
                 out.set_result(expanded)
             except BaseException as e:

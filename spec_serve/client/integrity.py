@@ -73,7 +73,7 @@ class DigestCheck:
 
     def _retry_elsewhere(self, k: int, worker: str) -> concurrent.futures.Future:
         header, payload = self.requests[k]
-        # A path that pins the request to this worker (NCCL: our bound worker) lets go of it: the pool serves it.
+        # A path that pins the request to this worker (one we hold) lets go of it: the pool serves it.
         retry = dataclasses.replace(self.paths.elsewhere(header, f"digest mismatch in a reply from worker {worker}"),
                                     avoid=worker)
         self.requests[k] = (retry, payload)

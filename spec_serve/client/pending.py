@@ -2,8 +2,8 @@
 
 A pending request is in one of two states: in flight (it times out ``timeout`` after its last
 counted attempt) or backing off (it is sent again, as a counted attempt, at ``resend_at``; no timeout
-meanwhile). Sends that are not the request's fault (a broker lost or restarted, a same-host or NCCL
-reply that could not be used) are uncounted: they never use up a retry.
+meanwhile). Sends that are not the request's fault (a broker lost or restarted, a reply
+whose path could not deliver it) are uncounted: they never use up a retry.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ class Pending:
         return self.request.vocab if self.request is not None else None
 
     @property
-    def bound(self) -> bool:
-        """Routed to the client's bound worker (not the shared pool)."""
-        return self.request is not None and self.request.bound is not None
+    def pinned(self) -> bool:
+        """Routed to one worker the client holds (not the shared pool)."""
+        return self.request is not None and self.request.pin is not None
 
 
 class PendingTable:
@@ -173,7 +173,7 @@ class Requests:
               exhausted: type[Exception] = TimeoutError) -> None:
         """Send ``pending`` again (after ``delay``), or fail it with ``exhausted`` (RemoteError after error
         replies) once its attempts are used up."""
-        if pending.bound:
+        if pending.pinned:
             self._leave_binding(pending.request_id, reason)
             return
         if not pending.retries_left(self._max_retries):

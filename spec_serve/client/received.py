@@ -14,7 +14,7 @@ from spec_serve.protocol.messages import WireMessage
 
 class Span(Protocol):
     """A reply tensor's bytes where they arrived, not yet copied: over frames (``wire.TensorSpan``) or
-    over a slot a same-host worker lent (``samehost.PlaneReply``'s spans)."""
+    over memory a worker lent (a ``paths.base.LentReply``'s spans)."""
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -30,7 +30,7 @@ class Span(Protocol):
     def copy_into(self, out: torch.Tensor) -> torch.Tensor: ...
 
 
-# A reply tensor as received: a span, or a device tensor that came over the bound worker's pair group.
+# A reply tensor as received: a span, or a device tensor that its path received (tensors that follow).
 ReceivedTensor = Span | torch.Tensor
 
 
@@ -41,7 +41,7 @@ class Received:
     ``header`` is the answer's typed header: the broker's (``StatusPage``, ``VocabOk``, a ``Bound``
     refusal; ``broker_command`` says which command) or a worker's data message (``Reply``; an accepted
     ``BIND``: ``BindGrant``, no tensors; ``broker_command`` None). ``tensors`` may be
-    a ``paths.base.LentReply`` (a same-host plane slot): its memory goes back to the worker through
+    a ``paths.base.LentReply`` (memory a worker lent): its memory goes back to the worker through
     ``paths.base.settle`` or ``paths.base.release``, whatever else happens to the reply.
     """
 

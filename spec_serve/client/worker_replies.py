@@ -1,5 +1,5 @@
-"""Workers' data messages to the requests they answer, whichever reply path carried them (frames, the
-same-host plane, NCCL metadata whose tensors follow on the bound worker's pair group: spec_serve/paths).
+"""Workers' data messages to the requests they answer, whichever reply path carried them (spec_serve/paths:
+frames, memory a worker lent, or a header whose tensors follow on another channel).
 I/O thread unless noted."""
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class WorkerReplies:
         self.requests.send_uncounted(pending, time.monotonic(), restart_clock=True)
 
     def leave_pinned(self, request_id: bytes, reason: str) -> None:
-        """A request pinned to one worker by its path (NCCL: our bound worker) failed there (timeout, error):
+        """A request pinned to one worker by its path (a worker we hold) failed there (timeout, error):
         that path is dropped for now and the request goes to the shared pool."""
         pending = self.requests.table.get(request_id)
         request = pending.request if pending is not None else None

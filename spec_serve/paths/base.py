@@ -5,7 +5,8 @@ place (the worker's ``WorkerSide`` and the client's ``ClientSide``), chosen per 
 Worker side, on the compute thread: ``takes`` (may this path carry a request's reply?), ``local`` (does
 the reply then stay on this host? ``compact="auto"`` sends those full), ``deliver`` (put the outputs where
 the reply carries them: an ``Outgoing`` for the I/O thread, or None to pass the reply to the next path).
-Client side, on the I/O thread: ``offer`` (what a request carries so a worker may use the path),
+Client side, on the I/O thread: ``offer`` (what a request carries so a worker may use the path: an
+``Offer``, sent under the request's ``offers[name]``; the reply's ``path[name]`` is the path's descriptor),
 ``carries`` and ``accept`` (a data message to the reply's tensors), and ``settle``/``release`` (through
 ``LentReply``: what a reply borrows goes back once its bytes were copied, or were not used).
 
@@ -98,6 +99,9 @@ class WorkerSide:
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {}
     # True: some reply bytes travel outside the data messages, counted by ``sent_apart`` (NCCL's tensors).
     sends_apart: ClassVar[bool] = False
+    # False: a reply this path carries is computed alone, never in a packed forward with others (a path that
+    # sends each reply's tensors as the engine left them, on a channel of its own).
+    packs: ClassVar[bool] = True
 
     def takes(self, request: SupervisionRequest) -> bool:
         """Whether this path may carry the reply to ``request``; ``PathUnavailable`` if the request
@@ -140,6 +144,10 @@ class WorkerSide:
 
     def close(self) -> None:
         """Give back everything the path holds (idempotent; after the compute thread stopped)."""
+
+    def before_hard_exit(self) -> None:
+        """The process ends with ``os._exit`` (a forward still runs: drain.exit_if_computing), after ``close``:
+        remove what the interpreter's normal exit would have (the plane: CUDA IPC files in /dev/shm)."""
 
 
 # ------------------------------------------------------------------------ client side
@@ -208,6 +216,16 @@ class ClientPort(Protocol):
         """I/O thread: ask for the request again without ``path`` (no attempt used)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """What a request carries for one path: ``body``, sent as the request's ``offers[name]`` (JSON, typed and
+    checked by the path; None: nothing), and ``pin``, the one worker that may take the request (one this
+    client holds: the broker sends the request there, never to the pool)."""
+
+    body: Any = None
+    pin: str | None = None
+
+
 class ClientSide:
     """A client's half of a path. ``offer`` runs on user threads; the rest on the I/O thread unless noted."""
 
@@ -216,13 +234,13 @@ class ClientSide:
     # itself (``ClientPort.resolve``) or falls back, and is called even for a reply nobody waits for.
     tensors_follow: ClassVar[bool] = False
 
-    def offer(self, op: str) -> dict[str, Any] | None:
-        """Header fields a request of ``op`` carries so a worker may use this path; None: not now."""
+    def offer(self, op: str) -> Offer | None:
+        """What a request of ``op`` carries so a worker may use this path; None: not now."""
         return None
 
     def carries(self, reply: Reply) -> bool:
-        """Whether this data message came this way."""
-        raise NotImplementedError
+        """Whether this data message came this way: it names this path's descriptor."""
+        return reply.descriptor(self.name) is not None
 
     def accept(self, arrival: Arrival) -> Mapping[str, Any] | None:
         """The reply's tensors (spans or tensors; a ``LentReply`` if they borrow memory), or None when there
@@ -237,12 +255,25 @@ class ClientSide:
         return 0
 
     def pins(self, request: SupervisionRequest) -> bool:
-        """Whether ``request`` may go to one worker only because of this path (NCCL: its bound worker)."""
+        """Whether ``request`` may go to one worker only because of this path (it holds a worker: ``pin``)."""
         return False
 
+    @property
+    def may_hold(self) -> bool:
+        """Whether this path holds a worker for this client when it can (``holds``, ``hold_again``)."""
+        return False
+
+    def holds(self) -> str | None:
+        """The worker this path holds for this client (the ``pin`` of its offers), or None."""
+        return None
+
+    def hold_again(self) -> str | None:
+        """Let go of the worker held (if any) and take one now; its name, or None (``may_hold`` paths)."""
+        raise NotImplementedError
+
     def without(self, request: SupervisionRequest) -> SupervisionRequest:
-        """``request`` as it is asked again when this path failed it."""
-        return request
+        """``request`` as it is asked again when this path failed it: without this path's offer."""
+        return request.without_offer(self.name)
 
     def elsewhere(self, request: SupervisionRequest, reason: str) -> SupervisionRequest:
         """``request`` as it goes to another worker (a digest mismatch): a path that pins it to one worker
@@ -281,7 +312,7 @@ class WorkerSetup:
     host_pool: HostBufferPool | None
     copy_stream: torch.cuda.Stream | None
     plane_slots: int
-    plane_lease: float
+    plane_lease: float | None  # None: the plane's default
     insecure_network: bool = False  # its listeners (the NCCL rendezvous) may bind beyond loopback unauthenticated
 
 

@@ -1,11 +1,15 @@
 """The reply paths and the one order every reply tries them in; a worker's and a client's set of them.
 
-Adding a path: its folder (a ``ReplyPath`` and its two halves, base.py), one line in ``PATHS``, its tests.
+Adding a path: its folder (a ``ReplyPath`` and its two halves, base.py, with its offer and descriptor), one
+line in ``PATHS``, its tests. Nothing in protocol/ or broker/ names a path: a request carries each path's
+offer opaquely (``offers[name]``), a reply its descriptor (``path[name]``), and a path that holds a worker for
+its client routes by the generic ``pin``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,16 +25,46 @@ from spec_serve.paths.base import (
     WorkerSetup,
     WorkerSide,
 )
-from spec_serve.paths.frames import FramesPath
-from spec_serve.paths.nccl import NcclPath
-from spec_serve.paths.plane import PlanePath
 from spec_serve.protocol.commands import Message, ReplyFormat, WorkerCommand
 from spec_serve.protocol.messages import Reply, SupervisionRequest, WireMessage
 from spec_serve.supervision.contract import Kind
 
 # Every reply path, in the order each reply tries them: the first that takes a reply carries it, and one
 # that cannot deliver it after all hands it on to the next that takes it. Frames take every reply: last.
-PATHS: tuple[type[ReplyPath], ...] = (NcclPath, PlanePath, FramesPath)
+# Each is "module:class", imported when a worker's or client's paths are first built: importing the client
+# or the worker loads no path (NCCL's torch.distributed only where paths are built).
+PATHS: tuple[str, ...] = (
+    "spec_serve.paths.nccl:NcclPath",
+    "spec_serve.paths.plane:PlanePath",
+    "spec_serve.paths.frames:FramesPath",
+)
+
+
+def load(entry: str | type[ReplyPath]) -> type[ReplyPath]:
+    """The ``ReplyPath`` that a ``PATHS`` entry names ("module:class"; a class is taken as it is)."""
+    if not isinstance(entry, str):
+        return entry
+    module, _, name = entry.partition(":")
+    path = getattr(importlib.import_module(module), name)
+    if not (isinstance(path, type) and issubclass(path, ReplyPath)):
+        raise TypeError(f"reply path {entry!r} is not a ReplyPath")
+    return path
+
+
+def _loaded(paths: Sequence[str | type[ReplyPath]] | None) -> list[type[ReplyPath]]:
+    return [load(entry) for entry in (PATHS if paths is None else paths)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offers:
+    """What a request carries for its reply paths: the first path's offer (under ``offers[name]``) and the
+    worker it pins the request to, if any."""
+
+    offers: dict[str, Any] | None = None
+    pin: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.offers is not None or self.pin is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +74,11 @@ class Route:
     side: WorkerSide
     kind: str | None = None
     chosen: bool = False  # the worker chose the format (``format: auto``): the reply names its kind
+
+    @property
+    def packs(self) -> bool:
+        """Whether the reply may share a packed forward with others (its path takes packed outputs)."""
+        return self.side.packs
 
     @property
     def reply_kind(self) -> str | None:
@@ -66,8 +105,8 @@ def reply_kind(request: SupervisionRequest, side: WorkerSide) -> tuple[str | Non
 class WorkerPaths:
     """A worker's halves of ``paths`` (those not off on it), in their order."""
 
-    def __init__(self, setup: WorkerSetup, paths: Sequence[type[ReplyPath]] | None = None):
-        self.sides = [side for side in (path.worker(setup) for path in paths or PATHS) if side is not None]
+    def __init__(self, setup: WorkerSetup, paths: Sequence[str | type[ReplyPath]] | None = None):
+        self.sides = [side for side in (path.worker(setup) for path in _loaded(paths)) if side is not None]
         self.control_messages: dict[str, type[WireMessage]] = {}
         self._control_sides: dict[str, WorkerSide] = {}
         for side in self.sides:
@@ -151,23 +190,40 @@ class WorkerPaths:
         for side in self.sides:
             side.close()
 
+    def before_hard_exit(self) -> None:
+        for side in self.sides:
+            side.before_hard_exit()
+
 
 class ClientPaths:
     """A client's halves of ``paths`` (those not off on it), in their order."""
 
-    def __init__(self, setup: ClientSetup, paths: Sequence[type[ReplyPath]] | None = None):
-        self.sides = [side for side in (path.client(setup) for path in paths or PATHS) if side is not None]
+    def __init__(self, setup: ClientSetup, paths: Sequence[str | type[ReplyPath]] | None = None):
+        self.sides = [side for side in (path.client(setup) for path in _loaded(paths)) if side is not None]
 
     def named(self, name: str) -> ClientSide | None:
         return next((side for side in self.sides if side.name == name), None)
 
-    def offer(self, op: str) -> dict[str, Any]:
+    def offer(self, op: str) -> Offers:
         """What a request of ``op`` carries: the first path's offer (none: frames)."""
         for side in self.sides:
-            fields = side.offer(op)
-            if fields is not None:
-                return fields
-        return {}
+            offer = side.offer(op)
+            if offer is not None:
+                return Offers({side.name: offer.body} if offer.body is not None else None, offer.pin)
+        return Offers()
+
+    def holds(self) -> str | None:
+        """The worker a path holds for this client (requests pinned to it), or None."""
+        return next((worker for worker in (side.holds() for side in self.sides) if worker is not None), None)
+
+    def hold_again(self, before: Callable[[], object]) -> str | None:
+        """Let go of the worker held and take one now, after ``before()`` (the first path that holds workers);
+        its name or None. ``NotImplementedError``: no path here holds workers."""
+        side = next((side for side in self.sides if side.may_hold), None)
+        if side is None:
+            raise NotImplementedError("no reply path of this client holds a worker")
+        before()
+        return side.hold_again()
 
     def carrying(self, reply: Reply) -> ClientSide:
         """The path a worker's data message came by."""

@@ -79,7 +79,7 @@ class ClientCommand(bytes, enum.Enum):
     STATUS = b"\x05"  # client -> broker and back: workers, services, queues
     SET_VOCAB = b"\x06"  # client -> broker: register a draft-vocab mapping
     VOCAB_OK = b"\x07"  # broker -> client: mapping stored, header names its digest
-    BIND = b"\x08"  # client -> broker: take a worker for myself (NCCL data plane)
+    BIND = b"\x08"  # client -> broker: take a worker for myself (requests then ``pin`` it)
     BOUND = b"\x09"  # broker -> client: binding granted or refused
     RELEASE = b"\x0a"  # client -> broker: give my bound worker back to the pool
     PART = b"\x0b"  # client -> broker: more payload of the REQUEST or SET_VOCAB with this request id
@@ -133,7 +133,7 @@ class ReplyFormat(str, enum.Enum):
     """How a worker may shape a GENERATE reply (a REQUEST's ``format``)."""
 
     # EAGLE-3: the worker picks, per reply, from the path that carries it: full when the reply stays on its
-    # host (the same-host plane, NCCL to a client of its host), compact otherwise (paths/registry.py).
+    # host (``WorkerSide.local``), compact otherwise (paths/registry.py).
     AUTO = "auto"
 
 

@@ -3,9 +3,9 @@ checked where it landed (docs/failure-semantics.md, "Integrity").
 
 The worker digests each tensor of a reply on its own device, from the engine's output tensors,
 before any device->host copy, pooled slab or socket touches them; the client recomputes the digest
-after the bytes have landed on its device (frames copied into its tensors, or an NCCL receive) and
-compares. Whatever lies in between (slabs, frames, sockets, receive buffers, the pair group, row
-assembly) is covered.
+after the bytes have landed on its device (frames copied into its tensors, or whatever its reply path
+received) and compares. Whatever lies in between (slabs, frames, sockets, receive buffers, a path's own
+channel, row assembly) is covered.
 
 The digest of a tensor: its bytes read as little-endian 32-bit words (a tail shorter than a word
 padded with zero bytes), summed with wrap-around modulo 2**32. On a GPU that is one reduction
@@ -18,7 +18,7 @@ another message or a reused buffer in place of the right ones (a random replacem
 with probability 2**-32), a truncated or zero-filled tail.
 What it cannot catch: words in the wrong order within a tensor (a permutation, e.g. two rows
 swapped inside one shard), changes that cancel (one word +d, another -d, modulo 2**32), and shape
-or dtype metadata (checked separately by ``wire.parse`` and the NCCL specs). It is a check against
+or dtype metadata (checked separately by ``wire.parse`` and the reply path's own checks). It is a check against
 accidents, not an authenticator: anyone who can write the bytes can fix the sum (CURVE covers
 tampering on the wire).
 """

@@ -11,8 +11,10 @@ The JSON header frame of a control or data message (spec_serve.protocol.commands
   are ignored. Values keep their JSON type (an int ``timeout`` stays an int), so re-encoding a received
   message gives the same bytes.
 
-What a field's value means beyond its type (a vocab digest names a registered mapping, a ``plane``
-descriptor names a live slot) is checked where it is used.
+What a field's value means beyond its type (a vocab digest names a registered mapping, a path's offer or
+descriptor names a live slot) is checked where it is used. The reply paths' own fields travel opaquely, as
+JSON objects under ``offers[name]`` (a request) and ``path[name]`` (a reply): each path types and checks its
+own (spec_serve/paths/), so this module names none of them.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class WireMessage:
         return out
 
 
-class _Reader:
+class HeaderReader:
     """One received header, read key by key; each accessor checks its key or raises ProtocolError."""
 
     _ABSENT = object()
@@ -191,11 +193,8 @@ class SupervisionRequest(WireMessage):
     format: str | None = None
     timeout: float = DEFAULT_REQUEST_TIMEOUT
     tokens: int | None = None
-    bound: str | None = None
-    nccl: bool = False
-    host: str | None = None
-    plane: Json | None = None
-    offers: Json | None = None  # {path name: its offer}, for reply paths with no field of their own
+    pin: str | None = None  # the one worker (by name) that may take it: one the client holds (BIND)
+    offers: Json | None = None  # {path name: its offer}: how a worker may send the reply (spec_serve/paths/)
     reply_to: str = ""
     max_reply_bytes: int | None = None
     fingerprint: str | None = None
@@ -207,7 +206,7 @@ class SupervisionRequest(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> SupervisionRequest:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(
             reply_to=r.required_text("reply_to", ok=valid_endpoint, error=(
                 "REQUEST header needs reply_to, a tcp://host:port or ipc:// endpoint")),
@@ -216,10 +215,7 @@ class SupervisionRequest(WireMessage):
                 f"REQUEST header 'format' must be one of {sorted(_FORMATS)}")),
             timeout=_timeout(r),
             tokens=r.integer("tokens", minimum=0),
-            bound=r.text("bound", nullable=True),
-            nccl=r.flag("nccl"),
-            host=r.text("host"),
-            plane=r.obj("plane"),
+            pin=r.text("pin", nullable=True, error="REQUEST header 'pin' must be a worker name string"),
             offers=r.obj("offers"),
             max_reply_bytes=r.integer("max_reply_bytes"),
             fingerprint=_fingerprint(r),
@@ -244,17 +240,22 @@ class SupervisionRequest(WireMessage):
         """``kind``; EAGLE-3 when the request names none."""
         return DEFAULT_KIND if self.kind is None else self.kind
 
-    def unbound(self) -> SupervisionRequest:
-        """The request as plain frames through the shared pool: no bound worker, no pair group."""
-        return dataclasses.replace(self, bound=None, nccl=False, host=None)
+    def offer(self, path: str) -> Any:
+        """What the request offers the reply path named ``path`` (a peer's JSON, for the path to check); None."""
+        return (self.offers or {}).get(path)
+
+    def without_offer(self, path: str, *, unpin: bool = False) -> SupervisionRequest:
+        """The request without ``path``'s offer (and, with ``unpin``, free to go to any worker of the pool)."""
+        offers = {name: offer for name, offer in (self.offers or {}).items() if name != path}
+        return dataclasses.replace(self, offers=offers or None, pin=None if unpin else self.pin)
 
 
-def _timeout(r: _Reader) -> float:
+def _timeout(r: HeaderReader) -> float:
     timeout = r.number("timeout", positive=True, below=MAX_REQUEST_TIMEOUT, expected="a positive number of seconds")
     return _default(timeout, DEFAULT_REQUEST_TIMEOUT)
 
 
-def _fingerprint(r: _Reader) -> str | None:
+def _fingerprint(r: HeaderReader) -> str | None:
     return r.text("fingerprint", max_chars=MAX_FINGERPRINT_CHARS, nullable=True,
                   error=f"{r.command} header 'fingerprint' must be a target fingerprint string")
 
@@ -274,7 +275,7 @@ class BrokerHeartbeat(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> BrokerHeartbeat:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(broker=r.text("broker"), stopping=r.flag("stopping"))
 
 
@@ -290,7 +291,7 @@ class SetVocab(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> SetVocab:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(fingerprint=_fingerprint(r), release=r.texts(
             "release", max_items=cls.MAX_RELEASE, error="SET_VOCAB 'release' must be a list of mapping digests"))
 
@@ -305,26 +306,27 @@ class VocabOk(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> VocabOk:
-        return cls(digest=_Reader(cls.COMMAND, raw).required_text("digest"))
+        return cls(digest=HeaderReader(cls.COMMAND, raw).required_text("digest"))
 
 
 @dataclasses.dataclass(frozen=True)
 class BrokerError(WireMessage):
     """ERROR, broker -> client (and a client on the workers' port): ``code`` is an ErrorCode value.
-    ``unknown_vocab``: the broker lacks the request's mapping; ``unbound``: re-send it as frames."""
+    ``unknown_vocab``: the broker lacks the request's mapping; ``unpinned``: the worker it was pinned to cannot
+    take it, re-send it to the pool."""
 
     COMMAND: ClassVar[str] = "ERROR"
 
     code: str = ""
     error: str = ""
     unknown_vocab: bool = False
-    unbound: bool = False
+    unpinned: bool = False
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> BrokerError:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(code=r.required_text("code"), error=r.required_text("error"),
-                   unknown_vocab=r.flag("unknown_vocab"), unbound=r.flag("unbound"))
+                   unknown_vocab=r.flag("unknown_vocab"), unpinned=r.flag("unpinned"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +341,7 @@ class StatusQuery(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> StatusQuery:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         service = r.text("service", nullable=True, error="STATUS 'service' must be a service name")
         after = r.array("after", nullable=True)
         if after is not None and not _is_cursor(after):
@@ -376,7 +378,7 @@ class StatusPage(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> StatusPage:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         services = _default(r.obj("services", required=True), {})
         workers = _default(r.array("workers"), [])
         if not all(isinstance(s, dict) for s in services.values()) or not all(isinstance(w, dict) for w in workers):
@@ -395,7 +397,7 @@ class StatusPage(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class BindRequest(WireMessage):
-    """BIND, client -> broker: a worker of my own, tensors over an NCCL/gloo pair group (docs/nccl.md)."""
+    """BIND, client -> broker: a worker of my own, for a reply path that needs one."""
 
     COMMAND: ClassVar[str] = "BIND"
 
@@ -406,7 +408,7 @@ class BindRequest(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> BindRequest:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         strings = "BIND header data_key and device_type must be strings"
         return cls(reply_to=r.required_text("reply_to", ok=valid_endpoint, error=(
             "BIND header needs reply_to, a tcp://host:port or ipc:// endpoint")),
@@ -428,7 +430,7 @@ class Bound(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Bound:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(ok=r.flag("ok"), code=r.text("code"), lost=r.text("lost"), prefix=r.text("prefix"),
                    error=r.text("error") or "no reason given")
 
@@ -443,7 +445,7 @@ class Release(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Release:
-        return cls(prefix=_Reader(cls.COMMAND, raw).text("prefix", nullable=True))
+        return cls(prefix=HeaderReader(cls.COMMAND, raw).text("prefix", nullable=True))
 
 
 # ------------------------------------------------------------------ broker <-> worker
@@ -463,7 +465,7 @@ class Ready(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Ready:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         bad = "READY needs target_info and a positive capacity"
         limit = raw.get("max_message_bytes")
         return cls(target_info=_default(r.obj("target_info", required=True, error=bad), {}),
@@ -483,7 +485,7 @@ class Refused(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Refused:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(code=r.text("code"), error=r.text("error") or "no reason given")
 
 
@@ -498,7 +500,7 @@ class WorkerSetVocab(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> WorkerSetVocab:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(digest=r.required_text("digest"), evict=_default(r.texts("evict"), []))
 
 
@@ -517,7 +519,7 @@ class WorkerBind(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> WorkerBind:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         bad = "BIND without reply_to, prefix or request id"
         return cls(client=r.required_text("client"), reply_to=r.required_text("reply_to", error=bad),
                    prefix=r.required_text("prefix", error=bad),
@@ -541,7 +543,7 @@ class Done(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Done:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(status=_default(r.text("status"), "ok"), tokens=r.integer("tokens", minimum=0),
                    nbytes=r.integer("bytes", minimum=0), via=r.text("via"), error=r.text("error"))
 
@@ -559,7 +561,7 @@ class Leave(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Leave:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(reason=r.text("reason", nullable=True), drain=r.flag("drain"))
 
 
@@ -574,7 +576,7 @@ class Disconnect(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Disconnect:
-        return cls(stopping=_Reader(cls.COMMAND, raw).flag("stopping"))
+        return cls(stopping=HeaderReader(cls.COMMAND, raw).flag("stopping"))
 
 
 # -------------------------------------------------------------------- worker -> client (data)
@@ -582,10 +584,10 @@ class Disconnect(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class Reply(WireMessage):
-    """DATA ok, worker -> client: a reply's header. Its tensors are the payload frames, or lie in a same-host
-    slot (``plane``), or follow on the pair group (``nccl``: ``pair`` names the group, ``specs`` the
-    tensors). ``digests`` when the request asked ``verify``; ``batched`` when it shared a packed forward;
-    ``kind`` when the worker chose the reply's format (a request's ``format: auto``)."""
+    """DATA ok, worker -> client: a reply's header. Its tensors are the payload frames, or travel by the reply
+    path that ``path`` names (``{name: its descriptor}``, spec_serve/paths/). ``digests`` when the request
+    asked ``verify``; ``batched`` when it shared a packed forward; ``kind`` when the worker chose the reply's
+    format (a request's ``format: auto``)."""
 
     COMMAND: ClassVar[str] = "DATA"
 
@@ -593,24 +595,27 @@ class Reply(WireMessage):
     compute_s: float | None = None
     batched: int | None = None
     kind: str | None = None
-    nccl: bool = False
-    pair: str | None = None
-    specs: list[Any] | None = None
-    plane: Json | None = None
-    path: Json | None = None  # {path name: where its bytes lie}, for reply paths with no field of their own
+    path: Json | None = None  # {path name: its descriptor}: where the reply's bytes lie, if not in the frames
     fingerprint: str | None = None
     digests: dict[str, int] | None = None
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Reply:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         digests = r.obj("digests")
         if digests is not None and not all(_is_int(v) for v in digests.values()):
             raise ProtocolError("DATA header 'digests' must map tensor names to integers")
+        path = r.obj("path")
+        if path is not None and len(path) != 1:
+            raise ProtocolError("DATA header 'path' must name one reply path")
         return cls(worker=r.required_text("worker"), compute_s=r.number("compute_s"),
-                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), nccl=r.flag("nccl"),
-                   pair=r.text("pair"), specs=r.array("specs"), plane=r.obj("plane"), path=r.obj("path"),
+                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), path=path,
                    fingerprint=r.text("fingerprint"), digests=digests)
+
+    def descriptor(self, path: str) -> Any:
+        """Where the reply path named ``path`` put the reply's bytes (a peer's JSON, for the path to check);
+        None if the reply came another way."""
+        return (self.path or {}).get(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,7 +632,7 @@ class Rendezvous(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Rendezvous:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(store_host=r.required_text("store_host"), store_port=r.required_integer("store_port", minimum=0),
                    prefix=r.required_text("prefix"), worker=r.required_text("worker"),
                    timeout=_default(r.number("timeout", positive=True, required=True), 30.0))
@@ -644,7 +649,7 @@ class BindGrant(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> BindGrant:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         worker = r.required_text("worker")
         return cls(worker=worker, bind=Rendezvous.from_json(_default(r.obj("bind", required=True), {})))
 
@@ -661,7 +666,7 @@ class ErrorReply(WireMessage):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ErrorReply:
-        r = _Reader(cls.COMMAND, raw)
+        r = HeaderReader(cls.COMMAND, raw)
         return cls(worker=r.required_text("worker"), code=r.required_text("code"), error=r.required_text("error"))
 
 

@@ -107,7 +107,7 @@ def layout(
 ) -> tuple[bytes, list[tuple[str, torch.Tensor, int, int]]]:
     """The header frame for ``tensors`` (on any device) and where each one's bytes lie in the data section:
     ``(name, contiguous tensor, begin, end)`` in data order. What ``encode`` sends, for a data section
-    that travels another way (the same-host plane)."""
+    that travels another way (a reply path that lends memory)."""
     if metadata is not None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise WireError("metadata keys and values must all be str")

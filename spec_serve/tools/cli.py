@@ -546,7 +546,7 @@ def _serve_engine(engine: str, engine_obj, broker_url: str, status, **worker_kwa
     close = getattr(engine_obj, "close", None)
     if close is not None and w.compute.running:  # a vllm/sglang engine ends the forward it runs as it closes
         close()
-    exit_if_computing(w.compute)
+    exit_if_computing(w.compute, w.paths)
 
 
 def device_and_dtype(device: str | None, dtype: str | None, cuda_available: bool) -> tuple[str, str | None]:

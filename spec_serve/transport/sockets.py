@@ -18,7 +18,7 @@ Options and why:
   each socket with its own ZAP domain and policy (KeyPolicy).
 
 Protected mode (``check_exposure``): every listener of the project (the broker's two ports, the HTTP
-shims, the NCCL rendezvous) binds loopback only unless its process authenticates peers with CURVE or
+shims, a reply path's rendezvous) binds loopback only unless its process authenticates peers with CURVE or
 was told ``--insecure-network``, as Redis does without a password.
 """
 
@@ -319,7 +319,7 @@ def keygen_set(directory: Path) -> KeySet:
 
 def route_address(broker_url: str) -> str:
     """The local address peers can reach us at: the interface that routes to the broker
-    (a client's data socket, a worker's NCCL rendezvous)."""
+    (a client's data socket, a reply path's rendezvous)."""
     host = urlsplit(broker_url).hostname or "127.0.0.1"
     if host in ("localhost", "*"):
         return "127.0.0.1"
@@ -339,7 +339,7 @@ def route_address(broker_url: str) -> str:
 
 @functools.cache
 def local_host_key() -> str:
-    """Who shares our host closely enough for the same-host data plane: same kernel boot, and the same
+    """Who shares our host closely enough to share memory (a reply path that lends it): same kernel boot, and the same
     network, mount and pid namespaces.
 
     Peers with equal keys see the same /dev/shm and the same pids, so a worker can map what a client

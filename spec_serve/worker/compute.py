@@ -1,6 +1,6 @@
 """The compute thread: take jobs in order, group what may share a packed forward, run them on the
 executor, and hand the results to the I/O thread (a queue plus an inproc wake-up). A reply path's control
-job (an NCCL bind or release) runs in order with the jobs around it.
+job (a bind or release) runs in order with the jobs around it.
 
 Batching (docs/packing.md): queued generate requests of the same kind and vocab share one packed forward
 of at most ``max_batch_tokens`` real tokens (0: each request alone).
@@ -37,7 +37,7 @@ class ComputeLoop:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._results: queue.Queue[Result] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="spec-serve-compute", daemon=True)
-        self.forwarding = False  # a job is on the engine (or its NCCL send runs); written by the thread only
+        self.forwarding = False  # a job is on the engine (or a path's send after it runs); written by the thread only
         self.on_forward: Callable[[float], None] | None = None  # called with each forward's seconds
 
     # ------------------------------------------------- the I/O thread's side
@@ -121,7 +121,7 @@ class ComputeLoop:
                     backlog.append(job)
                 if self.threads is not None:
                     self.threads.rebalance()
-                if backlog[0].control is not None:  # e.g. NCCL bind/release, in order with the jobs before it
+                if backlog[0].control is not None:  # e.g. a bind or release, in order with the jobs before it
                     self._control(backlog.popleft(), post)
                     continue
                 results = self._forward(backlog)
@@ -148,7 +148,7 @@ class ComputeLoop:
 
     @staticmethod
     def _post(results: list[Result], post: Callable[..., None]) -> None:
-        """Hand ``results`` to the I/O thread, then run what follows each posted reply (NCCL: its tensors)."""
+        """Hand ``results`` to the I/O thread, then run what follows each posted reply (tensors that follow it)."""
         post(*results)
         for result in results:
             if result.after_post is not None:
@@ -194,11 +194,14 @@ class ComputeLoop:
 
     def _pack_key(self, job: Job) -> tuple[tuple[str | None, str | None], int] | None:
         """What must match for two jobs to share a packed forward, and the job's real tokens; None if the
-        job runs alone (not a plain generate request, bound to a pair group, or not packable)."""
-        if job.control is not None or job.refused is not None or not job.request.is_generate or job.request.nccl:
+        job runs alone (not a plain generate request, its reply path takes no packed outputs, or not packable)."""
+        if job.control is not None or job.refused is not None or not job.request.is_generate:
             return None
         try:
-            kind = self.executor.route(job).kind  # the kind its path's format asks for (compact="auto")
+            route = self.executor.route(job)
+            if not route.packs:
+                return None
+            kind = route.kind  # the kind its path's format asks for (compact="auto")
             tensors = self.executor.request_tensors(job)
             ids = tensors["input_ids"]
             if ids.dim() != 2 or any(t.shape != ids.shape for t in tensors.values()):

@@ -3,15 +3,14 @@
 The first signal starts a drain: the worker sends LEAVE with ``drain`` at once (the broker sends it
 nothing more), hands back the requests it has not started (DONE ``returned``: the broker gives them to
 another worker at once), finishes the forward it runs and delivers the replies it owes, waits for
-same-host clients to give back the slots they were lent, then leaves for good (LEAVE), releases its
-shared memory, CUDA IPC handles and NCCL pair, and exits 0. ``--drain-timeout`` bounds all of it; when
+clients to give back the memory they were lent, then leaves for good (LEAVE), releases what its reply
+paths hold (shared memory, CUDA IPC handles, pair groups), and exits 0. ``--drain-timeout`` bounds all of it; when
 it runs out, or on a second signal, the worker leaves at once: the broker gives what it still held to
 other workers, and a forward still running is abandoned (docs/deploy.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -19,7 +18,6 @@ import signal
 import sys
 from typing import Protocol
 
-from spec_serve.paths.plane import shm
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.worker")
@@ -63,6 +61,10 @@ class Computing(Protocol):
     def running(self) -> bool: ...
 
 
+class Paths(Protocol):
+    def before_hard_exit(self) -> None: ...
+
+
 def handle_stop_signals(worker: Stoppable) -> None:
     """SIGTERM/SIGINT: the first drains ``worker``, a second stops it at once. The handler only sets flags;
     the worker's loop (main thread) acts on them within one poll."""
@@ -76,30 +78,18 @@ def handle_stop_signals(worker: Stoppable) -> None:
         signal.signal(signum, handler)
 
 
-def exit_if_computing(compute: Computing) -> None:
+def exit_if_computing(compute: Computing, paths: Paths) -> None:
     """Call once the worker's ``run`` returned and everything it owns is released. If its compute thread is
     still inside a forward (the drain timed out, or a second signal came), Python's interpreter shutdown
     would abort under that thread ("terminate called without an active exception", status 134): end the
-    process here instead, status 0. The broker already gave that forward's request to another worker."""
+    process here instead, status 0, after each reply path removed what the interpreter's exit would have
+    (``WorkerSide.before_hard_exit``). The broker already gave that forward's request to another worker."""
     if not compute.running:
         return
     event(log, logging.WARNING, "worker.exit_mid_forward", action="the forward still running is abandoned")
-    _unlink_own_cuda_ipc_files()
+    paths.before_hard_exit()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
-
-def _unlink_own_cuda_ipc_files() -> None:
-    """The files our CUDA IPC shares left in /dev/shm (torch's ref counters, the driver's event file): torch
-    removes its own at a normal exit, which ``os._exit`` skips; the plane was closed already."""
-    pid = os.getpid()
-    try:
-        names = os.listdir(shm.SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        if shm.companion_pid("/" + name) == pid:
-            with contextlib.suppress(OSError):
-                os.unlink(shm.SHM_DIR / name)

@@ -159,7 +159,7 @@ class Executor:
     def _split_replies(self, jobs: list[Job], routes: list[Route], parts: list[dict], outs: list[dict],
                        base: Reply) -> list[Result]:
         """One reply per job of a packed forward, each through its path (frames: one host slab for all of
-        them, released once per reply; the same-host plane: a slot each)."""
+        them, released once per reply; a path that lends memory: a slot each)."""
         integrity = self._integrity(jobs, outs)
         outgoing = self.paths.deliver(routes,
                                       [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))

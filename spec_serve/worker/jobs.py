@@ -1,5 +1,5 @@
 """What the worker's two threads hand each other: a ``Job`` (a broker request, or a reply path's control job
-such as an NCCL bind or release) from the I/O thread to the compute thread, and a ``Result`` (a reply
+such as a binding's bind or release) from the I/O thread to the compute thread, and a ``Result`` (a reply
 ready to send) back."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Job:
     payload: list
     received_at: float
     tensors: dict | None = None  # decoded request, cached when the batcher looked at it
-    control: str | None = None  # a reply path's control job (NCCL: "bind", "release"), run in order with jobs
+    control: str | None = None  # a reply path's control job (its ``control_messages``), run in order with jobs
     # A control job's message comes parsed (WorkerPaths.control_messages); a request's is parsed here.
     message: WireMessage | None = None
     refused: str | None = dataclasses.field(init=False, default=None)  # why its header is invalid: bad_request
@@ -56,7 +56,7 @@ class Job:
     @property
     def reply_route(self) -> tuple[str, str | None]:
         """Where its answer goes: the client's data endpoint and that socket's CURVE key (a request's, or a
-        control message's that answers, such as an NCCL bind)."""
+        control message's that answers, such as a bind)."""
         reply_to, data_key = getattr(self.message, "reply_to", None), getattr(self.message, "data_key", None)
         assert isinstance(reply_to, str), self.control
         return reply_to, data_key
@@ -75,10 +75,10 @@ class Result:
     frames: list
     tokens: int = 0
     ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
-    loan: Loan | None = None  # memory the reply borrows (a host slab, a plane slot): ``left`` once sent
+    loan: Loan | None = None  # memory the reply borrows (a host slab, a lent slot): ``left`` once sent
     via: str = "frames"  # the reply path, for DONE
-    lent_bytes: int = 0  # bytes lent outside the frames (a plane slot)
-    after_post: Callable[[], None] | None = None  # compute thread, once posted (NCCL: the tensors follow)
+    lent_bytes: int = 0  # bytes lent outside the frames (a lent slot)
+    after_post: Callable[[], None] | None = None  # compute thread, once posted (tensors that follow)
 
     @classmethod
     def delivered(cls, job: Job, outgoing: Outgoing, tokens: int) -> Result:
@@ -93,7 +93,7 @@ class Result:
 
     @property
     def nbytes(self) -> int:
-        """The reply's payload: its frames, plus the bytes it lends outside them (a same-host plane slot)."""
+        """The reply's payload: its frames, plus the bytes it lends outside them (a lent slot)."""
         return sum(len(memoryview(f)) for f in self.frames) + self.lent_bytes
 
     def drop(self) -> None:

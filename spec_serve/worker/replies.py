@@ -2,7 +2,7 @@
 broker hears DONE as soon as ZeroMQ took it (or it proved undeliverable), so the slot frees at once.
 
 A reply may borrow memory until it has left (its path's ``Loan``: a pooled host slab goes back once ZeroMQ let
-go of every frame) or a same-host plane slot (cancelled if the reply is dropped).
+go of every frame, or a lent slot, cancelled if the reply is dropped).
 """
 
 from __future__ import annotations

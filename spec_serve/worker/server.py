@@ -10,7 +10,7 @@ The parts, one module each: ``session`` (the broker session), ``replies`` (data 
 delivery), ``compute`` (the compute thread and batching), ``executor`` (a job on the engine, handed to
 its reply path), ``vocab_store``; the reply paths' worker halves (spec_serve/paths, ``self.paths``).
 ``Worker`` composes them; its ``run`` is the I/O thread's busy loop. ``paths.close()`` releases what
-every reply path holds (pair group, shared memory, CUDA IPC handles); ``run`` calls it on the way out.
+every reply path holds (``WorkerSide.close``); ``run`` calls it on the way out.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from spec_serve.engines.base import PackingEngine, TargetEngine
 from spec_serve.paths.base import WorkerSetup
 from spec_serve.paths.faults import Faults
 from spec_serve.paths.frames.hostpool import HostBufferPool
-from spec_serve.paths.plane import samehost
-from spec_serve.paths.plane.worker import PlaneWorker
 from spec_serve.paths.registry import WorkerPaths
 from spec_serve.protocol.commands import (
     BACKEND_PORT,
@@ -134,12 +132,12 @@ class Worker:
         host_pool_buffers: int | None = None,
         threads: ThreadShare | None = None,
         plane_slots: int | None = None,
-        plane_lease: float = samehost.DEFAULT_LEASE_S,
+        plane_lease: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
         insecure_network: bool = False,
     ):
         """Builds the parts; a constructor argument goes to the part that uses it. ``insecure_network``:
-        its listeners (the NCCL rendezvous) may bind beyond loopback without authentication."""
+        its listeners (a reply path's rendezvous) may bind beyond loopback without authentication."""
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if drain_timeout < 0:
@@ -175,10 +173,10 @@ class Worker:
                       **self.paths.handlers(self._submit_control)})
         self.outbox = Outbox(self.data_sockets, self._done)
         self._counts_lock = threading.Lock()  # the I/O thread counts DONEs; the HTTP thread reads them
-        self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<plane>"
+        self._done_counts: collections.Counter[str] = collections.Counter()  # by DONE status, "tokens", "bytes:<via>"
         self.metrics = WorkerMetrics(self.figures, compile_report=lambda: getattr(self.engine, "compile_report", None))
         self.compute.on_forward = self.metrics.forward_seconds.observe
-        # run() starts the paths (the same-host plane creates its shared-memory segments) and closes them on
+        # run() starts the paths (one may map shared memory: ``WorkerSide.start``) and closes them on
         # the way out, so a Worker that is built but never run holds none.
         self._heartbeat_interval = heartbeat_interval
 
@@ -196,12 +194,6 @@ class Worker:
     def engine_error(self) -> str | None:
         """Why the engine died (set once); None while it serves."""
         return self.executor.engine_error
-
-    @property
-    def plane(self) -> samehost.WorkerPlane | None:
-        """The same-host plane's slots while the worker runs (None: not running, or the plane is off)."""
-        side = self.paths.named("plane")
-        return side.plane if isinstance(side, PlaneWorker) else None
 
     @property
     def max_batch_tokens(self) -> int:
@@ -279,7 +271,7 @@ class Worker:
             counts = dict(self._done_counts)
         requests = {k: v for k, v in counts.items() if k != "tokens" and not k.startswith("bytes:")}
         reply_bytes = {k[len("bytes:"):]: v for k, v in counts.items() if k.startswith("bytes:")}
-        reply_bytes.update(self.paths.sent_apart())  # NCCL's tensors: DONE counts only data messages
+        reply_bytes.update(self.paths.sent_apart())  # bytes a path sent apart: DONE counts only data messages
         info = self.engine.target_info()
         return {"info": {"worker": self.name, "service": self.service, "engine": info.engine, "model": info.model_name},
                 "requests": requests, "tokens": counts.get("tokens", 0), "reply_bytes": reply_bytes,
@@ -347,7 +339,7 @@ class Worker:
         self.drain.handed_back += 1
 
     def _holds_nothing(self, now: float) -> bool:
-        """No forward, no reply waiting or still leaving, no same-host slot lent out."""
+        """No forward, no reply waiting or still leaving, no memory lent out by a reply path."""
         return (self.compute.drained and not self.outbox.busy and self.data_sockets.unsent(now) == 0
                 and self._lent_out() == 0)
 
@@ -361,8 +353,8 @@ class Worker:
 
     def _shutdown(self, wake: zmq.Socket) -> None:
         """Leave the pool for good (unless the engine's death did), then release everything we own: the
-        NCCL pair (once the compute thread is out of it), the sockets, the same-host plane's segments and
-        CUDA IPC handles. A forward still running is abandoned: the broker gave its request to another."""
+        reply paths' holdings (once the compute thread is out of them) and the sockets. A forward still
+        running is abandoned: the broker gave its request to another."""
         self.compute.finish()
         if not self.drain.left and self.session.registered:
             self.session.leave(self._stop_reason())
@@ -373,7 +365,7 @@ class Worker:
         self.session.close(linger)
         wake.close(0)
         self.data_sockets.close_all(linger)
-        self.paths.close()  # waits for an NCCL transfer in progress; an abandoned forward's reply goes nowhere
+        self.paths.close()  # waits for a path's transfer in progress; an abandoned forward's reply goes nowhere
         event(log, logging.INFO, "worker.stop", served=self.outbox.served,
               replies=",".join(f"{via}:{n}" for via, n in sorted(self.outbox.replies.items())) or "0",
               handed_back=self.drain.handed_back,

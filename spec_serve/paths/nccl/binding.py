@@ -10,18 +10,18 @@ Message sequence (control on ZeroMQ, tensor bytes on a private PairGroup):
    address and PUSHes the client a data message with the BIND request id and header
    {bind: {store_host, store_port, prefix, worker, timeout}}; then both sides ``PairGroup.create``
    (worker rank 0 on its compute thread, client rank 1 on its pair thread).
-4. requests carry {bound: <worker id>, nccl: true}; the broker routes them to that worker only.
-   The worker replies with a data message {nccl: true, pair: prefix, specs: [...], fingerprint,
+4. requests carry {pin: <worker id>, offers: {nccl: {host}}}; the broker routes them to that worker only.
+   The worker replies with a data message {path: {nccl: {pair: prefix, specs: [...]}}, fingerprint,
    digests?} and no payload frames, then ``send_tensors``; the client's pair thread ``recv_tensors``
    onto its device, and the I/O thread checks fingerprint and digests (spec_serve/protocol/digest.py).
 5. release: client ``RELEASE`` {prefix} (close, or a broken binding), client expiry, or worker
    death (the broker tells the client ``BOUND`` {ok: false, lost: worker, prefix}).
 
 Each header is a typed message of spec_serve.protocol.messages (BindRequest, Bound, WorkerBind, BindGrant,
-Reply, Release), listed in docs/protocol.md.
+Reply, Release), listed in docs/protocol.md; the offer and descriptor are NCCL's own (messages.py).
 
 Any failure falls back to frames through the shared pool: the request is re-sent without
-``bound``/``nccl``, and the next generate call binds again.
+its ``pin`` and NCCL offer, and the next generate call binds again.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spec_serve.paths.base import ClientPort
+from spec_serve.paths.nccl.messages import NcclDescriptor
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control
 from spec_serve.protocol.messages import BindGrant, BindRequest, Bound, Release, Reply
 from spec_serve.supervision.contract import ReplySpecs, reply_bytes, validate_reply
@@ -172,10 +173,16 @@ class ClientBinding:
         ``expect`` says (a reply nobody waits for: at most ``max_bytes``). False when no live binding
         matches or the specs are wrong (the binding is dropped; the caller falls back to frames)."""
         state = self._state
-        if state is None or state.broken is not None or reply.pair != state.prefix:
+        if state is None or state.broken is not None:
             return False
         try:
-            specs = decode_specs(reply.specs)
+            descriptor = NcclDescriptor.from_json(reply.descriptor("nccl"))
+        except ValueError:
+            descriptor = None
+        if descriptor is None or descriptor.pair != state.prefix:
+            return False
+        try:
+            specs = decode_specs(descriptor.specs)
             got = {name: (dtype, shape) for name, shape, dtype in specs}
             if expect is not None:
                 validate_reply(got, expect)

@@ -1,14 +1,16 @@
-"""The client's side of NCCL: requests go to the worker bound to this client (``ClientBinding``), whose
-replies are headers (``specs``) with the tensors following over the pair group; any failure sends the
-request again to the shared pool as frames and drops the binding (the next call binds again)."""
+"""The client's side of NCCL: requests go to the worker bound to this client (``ClientBinding``), pinned to it
+(``pin``); their replies are headers (``path["nccl"]``: the tensors' specs) with the tensors following over the
+pair group; any failure sends the request again to the shared pool as frames and drops the binding (the next
+call binds again)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from spec_serve.paths.base import Arrival, ClientPort, ClientSide
+from spec_serve.paths.base import Arrival, ClientPort, ClientSide, Offer
 from spec_serve.paths.nccl.binding import ClientBinding
+from spec_serve.paths.nccl.messages import NcclOffer
 from spec_serve.protocol.commands import Op
 from spec_serve.protocol.messages import Bound, Reply, SupervisionRequest, WireMessage
 from spec_serve.transport.sockets import local_host_key
@@ -22,22 +24,30 @@ class NcclClient(ClientSide):
         self.binding = binding  # None unless enable_nccl: nothing offered, a stray nccl reply falls back
         self.port = port
 
-    def offer(self, op: str) -> dict[str, Any] | None:
+    def offer(self, op: str) -> Offer | None:
         """A GENERATE request goes to our bound worker, its tensors over the pair group (binding first if
         needed: this blocks); other requests (embeddings, lm_head slices) go there too, as frames."""
         if self.binding is None:
             return None
         if op != Op.GENERATE.value:
             worker = self.binding.worker
-            return {"bound": worker} if worker is not None else None
+            return Offer(pin=worker) if worker is not None else None
         worker = self.binding.ensure()
-        return {"bound": worker, "nccl": True, "host": local_host_key()} if worker is not None else None
+        return Offer(NcclOffer(host=local_host_key()).to_json(), pin=worker) if worker is not None else None
 
     def pins(self, request: SupervisionRequest) -> bool:
-        return request.bound is not None
+        return request.pin is not None
 
-    def carries(self, reply: Reply) -> bool:
-        return reply.nccl
+    def holds(self) -> str | None:
+        return self.binding.worker if self.binding is not None else None
+
+    @property
+    def may_hold(self) -> bool:
+        return self.binding is not None
+
+    def hold_again(self) -> str | None:
+        assert self.binding is not None  # may_hold
+        return self.binding.rebind()
 
     def accept(self, arrival: Arrival) -> Mapping[str, Any] | None:
         """Receive the tensors on the pair thread (even for a reply nobody waits for, or the worker's send
@@ -51,16 +61,17 @@ class NcclClient(ClientSide):
         return None
 
     def without(self, request: SupervisionRequest) -> SupervisionRequest:
-        return request.unbound()
+        return request.without_offer(self.name, unpin=True)
 
     def elsewhere(self, request: SupervisionRequest, reason: str) -> SupervisionRequest:
-        if request.nccl and self.binding is not None:
+        if request.offer(self.name) is not None and self.binding is not None:
             self.binding.mark_broken(reason)
-        return request.unbound()
+        return request.without_offer(self.name, unpin=True)
 
     def broken(self, reason: str, reply: Reply | None = None) -> None:
         if self.binding is not None:
-            self.binding.mark_broken(reason, reply.pair if reply is not None else None)
+            descriptor = reply.descriptor(self.name) if reply is not None else None
+            self.binding.mark_broken(reason, descriptor.get("pair") if isinstance(descriptor, dict) else None)
 
     def on_broker(self, header: WireMessage) -> None:
         """BOUND lost: the bound worker died or registered anew (a pending BIND resolves as a refusal)."""

@@ -3,7 +3,8 @@
 The broker's BIND and RELEASE arrive on the I/O thread, which queues them as control jobs, so the pair
 group is formed, used and closed only on the compute thread, in order with the requests around them;
 the I/O thread only records released prefixes, so queued sends to them are skipped. A bound request's
-reply is a header (``specs``, no payload) and, once it is posted, its tensors over the pair group.
+reply is a header (``path["nccl"]``: the tensors' specs; no payload) and, once it is posted, its tensors
+over the pair group.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from spec_serve.paths.base import Delivery, Outgoing, PathUnavailable, Post, SubmitControl, WorkerSide
 from spec_serve.paths.faults import Faults
 from spec_serve.paths.nccl.binding import encode_specs
+from spec_serve.paths.nccl.messages import NcclDescriptor, NcclOffer
 from spec_serve.paths.nccl.pairgroup import PairGroup
 from spec_serve.protocol.commands import ErrorCode, Message, ProtocolError, Status, WorkerCommand
 from spec_serve.protocol.messages import (
@@ -27,6 +29,7 @@ from spec_serve.protocol.messages import (
     ErrorReply,
     Release,
     Rendezvous,
+    Reply,
     SupervisionRequest,
     WireMessage,
     WorkerBind,
@@ -40,6 +43,7 @@ log = logging.getLogger("spec_serve.worker")
 class NcclWorker(WorkerSide):
     name: ClassVar[str] = "nccl"
     sends_apart: ClassVar[bool] = True
+    packs: ClassVar[bool] = False  # each reply's tensors go as the engine left them, over the pair group
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {"bind": WorkerBind, "release": Release}
 
     def __init__(self, worker: str, device: torch.device, broker_url: str, advertise_host: str | None,
@@ -163,7 +167,7 @@ class NcclWorker(WorkerSide):
     def takes(self, request: SupervisionRequest) -> bool:
         """A GENERATE request that asks for the pair group; ``PathUnavailable`` unless its client is bound
         to a live one."""
-        if not (request.nccl and request.is_generate):
+        if request.offer(self.name) is None or not request.is_generate:
             return False
         if self._pair is None or self._pair.closed or self.prefix in self._released:
             raise PathUnavailable(f"worker {self.worker} has no live pair group")
@@ -172,15 +176,21 @@ class NcclWorker(WorkerSide):
         return True
 
     def local(self, request: SupervisionRequest) -> bool:
-        """The bound client runs on this host (the request names our host key)."""
-        return request.host == self.host
+        """The bound client runs on this host (its offer names our host key)."""
+        try:
+            return NcclOffer.from_json(request.offer(self.name)).host == self.host
+        except ValueError:
+            return False
 
     def deliver(self, items: Sequence[Delivery]) -> list[Outgoing | None]:
         """Metadata over ZeroMQ; the tensors (still on our device) follow over the pair group."""
-        return [Outgoing(dataclasses.replace(item.reply, nccl=True, pair=self.prefix, specs=encode_specs(item.tensors)),
-                         [], self.name, after_post=functools.partial(self._send, item.request_id,
-                                                                     self.faults.corrupt_tensors(item.tensors)))
+        return [Outgoing(self._header(item), [], self.name, after_post=functools.partial(
+                    self._send, item.request_id, self.faults.corrupt_tensors(item.tensors)))
                 for item in items]
+
+    def _header(self, item: Delivery) -> Reply:
+        descriptor = NcclDescriptor(str(self.prefix), encode_specs(item.tensors))
+        return dataclasses.replace(item.reply, path={self.name: descriptor.to_json()})
 
     def _send(self, request_id: bytes, tensors: dict[str, torch.Tensor]) -> None:
         """After the reply's header was posted: its tensors over the pair group (returns once sent)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from spec_serve.paths.base import ClientSetup, ReplyPath, WorkerSetup
+from spec_serve.paths.plane import samehost
 from spec_serve.paths.plane.client import PlaneClient
 from spec_serve.paths.plane.worker import PlaneWorker
 
@@ -17,7 +18,8 @@ class PlanePath(ReplyPath):
 
     @classmethod
     def worker(cls, setup: WorkerSetup) -> PlaneWorker:
-        return PlaneWorker(setup.device, setup.plane_slots, setup.plane_lease, setup.copy_stream, setup.faults)
+        lease = samehost.DEFAULT_LEASE_S if setup.plane_lease is None else setup.plane_lease
+        return PlaneWorker(setup.device, setup.plane_slots, lease, setup.copy_stream, setup.faults)
 
     @classmethod
     def client(cls, setup: ClientSetup) -> PlaneClient:

@@ -4,16 +4,15 @@ one that cannot be read here is given back and asked for again without the offer
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from spec_serve.paths.base import Arrival, ClientPort, ClientSide
+from spec_serve.paths.base import Arrival, ClientPort, ClientSide, Offer
 from spec_serve.paths.plane import samehost
 from spec_serve.protocol.commands import Op
-from spec_serve.protocol.messages import Reply, SupervisionRequest
+from spec_serve.protocol.messages import Reply
 
 
 class PlaneClient(ClientSide):
@@ -25,19 +24,17 @@ class PlaneClient(ClientSide):
         self.plane = samehost.ClientPlane.start(device, wanted)
         self.port = port
 
-    def offer(self, op: str) -> dict[str, Any] | None:
+    def offer(self, op: str) -> Offer | None:
         offer = self.plane.offer() if self.plane is not None and op == Op.GENERATE.value else None
-        return {"plane": offer} if offer is not None else None
-
-    def carries(self, reply: Reply) -> bool:
-        return reply.plane is not None
+        return Offer(offer) if offer is not None else None
 
     def accept(self, arrival: Arrival) -> Mapping[str, Any] | None:
         """Spans over the lent slot; None if the plane cannot deliver it here (asked for again without it)."""
         try:
             if self.plane is None:
                 raise samehost.PlaneError("this client does not use the same-host plane")
-            return self.plane.open(arrival.header, arrival.payload, arrival.request_id, arrival.again)
+            return self.plane.open(arrival.reply.descriptor(self.name), arrival.payload, arrival.request_id,
+                                   arrival.again)
         except samehost.PlaneError as e:
             self.discard(arrival.reply)
             if self.plane is not None:
@@ -47,14 +44,12 @@ class PlaneClient(ClientSide):
 
     def discard(self, reply: Reply) -> None:
         """The slot goes back unread."""
-        if reply.plane is not None and self.plane is not None:
-            self.plane.release(reply.plane)
+        descriptor = reply.descriptor(self.name)
+        if descriptor is not None and self.plane is not None:
+            self.plane.release(descriptor)
 
     def lent_bytes(self, reply: Reply) -> int:
-        return samehost.lent_bytes(reply.plane)
-
-    def without(self, request: SupervisionRequest) -> SupervisionRequest:
-        return dataclasses.replace(request, plane=None)
+        return samehost.lent_bytes(reply.descriptor(self.name))
 
     def tick(self) -> None:
         if self.plane is not None:

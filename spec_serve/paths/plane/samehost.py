@@ -10,7 +10,7 @@ into a *slot* it lends the client:
   device to host into it.
 
 The data message still goes to the client's data socket with the worker's header unchanged (digests
-and all), plus ``plane`` (where the bytes lie) and a single payload frame: the safetensors header of
+and all), plus ``path: {plane: ...}`` (where the bytes lie) and a single payload frame: the safetensors header of
 those bytes, checked as frames are. Frames remain the path across hosts, for other ops, when no slot
 is free, and after any failure of the plane, which logs one line.
 
@@ -155,12 +155,12 @@ class WorkerPlane:
             event(log, logging.WARNING, "worker.plane_unavailable", error=e)
             return None
 
-    def transport(self, header: Mapping[str, Any]) -> tuple[str, shm.Owner] | None:
-        """How this request's reply may be lent: (kind, the client's process); None: frames.
+    def transport(self, offer: Any) -> tuple[str, shm.Owner] | None:
+        """How the reply to a request that makes ``offer`` (its ``offers["plane"]``) may be lent: (kind, the
+        client's process); None: frames.
 
         The offer is a peer's: anything malformed, or another host, means frames, never an error.
         """
-        offer = header.get("plane")
         if not isinstance(offer, dict) or offer.get("host") != self.host_key:
             return None
         pid, start, gpus = offer.get("pid"), offer.get("start"), offer.get("gpus", [])
@@ -170,10 +170,10 @@ class WorkerPlane:
         cuda = self._gpu is not None and self._gpu in gpus and pid != os.getpid()  # IPC needs two processes
         return ("cuda" if cuda else "shm"), shm.Owner(self.owner.pidns, pid, start)
 
-    def export(self, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+    def export(self, offer: Any, tensors: Mapping[str, torch.Tensor],
                copy_stream: torch.cuda.Stream | None) -> Export | None:
-        """Lend a slot holding ``tensors`` to the client of ``header``; None: send frames instead."""
-        chosen = self.transport(header)
+        """Lend a slot holding ``tensors`` to the client that made ``offer``; None: send frames instead."""
+        chosen = self.transport(offer)
         if chosen is None:
             return None
         kind, holder = chosen
@@ -339,18 +339,17 @@ class _Span:
 
 
 class PlaneReply(dict[str, _Span], LentReply):
-    """A reply's tensors (``_Span``) in a slot the worker lent, with its data-message ``header``.
+    """A reply's tensors (``_Span``) in a slot the worker lent.
 
     Copy them out, then ``settle``: the slot goes back to the worker whatever happens; the result
     says whether the copies hold the bytes the worker lent (None) or a re-request must replace them.
     ``release`` gives the slot back without looking (the bytes were not used).
     """
 
-    def __init__(self, spans: dict[str, _Span], header: dict[str, Any], request_id: bytes, ctl: shm.ControlBlock,
+    def __init__(self, spans: dict[str, _Span], request_id: bytes, ctl: shm.ControlBlock,
                  slot: int, gen: int, devices: set[torch.device],
                  resend: Callable[[str], concurrent.futures.Future[Any]]) -> None:
         super().__init__(spans)
-        self.header = header
         self.request_id = request_id
         self._ctl, self._slot, self._gen, self._devices, self._resend = ctl, slot, gen, devices, resend
         self._settled = False
@@ -406,10 +405,11 @@ class ClientPlane:
             return None
         return {"host": local_host_key(), "pid": self.owner.pid, "start": self.owner.start, "gpus": list(self.gpus)}
 
-    def open(self, header: dict[str, Any], payload: list[Any], request_id: bytes,
+    def open(self, descriptor: Any, payload: list[Any], request_id: bytes,
              resend: Callable[[str], concurrent.futures.Future[Any]]) -> PlaneReply:
-        """The reply whose bytes ``header["plane"]`` places; ``PlaneError`` if they cannot be read here."""
-        d = _descriptor(header.get("plane"))
+        """The reply whose bytes ``descriptor`` (its ``path["plane"]``) places; ``PlaneError`` if they cannot be
+        read here."""
+        d = _descriptor(descriptor)
         if len(payload) != 1:
             raise PlaneError(f"plane reply with {len(payload)} payload frames, expected its header frame alone")
         ctl = self._control(d["ctl"])
@@ -421,7 +421,7 @@ class ClientPlane:
             spans, devices = self._shm_spans(d, payload[0])
         else:
             spans, devices = self._cuda_spans(d, payload[0])
-        return PlaneReply(spans, header, request_id, ctl, d["slot"], d["gen"], devices, resend)
+        return PlaneReply(spans, request_id, ctl, d["slot"], d["gen"], devices, resend)
 
     def _shm_spans(self, d: dict[str, Any], header_frame: Any) -> tuple[dict[str, _Span], set[torch.device]]:
         segment = self._mapped(d, lambda: shm.Segment.open(d["segment"]))
@@ -525,7 +525,7 @@ _DESCRIPTOR = {"kind": str, "ctl": str, "slot": int, "gen": int, "nbytes": int}
 
 
 def _descriptor(d: Any) -> dict[str, Any]:
-    """A peer's ``plane`` header, checked: types, ranges, and the one locator its kind has."""
+    """A peer's plane descriptor, checked: types, ranges, and the one locator its kind has."""
     if not isinstance(d, dict) or not all(type(d.get(k)) is t for k, t in _DESCRIPTOR.items()):
         raise PlaneError(f"plane descriptor must hold {sorted(_DESCRIPTOR)} with the right types")
     locator = "segment" if d["kind"] == "shm" else "cuda" if d["kind"] == "cuda" else None
@@ -538,7 +538,7 @@ def _descriptor(d: Any) -> dict[str, Any]:
 
 
 def lent_bytes(descriptor: Any) -> int:
-    """The size a peer's ``plane`` header claims for its bytes (0 if it claims none), for size limits."""
+    """The size a peer's plane descriptor claims for its bytes (0 if it claims none), for size limits."""
     nbytes = descriptor.get("nbytes") if isinstance(descriptor, dict) else None
     return nbytes if type(nbytes) is int and nbytes > 0 else 0
 

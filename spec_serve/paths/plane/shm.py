@@ -293,3 +293,17 @@ def _path(name: str) -> Path:
     if not _NAME.fullmatch(name):
         raise SegmentError(f"{name[:80]!r} is not a shared-memory segment name of this plane")
     return SHM_DIR / name
+
+
+def unlink_own_companions() -> None:
+    """The files our CUDA IPC shares left in /dev/shm (torch's ref counters, the driver's event file): torch
+    removes its own at a normal exit, which ``os._exit`` skips (the plane was closed already)."""
+    pid = os.getpid()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if companion_pid("/" + name) == pid:
+            with contextlib.suppress(OSError):
+                os.unlink(SHM_DIR / name)

@@ -12,7 +12,7 @@ import torch
 
 from spec_serve.paths.base import Delivery, Outgoing, WorkerSide
 from spec_serve.paths.faults import Faults
-from spec_serve.paths.plane import samehost
+from spec_serve.paths.plane import samehost, shm
 from spec_serve.protocol.messages import SupervisionRequest
 
 
@@ -35,13 +35,16 @@ class PlaneWorker(WorkerSide):
         if plane is not None:
             plane.close()
 
+    def before_hard_exit(self) -> None:
+        shm.unlink_own_companions()
+
     def lent_out(self) -> int:
         return self.plane.lent_out() if self.plane is not None else 0
 
     def takes(self, request: SupervisionRequest) -> bool:
         """A GENERATE request whose offer names this host (anything malformed: no)."""
         return self.plane is not None and request.is_generate and \
-            self.plane.transport({"plane": request.plane}) is not None
+            self.plane.transport(request.offer(self.name)) is not None
 
     def local(self, request: SupervisionRequest) -> bool:
         return True
@@ -52,10 +55,10 @@ class PlaneWorker(WorkerSide):
     def _lend(self, item: Delivery) -> Outgoing | None:
         """The reply lent in a slot; None when none is free or the plane failed (frames then)."""
         plane = self.plane
-        export = plane.export({"plane": item.request.plane}, item.tensors, self.copy_stream) if plane else None
+        export = plane.export(item.request.offer(self.name), item.tensors, self.copy_stream) if plane else None
         if export is None:
             return None
         self.faults.corrupt_lent(export.data, export.ready, item.tensors)
-        reply = dataclasses.replace(item.reply, plane=export.descriptor)
+        reply = dataclasses.replace(item.reply, path={self.name: export.descriptor})
         return Outgoing(reply, export.frames, export.descriptor["kind"], export.ready, loan=export,
                         lent_bytes=export.nbytes)

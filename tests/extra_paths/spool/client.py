@@ -4,17 +4,16 @@ checked (wire.parse), and deleted once the reply was copied out or is not used."
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from spec_serve.paths.base import Arrival, ClientSide, LentReply
+from spec_serve.paths.base import Arrival, ClientSide, LentReply, Offer
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import Op
-from spec_serve.protocol.messages import Reply, SupervisionRequest
+from spec_serve.protocol.messages import Reply
 from spec_serve.transport.sockets import local_host_key
 
 
@@ -39,16 +38,13 @@ class SpoolClient(ClientSide):
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="spec-serve-spool-"))
 
-    def offer(self, op: str) -> dict[str, Any] | None:
+    def offer(self, op: str) -> Offer | None:
         if op != Op.GENERATE.value:
             return None
-        return {"offers": {"spool": {"host": local_host_key(), "dir": str(self.dir)}}}
-
-    def carries(self, reply: Reply) -> bool:
-        return isinstance(reply.path, dict) and "spool" in reply.path
+        return Offer({"host": local_host_key(), "dir": str(self.dir)})
 
     def _file(self, reply: Reply) -> Path:
-        name = str((reply.path or {})["spool"]["file"])
+        name = str(reply.descriptor(self.name)["file"])
         if "/" in name or not name.endswith(".safetensors"):
             raise ValueError(f"spool reply names {name!r}, not a file of its directory")
         return self.dir / name
@@ -62,12 +58,8 @@ class SpoolClient(ClientSide):
         self._file(reply).unlink(missing_ok=True)
 
     def lent_bytes(self, reply: Reply) -> int:
-        nbytes = (reply.path or {}).get("spool", {}).get("nbytes")
+        nbytes = (reply.descriptor(self.name) or {}).get("nbytes")
         return nbytes if type(nbytes) is int and nbytes > 0 else 0
-
-    def without(self, request: SupervisionRequest) -> SupervisionRequest:
-        offers = {k: v for k, v in (request.offers or {}).items() if k != "spool"}
-        return dataclasses.replace(request, offers=offers or None)
 
     def stop(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

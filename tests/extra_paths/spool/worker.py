@@ -40,7 +40,7 @@ class SpoolWorker(WorkerSide):
 
     @staticmethod
     def _offer(request: SupervisionRequest) -> dict[str, Any] | None:
-        offer = (request.offers or {}).get("spool")
+        offer = request.offer("spool")
         return offer if isinstance(offer, dict) and isinstance(offer.get("dir"), str) else None
 
     def takes(self, request: SupervisionRequest) -> bool:
