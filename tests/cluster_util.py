@@ -469,7 +469,7 @@ def _idle_client_main(argv: list[str]) -> None:
         for _ in sys.stdin:
             out = client.generate_batch(*sample_batch(target, 2, 16, seed=1), kind="dspark")
             print(json.dumps({"shape": list(out["target_hidden_states"].shape),
-                              "dropped": client._io.data_ingress.dropped, **vars(client.stats)}), flush=True)
+                              "dropped": client._io.sockets.data_ingress.dropped, **vars(client.stats)}), flush=True)
 
 
 def _holding_client_main(argv: list[str]) -> None:

@@ -28,7 +28,7 @@ import pytest
 import torch
 import zmq
 
-import spec_serve.client.io_thread as client_module
+import spec_serve.client.sockets as client_module
 from cluster_util import (
     CLIENT_KW,
     FAST_ENV,
@@ -184,16 +184,16 @@ def stalled_client(monkeypatch):
 
     def stall(client: RemoteTargetModel) -> threading.Event:
         stalled = threading.Event()
-        io = client._io
-        drain = io._drain
+        sockets = client._io.sockets
+        drain = sockets.drain
 
         def drain_unless_stalled(sock, handler):
-            if sock is io.data and stalled.is_set():
+            if sock is sockets.data and stalled.is_set():
                 time.sleep(0.01)
                 return
             drain(sock, handler)
 
-        io._drain = drain_unless_stalled
+        sockets.drain = drain_unless_stalled
         stalled.set()
         return stalled
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import zmq
 
-import spec_serve.client.io_thread as client_module
+import spec_serve.client.sockets as client_module
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, workers
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import packing
@@ -70,16 +70,16 @@ def slow_reader(monkeypatch):
 def _stall_replies(client: RemoteTargetModel) -> threading.Event:
     """While the returned event is set, the client's I/O thread reads no reply (it still heartbeats)."""
     stalled = threading.Event()
-    io = client._io
-    drain = io._drain
+    sockets = client._io.sockets
+    drain = sockets.drain
 
     def drain_unless_stalled(sock, handler):
-        if sock is io.data and stalled.is_set():
+        if sock is sockets.data and stalled.is_set():
             time.sleep(0.01)  # the socket stays readable: do not spin
             return
         drain(sock, handler)
 
-    io._drain = drain_unless_stalled
+    sockets.drain = drain_unless_stalled
     return stalled
 
 

@@ -1,6 +1,7 @@
-"""The worker's session with the broker, on the I/O thread: register (READY), heartbeat, hear the
-broker's commands, and reconnect Lazy-Pirate style when it falls silent. Lifecycle log lines say when
-the worker registered, lost and regained the broker, or never reached it."""
+"""The worker's session with the broker, on the I/O thread: its verbs (READY, DONE, LEAVE; the broker's
+DISCONNECT and REFUSED) over one DEALER. When to heartbeat, when the broker counts as lost (a fresh socket,
+Lazy-Pirate style) and the one line per outage are the broker link's (transport/broker_link.py), shared
+with the client; here the link is up once the broker answered our READY."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from spec_serve.protocol.messages import Disconnect, Done, Leave, Ready, Refused
 from spec_serve.supervision.target_info import TargetInfo
 from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.transport.bounded import BoundedReader, Overlong
+from spec_serve.transport.broker_link import BrokerLink
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import Security, make_socket
@@ -68,20 +70,18 @@ class BrokerSession:
         self.refused_messages = 0  # messages with more frames than their kind has: refused unread
         self._refusal_log = Throttle(60.0)
         self._poller: zmq.Poller
-        self._next_beat = self._expiry = 0.0
-        self._started = time.monotonic()
-        self._registered = False  # the broker has answered our latest READY
-        self._ever_registered = False
-        self._lost_since: float | None = None
-        self._unreachable_logged = False
+        # Up once the broker answered our latest READY.
+        self.link = BrokerLink("worker", broker_url, log, heartbeat_interval=heartbeat_interval, liveness=liveness,
+                               connect_timeout=CONNECT_TIMEOUT, now=time.monotonic(), reconnect_unheard=True,
+                               regained_level=logging.INFO)
 
     def open(self, poller: zmq.Poller) -> None:
         """Connect, register, and have ``poller`` watch the broker socket (this one and each reconnect's)."""
         self._poller = poller
         self._connect()
         now = time.monotonic()
-        self._next_beat = now + self.heartbeat_interval
-        self._expiry = now + self.heartbeat_interval * self.liveness
+        self.link.next_beat = now + self.heartbeat_interval
+        self.link.heard(now)
 
     def close(self, linger_ms: int) -> None:
         self._ingress.close()
@@ -115,15 +115,15 @@ class BrokerSession:
             heard = True
             if self._dispatch(msg):
                 self._send_ready()
-            elif not self._registered:
+            elif not self.link.up:
                 self._on_registered()
         if heard:
-            self._expiry = now + self.heartbeat_interval * self.liveness
+            self.link.heard(now)
 
     @property
     def registered(self) -> bool:
         """The broker answered our latest READY and has not gone silent or stopped since."""
-        return self._registered
+        return self.link.up
 
     def _refuse(self, overlong: Overlong) -> None:
         """A message with more frames than its kind has: never one a broker sends. Cut that connection (the
@@ -140,8 +140,8 @@ class BrokerSession:
         """Handle one broker message; True if we must register again."""
         command = WorkerCommand(msg.command)
         if command is WorkerCommand.DISCONNECT:
-            if Disconnect.from_json(msg.header).stopping:
-                self._broker_stopping()
+            if Disconnect.from_json(msg.header).stopping:  # our next READY reaches its successor
+                self.link.stopping(time.monotonic(), action="registering with its successor")
             return True
         if command is WorkerCommand.REFUSED:
             raise WorkerRefused(Refused.from_json(msg.header).error)
@@ -152,19 +152,18 @@ class BrokerSession:
 
     def keep_alive(self, now: float) -> bool:
         """Heartbeat when due (True if one went), and reconnect if the broker has been silent too long."""
-        beat = now >= self._next_beat
-        if beat:
+        due = self.link.tick(now)
+        if due.beat:
             self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
-            self._next_beat = now + self.heartbeat_interval
-        if now > self._expiry:
-            # Lazy-Pirate style: the broker went silent; reconnect and register again.
-            self._broker_silent(now)
+        if due.unreachable:
+            event(log, logging.WARNING, "worker.broker_unreachable", broker=self.broker_url,
+                  waited_s=round(now - self.link.started), expected=WORKER_PORT_HINT, action="still trying")
+        if due.reconnect:  # Lazy-Pirate style: the broker went silent; reconnect and register again
             self._poller.unregister(self.sock)
             self._ingress.close()
             self.sock.close(0)
             self._connect()
-            self._expiry = now + self.heartbeat_interval * self.liveness
-        return beat
+        return due.beat
 
     def send_done(self, request_id: bytes, header: Done) -> None:
         """Tell the broker a request's reply left (or could not): its slot is free."""
@@ -180,7 +179,7 @@ class BrokerSession:
         """After the final LEAVE: True once the broker has handled it, False if it did not within ``timeout``
         s (or was lost already). The broker answers a heartbeat from a worker it does not know with
         DISCONNECT, and handles one connection's messages in order, so that answer comes after the LEAVE."""
-        if not self._registered:
+        if not self.link.up:
             return False
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.HEARTBEAT.value))
         deadline = time.monotonic() + timeout
@@ -204,41 +203,15 @@ class BrokerSession:
         header = Ready(target_info=self.info.to_dict(), capacity=self.capacity, pid=os.getpid(),
                        host=socket.gethostname(), max_message_bytes=self.max_message_bytes)
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
-        self._registered = False
+        self.link.up = False  # until the broker answers this READY
         event(log, logging.DEBUG, "worker.registering", worker=self.name, service=self.service,
               broker=self.broker_url)
 
     def _on_registered(self) -> None:
         """The broker answered our READY: we serve from now on."""
-        self._registered = self._ever_registered = True
-        now = time.monotonic()
-        if self._lost_since is not None:
-            event(log, logging.INFO, "worker.broker_regained", broker=self.broker_url,
-                  after_s=round(now - self._lost_since, 1))
-            self._lost_since = None
+        self.link.connected(time.monotonic())
         event(log, logging.INFO, "worker.ready", worker=self.name, service=self.service, broker=self.broker_url,
               target=self.info.model_name, capacity=self.capacity)
-
-    def _broker_stopping(self) -> None:
-        """The broker was told to stop: an outage starts now, and our next READY reaches its successor."""
-        if self._registered:
-            self._lost_since = time.monotonic()
-        self._registered = False
-        event(log, logging.WARNING, "worker.broker_stopping", broker=self.broker_url, action="registering with "
-              "its successor")
-
-    def _broker_silent(self, now: float) -> None:
-        """Log a broker outage once (not once per liveness window), and a broker that never answered."""
-        if self._registered:  # it was there: an outage starts (while it lasts, _registered stays False)
-            self._lost_since = now
-            event(log, logging.WARNING, "worker.broker_lost", broker=self.broker_url,
-                  silent_s=round(self.heartbeat_interval * self.liveness, 1))
-        never_answered = not self._ever_registered and not self._unreachable_logged
-        if never_answered and now - self._started > CONNECT_TIMEOUT:
-            self._unreachable_logged = True
-            event(log, logging.WARNING, "worker.broker_unreachable", broker=self.broker_url,
-                  waited_s=round(now - self._started), expected=WORKER_PORT_HINT, action="still trying")
-
 
 
 # ------------------------------------------------------------- before the model loads
