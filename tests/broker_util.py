@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from spec_serve.broker.context import Peer
 from spec_serve.broker.routing import Router
+from spec_serve.broker.server import CLIENT_HEADERS, WORKER_HEADERS, typed_header
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
     WORKER_TAG,
@@ -63,6 +64,20 @@ def message(tag: bytes, command, request_id: bytes = b"", header: dict | None = 
     return parse_control(control(tag, command.value, service, request_id, header, payload or []), tag, commands)
 
 
+def typed(tag: bytes, msg: Message):
+    """``msg``'s header typed as the broker's loop types it before calling a handler."""
+    if tag == CLIENT_TAG:
+        return typed_header(msg, CLIENT_HEADERS[ClientCommand(msg.command)])
+    return typed_header(msg, WORKER_HEADERS[WorkerCommand(msg.command)])
+
+
+def handle(handler, state, now: float, tag: bytes, command, request_id: bytes = b"", header: dict | None = None,
+           **kw) -> None:
+    """Call a broker ``handler`` with the message a peer in ``state`` sent, its header typed."""
+    msg = message(tag, command, request_id, header, **kw)
+    handler(state, msg, typed(tag, msg), now)
+
+
 def make_router(**kw) -> Router:
     """A Router over a Recorder (``router.recorder``)."""
     recorder = Recorder()
@@ -74,7 +89,7 @@ def make_router(**kw) -> Router:
 def ready(router: Router, identity: bytes, now: float, capacity: int = 1, info: dict | None = None,
           service: str = SERVICE, **header) -> None:
     header = {"target_info": info or TARGET_INFO, "capacity": capacity, **header}
-    router.worker_ready(identity, message(WORKER_TAG, WorkerCommand.READY, service=service, header=header), now)
+    handle(router.worker_ready, identity, now, WORKER_TAG, WorkerCommand.READY, header=header, service=service)
 
 
 def submit(router: Router, client: bytes, now: float, timeout: float = 30.0, service: str = SERVICE,
@@ -82,15 +97,15 @@ def submit(router: Router, client: bytes, now: float, timeout: float = 30.0, ser
     request_id = new_request_id()
     state = router.client_seen(client, now)
     header = {"reply_to": "tcp://127.0.0.1:9", "timeout": timeout, **header}
-    router.enqueue(state, message(CLIENT_TAG, ClientCommand.REQUEST, request_id, header, service=service,
-                                  payload=payload), now)
+    handle(router.enqueue, state, now, CLIENT_TAG, ClientCommand.REQUEST, request_id, header, service=service,
+           payload=payload)
     return request_id
 
 
 def done(router: Router, worker: bytes, request_id: bytes, now: float, status: str = "ok", **header) -> None:
     seen = router.worker_seen(worker, now)
     assert seen is not None
-    router.complete(seen, message(WORKER_TAG, WorkerCommand.DONE, request_id, {"status": status, **header}), now)
+    handle(router.complete, seen, now, WORKER_TAG, WorkerCommand.DONE, request_id, {"status": status, **header})
 
 
 def keep_alive(router: Router, now: float, *peers: bytes) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from broker_util import SERVICE, done, keep_alive, make_router, message, ready, submit
+from broker_util import SERVICE, done, handle, keep_alive, make_router, ready, submit
 from spec_serve.broker import binding
 from spec_serve.protocol.commands import CLIENT_TAG, WORKER_TAG, ClientCommand, ErrorCode, WorkerCommand, new_request_id
 
@@ -20,14 +20,14 @@ def router():
 def bind(router, client: bytes, now: float, device_type: str = "cpu") -> bytes:
     request_id = new_request_id()
     header = {"reply_to": "tcp://127.0.0.1:9", "timeout": 10, "device_type": device_type}
-    router.bindings.bind(router.client_seen(client, now), message(CLIENT_TAG, ClientCommand.BIND, request_id, header),
-                         now)
+    handle(router.bindings.bind, router.client_seen(client, now), now, CLIENT_TAG, ClientCommand.BIND, request_id,
+           header)
     return request_id
 
 
 def release(router, client: bytes, now: float, prefix: str | None = None) -> None:
-    router.bindings.release(router.client_seen(client, now),
-                            message(CLIENT_TAG, ClientCommand.RELEASE, header={"prefix": prefix}), now)
+    handle(router.bindings.release, router.client_seen(client, now), now, CLIENT_TAG, ClientCommand.RELEASE,
+           header={"prefix": prefix})
 
 
 def test_a_bound_worker_leaves_the_pool_until_released(router):
@@ -112,7 +112,7 @@ def test_a_done_for_a_bound_request_frees_the_slot_not_the_binding(router):
 
 def answer_bind(router, worker: bytes, bind_id: bytes, now: float, status: str, error: str | None = None) -> None:
     header = {"status": status, **({"error": error} if error else {})}
-    router.complete(router.worker_seen(worker, now), message(WORKER_TAG, WorkerCommand.DONE, bind_id, header), now)
+    handle(router.complete, router.worker_seen(worker, now), now, WORKER_TAG, WorkerCommand.DONE, bind_id, header)
 
 
 @pytest.mark.parametrize("status", ["error", "undeliverable"])
@@ -221,7 +221,7 @@ def test_the_pair_group_timeout_a_client_asks_is_capped(router):
     ready(router, b"A-worker", now)
     request_id = new_request_id()
     header = {"reply_to": "tcp://127.0.0.1:9", "timeout": 1e6, "device_type": "cpu"}
-    router.bindings.bind(router.client_seen(b"client", now), message(CLIENT_TAG, ClientCommand.BIND, request_id,
-                                                                      header), now)
+    handle(router.bindings.bind, router.client_seen(b"client", now), now, CLIENT_TAG, ClientCommand.BIND, request_id,
+           header)
     [sent] = [m for _, who, m in router.recorder.sent if m.command == WorkerCommand.BIND.value]
     assert sent.header["timeout"] == binding.MAX_BIND_TIMEOUT_S

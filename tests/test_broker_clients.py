@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from broker_util import SERVICE, TARGET_INFO, make_router, message, ready
+from broker_util import SERVICE, TARGET_INFO, handle, make_router, message, ready
 from spec_serve.broker.clients import MAX_REQUESTS_PER_CLIENT
 from spec_serve.broker.state import Request
 from spec_serve.protocol import wire
@@ -95,8 +95,8 @@ def test_a_mapping_is_stored_once_and_dropped_with_its_last_client():
     digests = []
     for identity in (b"client-a", b"client-b"):
         client = router.client_table.seen(identity, now)
-        router.client_table.register_mapping(client, message(CLIENT_TAG, ClientCommand.SET_VOCAB, new_request_id(),
-                                                             {}, payload=mapping_payload()), now)
+        handle(router.client_table.register_mapping, client, now, CLIENT_TAG, ClientCommand.SET_VOCAB,
+               new_request_id(), {}, payload=mapping_payload())
         [ok] = router.recorder.to_client(identity, ClientCommand.VOCAB_OK)
         digests.append(ok.header["digest"])
     assert digests[0] == digests[1] and list(router.services[SERVICE].mappings) == digests[:1]
@@ -113,7 +113,7 @@ def test_a_bad_mapping_is_refused():
     now = time.monotonic()
     ready(router, b"worker-a", now)
     client = router.client_table.seen(b"client", now)
-    router.client_table.register_mapping(client, message(CLIENT_TAG, ClientCommand.SET_VOCAB, new_request_id(), {},
-                                                         payload=mapping_payload(vocab_size=64)), now)
+    handle(router.client_table.register_mapping, client, now, CLIENT_TAG, ClientCommand.SET_VOCAB, new_request_id(),
+           {}, payload=mapping_payload(vocab_size=64))
     assert error_codes(router, b"client") == [ErrorCode.BAD_REQUEST.value]
     assert not router.services[SERVICE].mappings

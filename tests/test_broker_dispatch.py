@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from broker_util import SERVICE, done, make_router, message, ready, submit
+from broker_util import SERVICE, done, handle, make_router, ready, submit
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ErrorCode
 
@@ -68,16 +68,15 @@ def test_a_request_fails_after_killing_max_request_deaths_workers(router):
     assert poison not in router.requests and router.metrics.killer_requests._value.get() == 1
     router.recorder.take()
     # a retry that crossed the error is refused the same way, never dispatched
-    router.enqueue(router.client_seen(b"client", now), _retry(poison), now)
+    _retry(router, b"client", poison, now)
     assert [m.header["code"] for m in router.recorder.to_client(b"client")] == [ErrorCode.KILLED_WORKERS.value]
     assert router.recorder.requests_to(b"C-worker") == []
 
 
-def _retry(request_id: bytes):
-    from broker_util import message
-    from spec_serve.protocol.commands import CLIENT_TAG
-
-    return message(CLIENT_TAG, ClientCommand.REQUEST, request_id, {"reply_to": "tcp://127.0.0.1:9", "timeout": 30})
+def _retry(router, client: bytes, request_id: bytes, now: float) -> None:
+    """``client`` sends ``request_id`` again (a retry keeps its id)."""
+    handle(router.enqueue, router.client_seen(client, now), now, CLIENT_TAG, ClientCommand.REQUEST, request_id,
+           {"reply_to": "tcp://127.0.0.1:9", "timeout": 30})
 
 
 def test_a_retry_of_a_held_request_is_kept_once(router):
@@ -85,7 +84,7 @@ def test_a_retry_of_a_held_request_is_kept_once(router):
     ready(router, b"A-worker", now)
     request_id = submit(router, b"client", now, timeout=5)
     router.recorder.take()
-    router.enqueue(router.client_seen(b"client", now + 1), _retry(request_id), now + 1)
+    _retry(router, b"client", request_id, now + 1)
     assert router.recorder.take() == []
     assert router.requests[request_id].deadline == now + 31 and len(router.requests) == 1
 
@@ -127,7 +126,7 @@ def test_a_done_that_comes_after_its_client_left_is_counted(router):
     request_id = submit(router, b"client", now)
     busy = next(w for w in (b"A-worker", b"B-worker") if router.recorder.requests_to(w) == [request_id])
     other = b"B-worker" if busy == b"A-worker" else b"A-worker"
-    router.disconnect(router.client_seen(b"client", now), message(CLIENT_TAG, ClientCommand.DISCONNECT), now)
+    handle(router.disconnect, router.client_seen(b"client", now), now, CLIENT_TAG, ClientCommand.DISCONNECT)
     assert router.workers[busy].free == 1
     # Another worker's DONE of that id (a request it no longer holds) counts nothing.
     done(router, other, request_id, now + 1.0, tokens=7, bytes=100)

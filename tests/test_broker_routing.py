@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import spec_serve.broker
-from broker_util import SERVICE, done, make_router, message, ready, submit
+from broker_util import SERVICE, done, handle, make_router, ready, submit
 from spec_serve.broker.context import Peer
 from spec_serve.broker.routing import Router
 from spec_serve.broker.status import full_status
@@ -105,8 +105,7 @@ def test_a_worker_holding_a_request_past_its_timeout_loses_it_to_another(router)
 
 def leave(router: Router, worker: bytes, now: float, reason: str, drain: bool = False) -> None:
     header = {"reason": reason, "drain": True} if drain else {"reason": reason}
-    router.worker_left(router.worker_seen(worker, now), message(WORKER_TAG, WorkerCommand.LEAVE, header=header),
-                       now)
+    handle(router.worker_left, router.worker_seen(worker, now), now, WORKER_TAG, WorkerCommand.LEAVE, header=header)
 
 
 def test_a_draining_worker_gets_nothing_more_and_what_it_returns_goes_to_another(router):
@@ -126,8 +125,8 @@ def test_a_draining_worker_gets_nothing_more_and_what_it_returns_goes_to_another
     newer = submit(router, b"client", now)
     assert router.recorder.requests_to(b"worker-b") == [newer] and router.recorder.requests_to(b"worker-a") == []
     router.recorder.take()
-    router.complete(router.worker_seen(b"worker-a", now),
-                    message(WORKER_TAG, WorkerCommand.DONE, queued, {"status": "returned"}), now)
+    handle(router.complete, router.worker_seen(b"worker-a", now), now, WORKER_TAG, WorkerCommand.DONE, queued,
+           {"status": "returned"})
     assert router.services[SERVICE].queue_depth() == 1  # worker-b is busy: first in line for it
     done(router, b"worker-b", newer, now)
     assert router.recorder.requests_to(b"worker-b") == [queued]

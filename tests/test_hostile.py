@@ -470,7 +470,10 @@ def test_hung_worker_misses_the_deadline_and_its_requests_move(cluster, tiny_tar
     fake.start()
     try:
         wait_until(lambda: len(workers(cluster, "default")) == 2, 30, what="the hung fake registering")
-        with RemoteTargetModel(cluster.frontend, timeout=4, max_retries=1, **CLIENT_KW) as client:
+        # Frames only: a request that offers the same-host plane is near this host, and the broker's ranking
+        # would keep it on the real worker (whose READY names this host), never on the hung fake.
+        with RemoteTargetModel(cluster.frontend, timeout=4, max_retries=1, same_host_plane=False,
+                               **CLIENT_KW) as client:
             got = [client.generate_batch(*reference.batch(seed), kind="dspark") for seed in range(4)]
         verified = sum(same(g, reference.expected(seed, kind="dspark")) for seed, g in enumerate(got))
         print(f"\nhung worker took {fake.requests} of the requests; {verified}/4 verified")

@@ -141,6 +141,7 @@ BAD: list[tuple[type[m.WireMessage], dict[str, Any], str]] = [
     (m.VocabOk, {}, "'digest'"),
     (m.WorkerBind, {"client": "c", "reply_to": "tcp://h:1"}, "prefix"),
     (m.Done, {"tokens": "many"}, "'tokens'"),
+    (m.Done, {"status": "finished"}, "'status'"),
     (m.Reply, {"worker": "w", "compute_s": "fast"}, "'compute_s'"),
     (m.Reply, {"worker": "w", "compute_s": 1, "digests": {"x": "y"}}, "'digests'"),
     (m.BindGrant, {"worker": "w", "bind": {"store_host": "h", "store_port": "1", "prefix": "p", "worker": "w",

@@ -219,3 +219,22 @@ def test_netns_bench_full_and_auto_across_a_rate_limited_link(tmp_path):
     rate = report["rates"]["10"]
     assert [f["verified"] for f in rate["full"] + rate["auto"]] == ["2/2", "2/2"]
     assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token
+
+
+def test_a_clients_requests_stay_on_its_hosts_worker_while_it_has_a_slot(tmp_path):
+    """Locality (benchmarks/bench_locality.py): two emulated hosts, a worker on each, a client on host A.
+    One request at a time, every reply comes from A's worker through the same-host plane (before the
+    ranking's locality rule, half of them went to B's worker, the longer idle); with more in flight than A's
+    capacity, B's worker takes what would queue behind A's, as frames. Every reply verified."""
+    reason = _bench_netns().unavailable(tools=("ip",))
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "locality.json"
+    proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_locality.py"), "--messages", "6",
+                           "--seq", "8", "--prefetch", "6", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"], report
+    assert report["sequential"] == {"replies": 6, "plane": 6, "plane_share": 1.0, "verified": "6/6"}
+    assert 0 < report["burst"]["plane"] < 6 and report["burst"]["verified"] == "6/6"

@@ -36,8 +36,8 @@ from click.testing import CliRunner
 import zygote
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
-from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
-from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE, device_and_dtype, join_int_lists, main
+from spec_serve.protocol.commands import EXIT_ADDRESS_IN_USE, WORKER_TAG, WorkerCommand, control
+from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers

@@ -15,7 +15,7 @@ from pathlib import Path
 import conftest
 import pytest
 
-from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE
+from spec_serve.protocol.commands import EXIT_ADDRESS_IN_USE
 from spec_serve.tools.launch import BrokerExited, Cluster, free_endpoints
 from spec_serve.transport import sockets
 from spec_serve.transport.sockets import PORT_RANGE_ENV, free_port

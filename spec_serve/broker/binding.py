@@ -29,6 +29,7 @@ from spec_serve.protocol.commands import (
     CLIENT_TAG,
     WORKER_TAG,
     ClientCommand,
+    DoneStatus,
     ErrorCode,
     Message,
     ProtocolError,
@@ -61,12 +62,11 @@ class Bindings:
         self.dispatcher = dispatcher
         self.refusal = refusal
 
-    def bind(self, client: ClientState, msg: Message, now: float) -> None:
+    def bind(self, client: ClientState, msg: Message, request: BindRequest, now: float) -> None:
         """Give the client a worker of its own: refused at once (BOUND ok=false) when none may be bound;
         granted by the worker itself, which sends the client the rendezvous over its data socket."""
         if not msg.request_id:
             raise ProtocolError("BIND without a request id")
-        request = BindRequest.from_json(msg.header)
         self.unbind_client(client.identity, "its client bound again")  # one binding per client
         worker = self._pick(client, msg)
         if worker is None:
@@ -117,9 +117,9 @@ class Bindings:
         self.ctx.to_client(client.identity, control(CLIENT_TAG, ClientCommand.BOUND.value, msg.service,
                                                     msg.request_id, refusal))
 
-    def release(self, client: ClientState, msg: Message, now: float) -> None:
+    def release(self, client: ClientState, msg: Message, release: Release, now: float) -> None:
         """RELEASE: end the client's binding named by ``prefix``, or all of them without one."""
-        prefix = Release.from_json(msg.header).prefix
+        prefix = release.prefix
         for worker in self.bound_to(client.identity):
             if prefix is None or prefix == worker.bind_prefix:
                 self.unbind(worker, "released by its client")
@@ -144,11 +144,12 @@ class Bindings:
         """A DONE from ``worker``: if it answers the BIND of its binding, ``ok`` means the worker granted it,
         anything else ends the binding. The client is told only if the worker's answer did not reach it
         (``undeliverable``); a refusal the worker sent it already."""
-        if worker.bound_to is None or not request_id or request_id != worker.bind_request or done.status == "ok":
+        if worker.bound_to is None or not request_id or request_id != worker.bind_request \
+                or done.status is DoneStatus.OK:
             return
         why = f": {done.error}" if done.error else ""
-        self.unbind(worker, f"the worker did not grant the BIND (DONE {done.status}{why})",
-                    notify=done.status == "undeliverable")
+        self.unbind(worker, f"the worker did not grant the BIND (DONE {done.status.value}{why})",
+                    notify=done.status is DoneStatus.UNDELIVERABLE)
 
     def expire(self, now: float) -> None:
         """End bindings idle for BIND_IDLE_S: no request on the worker since the BIND or its last DONE."""

@@ -162,10 +162,9 @@ class ClientTable:
 
     # ------------------------------------------------------------------ vocab mappings
 
-    def register_mapping(self, client: ClientState, msg: Message, now: float) -> None:
+    def register_mapping(self, client: ClientState, msg: Message, header: SetVocab, now: float) -> None:
         """SET_VOCAB: store a client's mapping (content-addressed) after dropping the registrations it
         releases; answer VOCAB_OK with its digest."""
-        header = SetVocab.from_json(msg.header)
         if not self.pin_target(client, msg, header.fingerprint):
             return
         self.vocab.release(client, msg.service, header.release or [])

@@ -1,8 +1,9 @@
 """Dispatch and re-dispatch: which worker takes a queued request, and what becomes of a request whose
 worker answered, died, or held it past its deadline.
 
-Dispatch is fair across clients (the service's queue hands them out in round-robin order) and picks the
-least-loaded free worker. A request that was on a worker as it died is a *suspect*: it runs alone, and after
+Dispatch is fair across clients (the service's queue hands them out in round-robin order) and gives each
+request the first free worker of its ranking (ranking.py: isolation, anti-affinity, affinity, locality,
+load). A request that was on a worker as it died is a *suspect*: it runs alone, and after
 ``max_request_deaths`` such deaths it fails (``killed_workers``) instead of going to another worker.
 """
 
@@ -15,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from spec_serve.broker import ranking
 from spec_serve.broker.clients import ClientTable
 from spec_serve.broker.context import BrokerContext
 from spec_serve.broker.poison import PoisonPolicy
@@ -22,7 +24,7 @@ from spec_serve.broker.services import DONE_STATUSES, ServiceQueues
 from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
 from spec_serve.broker.vocab_registry import VocabRegistry
 from spec_serve.broker.workers import WorkerRegistry
-from spec_serve.protocol.commands import WORKER_TAG, ErrorCode, Message, WorkerCommand, control
+from spec_serve.protocol.commands import WORKER_TAG, DoneStatus, ErrorCode, Message, WorkerCommand, control
 from spec_serve.protocol.messages import Done, SupervisionRequest
 from spec_serve.telemetry.logs import event
 
@@ -88,36 +90,19 @@ class Dispatcher:
     # ------------------------------------------------------------------ dispatch
 
     def dispatch(self, service: ServiceState) -> None:
-        """Hand queued requests to free workers: round-robin over clients,
-        least-loaded worker first (ties go to the longest idle)."""
+        """Hand queued requests to free workers: round-robin over clients, each request to the first worker
+        of its ranking (ranking.py)."""
         while service.queues:
-            free = [w for w in self.workers.of(service)
-                    if w.free > 0 and w.bound_to is None and not self._holds_suspect(w)]
+            pool = self.workers.of(service)
+            free = ranking.free(pool, self.requests)
             if not free:
                 return
-            picked = self.services.next_request(service, functools.partial(self._eligible, service, candidates=free))
+            picked = self.services.next_request(service, functools.partial(ranking.eligible, candidates=free,
+                                                                           pool=pool))
             if picked is None:
                 return
             request, eligible = picked
-            worker = min(eligible, key=lambda w: (len(w.inflight) / w.capacity, w.idle_since))
-            self.send_request(service, worker, request)
-
-    def _eligible(self, service: ServiceState, request: Request, candidates: list[WorkerState]) -> list[WorkerState]:
-        """The candidates that may take ``request``. A suspect (it was on a worker that died) goes only to
-        an idle worker, which then takes nothing else until it is done (``_holds_suspect``): if that
-        worker dies too, the death is the suspect's alone. Never a worker that held it past its deadline.
-        A request retried after a digest mismatch names the worker that produced it (``avoid``), which
-        takes it only when no other unbound worker exists."""
-        candidates = [w for w in candidates if w.identity not in request.missed]
-        if request.killed:
-            candidates = [w for w in candidates if not w.inflight]
-        avoid = request.header.avoid
-        if avoid is None or not any(w.name != avoid and w.bound_to is None for w in self.workers.of(service)):
-            return candidates
-        return [w for w in candidates if w.name != avoid]
-
-    def _holds_suspect(self, worker: WorkerState) -> bool:
-        return any(self.requests[r].killed for r in worker.inflight if r in self.requests)
+            self.send_request(service, ranking.best(request, eligible), request)
 
     def send_request(self, service: ServiceState, worker: WorkerState, request: Request) -> None:
         """Send ``request`` to ``worker``, preceded by the vocab mapping it names if the worker lacks it."""
@@ -149,9 +134,9 @@ class Dispatcher:
         """DONE: the worker answered a request (or failed to deliver it); its slot is free again."""
         worker.inflight.discard(request_id)
         worker.idle_since = now
-        worker.leaving = worker.leaving or done.status == "engine_dead"
+        worker.leaving = worker.leaving or done.status is DoneStatus.ENGINE_DEAD
         request = self.requests.get(request_id)
-        if done.status == "returned" and request is not None and request.worker == worker.identity:
+        if done.status is DoneStatus.RETURNED and request is not None and request.worker == worker.identity:
             # Handed back unrun by a draining worker: to the front of its queue, for another worker now.
             self._orphaned(worker, request, "returned by its worker", died=False)
         elif request is not None and request.worker == worker.identity:
@@ -160,7 +145,7 @@ class Dispatcher:
             if client is not None:
                 client.requests.discard(request_id)
             status = self._count_done(worker, done, request.enqueued_at, now)
-            if status == "undeliverable" and client is not None:
+            if status is DoneStatus.UNDELIVERABLE and client is not None:
                 # The worker dropped the reply at once (its slot is free): the client retries now,
                 # instead of waiting out its timeout.
                 self.ctx.send_error(request.client, request_id, ErrorCode.UNAVAILABLE,
@@ -168,7 +153,7 @@ class Dispatcher:
                                     f"{request.header.reply_to}: {'not reading' if done.error is None else done.error}")
         elif self.detached.get(request_id, (None,))[0] == worker.identity:
             _, enqueued_at = self.detached.pop(request_id)
-            if done.status != "returned":  # handed back unrun: nobody waits for it any more
+            if done.status is not DoneStatus.RETURNED:  # handed back unrun: nobody waits for it any more
                 self._count_done(worker, done, enqueued_at, now)
         self.dispatch(self.services[worker.service])
 
@@ -179,12 +164,12 @@ class Dispatcher:
         while len(self.detached) > MAX_DETACHED_IDS:
             self.detached.popitem(last=False)
 
-    def _count_done(self, worker: WorkerState, done: Done, enqueued_at: float, now: float) -> str:
-        """Count a request's DONE in the metrics; returns its status as counted."""
-        status = done.status if done.status in DONE_STATUSES else "error"
+    def _count_done(self, worker: WorkerState, done: Done, enqueued_at: float, now: float) -> DoneStatus:
+        """Count a request's DONE in the metrics (an engine's death as an error); returns its status as counted."""
+        status = done.status if done.status.value in DONE_STATUSES else DoneStatus.ERROR
         metrics = self.ctx.metrics
-        metrics.completed.labels(service=worker.service, status=status).inc()
-        if status == "ok":
+        metrics.completed.labels(service=worker.service, status=status.value).inc()
+        if status is DoneStatus.OK:
             worker.completed += 1
             metrics.tokens.labels(service=worker.service).inc(done.tokens or 0)
             metrics.reply_bytes.labels(service=worker.service).inc(done.nbytes or 0)
@@ -220,7 +205,7 @@ class Dispatcher:
         """Count ``worker``'s death against ``request``; True if that failed the request for good."""
         error = self.poison.died_on(request, worker)
         if error is None:
-            return False  # a suspect from now on: dispatched alone (see _eligible)
+            return False  # a suspect from now on: dispatched alone (ranking.isolated)
         self.clients.forget_request(request)
         if request.client in self.clients.clients:
             self.ctx.send_error(request.client, request.request_id, ErrorCode.KILLED_WORKERS, error)

@@ -32,7 +32,7 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
 )
-from spec_serve.protocol.messages import BrokerHeartbeat, Done, Leave, SupervisionRequest
+from spec_serve.protocol.messages import BrokerHeartbeat, Done, Leave, Ready, SetVocab, SupervisionRequest
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import BrokerMetrics
 
@@ -95,12 +95,11 @@ class Router:
     def client_seen(self, identity: bytes, now: float) -> ClientState:
         return self.client_table.seen(identity, now)
 
-    def enqueue(self, client: ClientState, msg: Message, now: float) -> None:
+    def enqueue(self, client: ClientState, msg: Message, header: SupervisionRequest, now: float) -> None:
         """REQUEST: queue it for the service's pool, or send it straight to the worker it is pinned to (one the
         client holds: a binding)."""
         if not msg.request_id:
             raise ProtocolError("REQUEST without a request id")
-        header = SupervisionRequest.from_json(msg.header)
         if self.dispatcher.seen_before(client, msg, header, now):
             return
         size = self.client_table.admit(client, msg, header, now)
@@ -115,11 +114,11 @@ class Router:
                           now + float(header.timeout), now, size)
         self.dispatcher.accept(client, request, pinned, now)
 
-    def register_mapping(self, client: ClientState, msg: Message, now: float) -> None:
+    def register_mapping(self, client: ClientState, msg: Message, header: SetVocab, now: float) -> None:
         """SET_VOCAB."""
-        self.client_table.register_mapping(client, msg, now)
+        self.client_table.register_mapping(client, msg, header, now)
 
-    def disconnect(self, client: ClientState, msg: Message, now: float) -> None:
+    def disconnect(self, client: ClientState, msg: Message, header: None, now: float) -> None:
         """DISCONNECT: the client asks to be forgotten."""
         self.delete_client(client.identity)
 
@@ -147,24 +146,23 @@ class Router:
 
     # ------------------------------------------------------------------ workers
 
-    def worker_ready(self, identity: bytes, msg: Message, now: float) -> None:
+    def worker_ready(self, identity: bytes, msg: Message, ready: Ready, now: float) -> None:
         """READY: register the worker, replacing its earlier registration if it had one."""
         worker = self.registry.get(identity)
         if worker is not None:
             self.delete_worker(worker, now, reason="re-registered", died=False)
-        worker = self.registry.register(identity, msg, now, self.client_table.pinned(msg.service))
+        worker = self.registry.register(identity, msg, ready, now, self.client_table.pinned(msg.service))
         if worker is not None:
             self.dispatcher.dispatch(self.queues[worker.service])
 
     def worker_seen(self, identity: bytes, now: float) -> WorkerState | None:
         return self.registry.seen(identity, now)
 
-    def worker_left(self, worker: WorkerState, msg: Message, now: float) -> None:
+    def worker_left(self, worker: WorkerState, msg: Message, leave: Leave, now: float) -> None:
         """LEAVE. With ``drain`` (the worker was told to stop): it gets nothing more, its binding ends, and it
         finishes or hands back (DONE returned) what it holds before it LEAVEs for good. Otherwise it goes
         now (its engine died, or it stopped): what it still holds goes elsewhere. The request a dead engine
         was running got engine_dead already; the rest were never run: no suspects."""
-        leave = Leave.from_json(msg.header)
         reason = str(leave.reason)[:200]
         if leave.drain:
             worker.leaving = worker.draining = True
@@ -188,9 +186,8 @@ class Router:
     def _unreachable(self, worker: WorkerState) -> None:
         self.delete_worker(worker, time.monotonic(), reason="unreachable", died=True)
 
-    def complete(self, worker: WorkerState, msg: Message, now: float) -> None:
+    def complete(self, worker: WorkerState, msg: Message, done: Done, now: float) -> None:
         """DONE: for a request, or for the BIND the worker answered."""
-        done = Done.from_json(msg.header)
         self.bindings.answered(worker, msg.request_id, done)
         self.dispatcher.complete(worker, msg.request_id, done, now)
 

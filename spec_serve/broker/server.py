@@ -47,7 +47,21 @@ from spec_serve.protocol.commands import (
     parse_control,
     request_bytes,
 )
-from spec_serve.protocol.messages import BrokerError, BrokerHeartbeat, Disconnect, Refused, StatusQuery
+from spec_serve.protocol.messages import (
+    BindRequest,
+    BrokerError,
+    BrokerHeartbeat,
+    Disconnect,
+    Done,
+    Leave,
+    Ready,
+    Refused,
+    Release,
+    SetVocab,
+    StatusQuery,
+    SupervisionRequest,
+    WireMessage,
+)
 from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.ingress import Ingress
@@ -93,8 +107,9 @@ LOOP_STALL_S = 10.0
 CURVE_BIND_REFUSAL = ("this broker runs CURVE: a binding's rendezvous (the pair group's store and connections) "
                       "cannot be authenticated, so bindings are refused; replies stay CURVE frames")
 
-ClientHandler = Callable[[ClientState, Message, float], None]
-WorkerHandler = Callable[[WorkerState, Message, float], None]
+# A handler gets the sender's state, the message and its header typed (None for an empty one), and the time.
+ClientHandler = Callable[[ClientState, Message, Any, float], None]
+WorkerHandler = Callable[[WorkerState, Message, Any, float], None]
 
 
 class BindError(OSError):
@@ -132,7 +147,24 @@ def _check_listeners(frontend: str, backend: str, security: Security | None, ins
                            insecure_network=insecure_network)
 
 
-def _ignore(peer: Any, msg: Message, now: float) -> None:
+# The typed header of each command the broker serves (None: an empty header), read once, before its handler
+# runs: a bad one is a ProtocolError naming the message and the key.
+CLIENT_HEADERS: dict[ClientCommand, type[WireMessage] | None] = {
+    ClientCommand.REQUEST: SupervisionRequest, ClientCommand.SET_VOCAB: SetVocab, ClientCommand.STATUS: StatusQuery,
+    ClientCommand.DISCONNECT: None, ClientCommand.BIND: BindRequest, ClientCommand.RELEASE: Release,
+    ClientCommand.HEARTBEAT: None,
+}
+WORKER_HEADERS: dict[WorkerCommand, type[WireMessage] | None] = {
+    WorkerCommand.READY: Ready, WorkerCommand.DONE: Done, WorkerCommand.LEAVE: Leave, WorkerCommand.HEARTBEAT: None,
+}
+
+
+def typed_header(msg: Message, typed: type[WireMessage] | None) -> Any:
+    """``msg``'s header as its typed message (None for a command whose header is empty)."""
+    return typed.from_json(msg.header) if typed is not None else None
+
+
+def _ignore(peer: Any, msg: Message, header: None, now: float) -> None:
     """HEARTBEAT: receiving it already extended the peer's expiry."""
 
 
@@ -377,21 +409,20 @@ class Broker:
             handler = self._client_handlers.get(command)
             if handler is None:
                 raise ProtocolError(f"clients may not send {command.name}")
-            handler(client, msg, now)
+            handler(client, msg, typed_header(msg, CLIENT_HEADERS[command]), now)
         except ProtocolError as e:  # name the request, so its sender fails it at once
             raise ProtocolError(str(e), e.request_id or msg.request_id) from None
 
-    def _answer_status(self, client: ClientState, msg: Message, now: float) -> None:
+    def _answer_status(self, client: ClientState, msg: Message, query: StatusQuery, now: float) -> None:
         self.router.ctx.to_client(client.identity, control(
-            CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id,
-            status_page(self.router, StatusQuery.from_json(msg.header))))
+            CLIENT_TAG, ClientCommand.STATUS.value, msg.service, msg.request_id, status_page(self.router, query)))
 
     def process_worker(self, identity: bytes, frames: list) -> None:
         msg = parse_control(frames, WORKER_TAG, WorkerCommand)
         now = time.monotonic()
         command = WorkerCommand(msg.command)
         if command is WorkerCommand.READY:
-            self.router.worker_ready(identity, msg, now)
+            self.router.worker_ready(identity, msg, typed_header(msg, Ready), now)
             return
         worker = self.router.worker_seen(identity, now)
         if worker is None:
@@ -401,7 +432,7 @@ class Broker:
         handler = self._worker_handlers.get(command)
         if handler is None:
             raise ProtocolError(f"workers may not send {command.name}")
-        handler(worker, msg, now)
+        handler(worker, msg, typed_header(msg, WORKER_HEADERS[command]), now)
 
     # ------------------------------------------------------------------ sending and status
 

@@ -16,7 +16,8 @@ from spec_serve.protocol.commands import UNKNOWN_SERVICE_GRACE, ErrorCode
 
 # Service names that ever had a worker, remembered after the service is forgotten (see unknown).
 MAX_SERVED_NAMES = 4096
-# What a worker's DONE may say; anything else counts as "error" (the metric's label values).
+# The DONE statuses the completed metric counts by (DoneStatus values); engine_dead counts as an error, and
+# a returned request is not completed.
 DONE_STATUSES = ("ok", "error", "undeliverable")
 
 T = TypeVar("T")

@@ -25,6 +25,7 @@ class WorkerState:
     mappings: collections.OrderedDict[str, None] = dataclasses.field(default_factory=collections.OrderedDict)
     max_message_bytes: int | None = None
     host: str | None = None  # as the worker's READY said (for people: error messages, logs)
+    host_key: str | None = None  # as the worker's READY said: requests ``near`` it prefer this worker
     pid: int | None = None
     bound_to: bytes | None = None
     bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)

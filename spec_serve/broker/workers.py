@@ -52,10 +52,10 @@ class WorkerRegistry:
         service = self.services.get(name)
         return self.workers[service.workers[0]].info.get("fingerprint") if service and service.workers else None
 
-    def register(self, identity: bytes, msg: Message, now: float, pinned: list[str]) -> WorkerState | None:
+    def register(self, identity: bytes, msg: Message, ready: Ready, now: float,
+                 pinned: list[str]) -> WorkerState | None:
         """READY: the new worker, or None after refusing it (its target is not the service's). ``pinned``: the
         fingerprint each connected client of the service set up with."""
-        ready = Ready.from_json(msg.header)
         info, capacity = ready.target_info, ready.capacity
         if capacity > MAX_WORKER_CAPACITY:
             event(log, logging.WARNING, "broker.capacity_capped", worker=identity.hex()[:12], claimed=capacity,
@@ -74,7 +74,8 @@ class WorkerRegistry:
             return None
         worker = WorkerState(identity, msg.service, info, capacity, now + self.ctx.expiry_window, time.time(),
                              idle_since=now, max_message_bytes=ready.max_message_bytes,
-                             host=ready.host[:256] if ready.host else None, pid=ready.pid)
+                             host=ready.host[:256] if ready.host else None, host_key=ready.host_key,
+                             pid=ready.pid)
         self.workers[identity] = worker
         service.workers.append(identity)
         self.services.remember_served(msg.service)

@@ -277,7 +277,8 @@ class RemoteTargetModel:
             raise ValueError("with CURVE this client's data socket admits only workers' keys: give "
                              "Security(worker_keys_dir=...), the directory the broker admits workers from")
         return SupervisionRequest(
-            op=op.value, timeout=self.timeout if timeout is None else timeout, pin=offers.pin, offers=offers.offers,
+            op=op.value, timeout=self.timeout if timeout is None else timeout, pin=offers.pin, near=offers.near,
+            offers=offers.offers,
             reply_to=self._io.data_endpoint, max_reply_bytes=self._io.max_message_bytes,
             fingerprint=self._fingerprint, vocab=vocab if vocab is not None else self._vocab_digest,
             data_key=self._io.data_key or None, verify=self._sampler.wants(), **fields)

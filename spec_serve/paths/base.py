@@ -66,7 +66,7 @@ class Outgoing:
     frames, the event after which they may be sent, what they borrow, and (NCCL) what the compute thread
     sends once the header is posted."""
 
-    reply: Reply
+    reply: Reply | BindGrant | ErrorReply  # a path's is a Reply; an error's or a control job's, the others
     frames: list[Any]
     via: str  # DONE's ``via``: frames, shm, cuda, nccl, ...
     ready: torch.cuda.Event | None = None
@@ -219,11 +219,13 @@ class ClientPort(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Offer:
     """What a request carries for one path: ``body``, sent as the request's ``offers[name]`` (JSON, typed and
-    checked by the path; None: nothing), and ``pin``, the one worker that may take the request (one this
-    client holds: the broker sends the request there, never to the pool)."""
+    checked by the path; None: nothing), ``pin``, the one worker that may take the request (one this client
+    holds: the broker sends the request there, never to the pool), and ``near``, the host whose workers the
+    broker prefers for it."""
 
     body: Any = None
     pin: str | None = None
+    near: str | None = None  # a host key: the broker prefers a worker of that host (the path pays only there)
 
 
 class ClientSide:

@@ -57,11 +57,12 @@ def _loaded(paths: Sequence[str | type[ReplyPath]] | None) -> list[type[ReplyPat
 
 @dataclasses.dataclass(frozen=True)
 class Offers:
-    """What a request carries for its reply paths: the first path's offer (under ``offers[name]``) and the
-    worker it pins the request to, if any."""
+    """What a request carries for its reply paths: the first path's offer (under ``offers[name]``), the
+    worker it pins the request to and the host it prefers, if any."""
 
     offers: dict[str, Any] | None = None
     pin: str | None = None
+    near: str | None = None
 
     def __bool__(self) -> bool:
         return self.offers is not None or self.pin is not None
@@ -209,7 +210,7 @@ class ClientPaths:
         for side in self.sides:
             offer = side.offer(op)
             if offer is not None:
-                return Offers({side.name: offer.body} if offer.body is not None else None, offer.pin)
+                return Offers({side.name: offer.body} if offer.body is not None else None, offer.pin, offer.near)
         return Offers()
 
     def holds(self) -> str | None:

@@ -39,6 +39,11 @@ BACKEND_PORT = 5556
 CLIENT_PORT_HINT = f"the broker's client port, its --frontend (default {FRONTEND_PORT})"
 WORKER_PORT_HINT = f"the broker's worker port, its --backend (default {BACKEND_PORT})"
 
+# The exit status of a spec-serve process that cannot bind a port it was told to use because something else
+# holds it (EADDRINUSE's number on Linux): whoever picked that port (e.g. with free_port) can tell a lost race
+# from any other failure, and pick again (spec_serve.tools.launch does).
+EXIT_ADDRESS_IN_USE = 98
+
 # Frames before the payload in a control message, and in a data message.
 CONTROL_FRAMES = 5
 DATA_FRAMES = 4
@@ -119,6 +124,16 @@ class ErrorCode(str, enum.Enum):
     KILLED_WORKERS = "killed_workers"  # workers died while serving it, too often: never retried
     ENGINE_DEAD = "engine_dead"  # the engine died serving it; never retried (it may be what killed it)
     WRONG_PORT = "wrong_port"  # a client reached the workers' port, or a worker the clients' port
+
+
+class DoneStatus(str, enum.Enum):
+    """DONE's ``status``: how a request's slot on a worker came free."""
+
+    OK = "ok"  # its reply left
+    ERROR = "error"  # an error reply left
+    ENGINE_DEAD = "engine_dead"  # an error reply left and the engine is dead: send this worker nothing more
+    UNDELIVERABLE = "undeliverable"  # the reply could not leave (its data socket takes nothing, a bad endpoint)
+    RETURNED = "returned"  # a draining worker hands the request back unrun
 
 
 class Op(str, enum.Enum):

@@ -20,11 +20,12 @@ own (spec_serve/paths/), so this module names none of them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from spec_serve.protocol.commands import Op, ProtocolError, ReplyFormat
+from spec_serve.protocol.commands import DoneStatus, Op, ProtocolError, ReplyFormat
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -35,10 +36,12 @@ T = TypeVar("T")
 # A request's timeout when its header names none (seconds), and the largest one accepted.
 DEFAULT_REQUEST_TIMEOUT = 120
 _FORMATS = {f.value for f in ReplyFormat}
+_DONE_STATUSES = {s.value for s in DoneStatus}
 DEFAULT_KIND = "eagle3"  # supervision.contract.Kind.EAGLE3: what a REQUEST naming no kind asks for
 MAX_REQUEST_TIMEOUT = 1e7
 MAX_FINGERPRINT_CHARS = 128
 MAX_ENDPOINT_CHARS = 512
+MAX_HOST_KEY_CHARS = 256  # sockets.local_host_key: a boot id and three namespace inodes
 _SHOWN_CHARS = 80  # of a bad value, in an error
 
 
@@ -71,7 +74,8 @@ class WireMessage:
             value = getattr(self, field.name)
             if (value is None or value is False) and not field.metadata.get("always"):
                 continue  # absent: not on the wire
-            out[json_key(field)] = value.to_json() if isinstance(value, WireMessage) else value
+            out[json_key(field)] = (value.to_json() if isinstance(value, WireMessage)
+                                    else value.value if isinstance(value, enum.Enum) else value)
         return out
 
 
@@ -194,6 +198,7 @@ class SupervisionRequest(WireMessage):
     timeout: float = DEFAULT_REQUEST_TIMEOUT
     tokens: int | None = None
     pin: str | None = None  # the one worker (by name) that may take it: one the client holds (BIND)
+    near: str | None = None  # a host key: a worker of that host is preferred (the reply stays on the client's host)
     offers: Json | None = None  # {path name: its offer}: how a worker may send the reply (spec_serve/paths/)
     reply_to: str = ""
     max_reply_bytes: int | None = None
@@ -216,6 +221,8 @@ class SupervisionRequest(WireMessage):
             timeout=_timeout(r),
             tokens=r.integer("tokens", minimum=0),
             pin=r.text("pin", nullable=True, error="REQUEST header 'pin' must be a worker name string"),
+            near=r.text("near", max_chars=MAX_HOST_KEY_CHARS, error=(
+                f"REQUEST header 'near' must be a host key of at most {MAX_HOST_KEY_CHARS} characters")),
             offers=r.obj("offers"),
             max_reply_bytes=r.integer("max_reply_bytes"),
             fingerprint=_fingerprint(r),
@@ -461,6 +468,7 @@ class Ready(WireMessage):
     capacity: int = 1
     pid: int | None = None
     host: str | None = None
+    host_key: str | None = None  # sockets.local_host_key: requests ``near`` it prefer this worker
     max_message_bytes: int | None = None
 
     @classmethod
@@ -471,6 +479,7 @@ class Ready(WireMessage):
         return cls(target_info=_default(r.obj("target_info", required=True, error=bad), {}),
                    capacity=_default(r.integer("capacity", minimum=1, error=bad), 1),
                    pid=r.integer("pid"), host=r.text("host"),
+                   host_key=r.text("host_key", max_chars=MAX_HOST_KEY_CHARS),
                    max_message_bytes=limit if isinstance(limit, int) and _is_int(limit) and limit > 0 else None)
 
 
@@ -530,12 +539,13 @@ class WorkerBind(WireMessage):
 @dataclasses.dataclass(frozen=True)
 class Done(WireMessage):
     """DONE, worker -> broker: the reply left (``status`` ok/error/engine_dead) or could not (undeliverable),
-    or a draining worker hands the request back unrun (returned); the request's slot is free either way.
+    or a draining worker hands the request back unrun (returned): a ``DoneStatus``; the request's slot is
+    free either way.
     ``bytes`` is the reply's payload size."""
 
     COMMAND: ClassVar[str] = "DONE"
 
-    status: str = "ok"
+    status: DoneStatus = DoneStatus.OK
     tokens: int | None = None
     nbytes: int | None = dataclasses.field(default=None, metadata={"key": "bytes"})
     via: str | None = None
@@ -544,7 +554,9 @@ class Done(WireMessage):
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Done:
         r = HeaderReader(cls.COMMAND, raw)
-        return cls(status=_default(r.text("status"), "ok"), tokens=r.integer("tokens", minimum=0),
+        status = r.text("status", ok=lambda v: v in _DONE_STATUSES,
+                        error=f"DONE header 'status' must be one of {sorted(_DONE_STATUSES)}")
+        return cls(status=DoneStatus(_default(status, DoneStatus.OK.value)), tokens=r.integer("tokens", minimum=0),
                    nbytes=r.integer("bytes", minimum=0), via=r.text("via"), error=r.text("error"))
 
 

@@ -706,10 +706,10 @@ def _run_worker_pool(ctx: Context) -> dict[str, Any]:
     start = time.perf_counter()
     for _ in range(n):
         result = worker.serve(Job(bytes(16), header, wire.encode(batch), time.monotonic()))
-        if result.ready is not None:
-            result.ready.synchronize()  # the I/O thread sends only once the device->host copy is done
-        if result.loan is not None:
-            result.loan.left()  # what the I/O thread does once ZeroMQ has sent the frames
+        if result.out.ready is not None:
+            result.out.ready.synchronize()  # the I/O thread sends only once the device->host copy is done
+        if result.out.loan is not None:
+            result.out.loan.left()  # what the I/O thread does once ZeroMQ has sent the frames
     seconds = time.perf_counter() - start
     pool = worker.host_pool  # None for a CPU engine (no --host-pool): replies borrow its outputs
     return _figure("worker_pool", n * int(batch["attention_mask"].sum()), 0, seconds, messages=n,

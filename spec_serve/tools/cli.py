@@ -25,6 +25,7 @@ from spec_serve.protocol.commands import (
     BACKEND_PORT,
     CLIENT_PORT_HINT,
     DEFAULT_MAX_REQUEST_TOKENS,
+    EXIT_ADDRESS_IN_USE,
     FRONTEND_PORT,
     WORKER_PORT_HINT,
 )
@@ -36,11 +37,6 @@ log = logging.getLogger("spec_serve.worker")
 # A packing worker's default budget of real tokens a packed forward takes from several requests: four
 # rows of a 2048-token training batch, so requests of typical lengths pair up and full ones run alone.
 DEFAULT_PACKED_TOKENS = 8192
-
-# The exit status of a command that cannot bind a port it was told to use because something else holds it
-# (EADDRINUSE's number on Linux): whoever picked that port (e.g. with free_port) can tell a lost race from any
-# other failure, and pick again (spec_serve.tools.launch does).
-EXIT_ADDRESS_IN_USE = 98
 
 
 class AddressInUse(click.ClickException):

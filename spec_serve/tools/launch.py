@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar, cast
 
-from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE
+from spec_serve.protocol.commands import EXIT_ADDRESS_IN_USE
 from spec_serve.transport.sockets import free_port
 
 # How often a cluster on ports it picked itself picks new ones when its broker finds one of them taken.

@@ -151,13 +151,13 @@ class ComputeLoop:
         """Hand ``results`` to the I/O thread, then run what follows each posted reply (tensors that follow it)."""
         post(*results)
         for result in results:
-            if result.after_post is not None:
-                result.after_post()
+            if result.out.after_post is not None:
+                result.out.after_post()
 
     def _control(self, job: Job, post: Callable[..., None]) -> None:
         """A reply path's control job; what it answers goes to the job's reply_to."""
         assert job.control is not None and job.message is not None  # a control job comes with its message
-        self.paths.control(job.control, job.message, lambda status, header: post(Result(job, status, header, [])))
+        self.paths.control(job.control, job.message, lambda status, header: post(Result.answer(job, status, header)))
 
     def _take_queued(self, backlog: collections.deque[Job]) -> bool:
         """Move every job queued now into ``backlog`` (it may share the packed forward); False at the end."""

@@ -16,7 +16,7 @@ from spec_serve.engines.base import PackingEngine, TargetEngine
 from spec_serve.paths.base import Delivery, PathUnavailable
 from spec_serve.paths.registry import Route, WorkerPaths
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ErrorCode, Op
+from spec_serve.protocol.commands import ErrorCode, Op, Status
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
@@ -70,7 +70,7 @@ class Executor:
         reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), kind=route.reply_kind,
                       **self._integrity([job], [tensors])[0])
         outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
-        return self._within_client_limit(Result.delivered(job, outgoing, tokens))
+        return self._within_client_limit(Result(job, Status.OK, outgoing, tokens))
 
     def route(self, job: Job) -> Route:
         """The reply path of ``job`` and the kind it computes (chosen before the forward, once: cached on the
@@ -164,7 +164,7 @@ class Executor:
         outgoing = self.paths.deliver(routes,
                                       [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))
                                        for job, out, checks in zip(jobs, outs, integrity)])
-        return [Result.delivered(job, reply, int(part["attention_mask"].sum()))
+        return [Result(job, Status.OK, reply, int(part["attention_mask"].sum()))
                 for job, part, reply in zip(jobs, parts, outgoing)]
 
     # ------------------------------------------------------------ replies

@@ -5,14 +5,11 @@ ready to send) back."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from spec_serve.paths.base import Loan, Outgoing
+from spec_serve.paths.base import Outgoing
 from spec_serve.paths.registry import Route
-from spec_serve.protocol.commands import ErrorCode, ProtocolError, Status
+from spec_serve.protocol.commands import DoneStatus, ErrorCode, ProtocolError, Status
 from spec_serve.protocol.messages import BindGrant, ErrorReply, Reply, SupervisionRequest, WireMessage
 
 
@@ -69,22 +66,28 @@ class Job:
 
 @dataclasses.dataclass
 class Result:
+    """A job's answer for the I/O thread: its status, the data message as a reply path (or an error, or a
+    control job) handed it over (``out``: header, frames, the device->host copy they wait for, what they
+    borrow, what follows them), and the tokens it served."""
+
     job: Job
     status: Status
-    reply: Reply | BindGrant | ErrorReply  # the data message's header
-    frames: list
+    out: Outgoing
     tokens: int = 0
-    ready: torch.cuda.Event | None = None  # the frames' device->host copy; sent only once it completed
-    loan: Loan | None = None  # memory the reply borrows (a host slab, a lent slot): ``left`` once sent
-    via: str = "frames"  # the reply path, for DONE
-    lent_bytes: int = 0  # bytes lent outside the frames (a lent slot)
-    after_post: Callable[[], None] | None = None  # compute thread, once posted (tensors that follow)
 
     @classmethod
-    def delivered(cls, job: Job, outgoing: Outgoing, tokens: int) -> Result:
-        """The result of ``job`` as a reply path handed it over."""
-        return cls(job, Status.OK, outgoing.reply, outgoing.frames, tokens, outgoing.ready, outgoing.loan,
-                   outgoing.via, outgoing.lent_bytes, outgoing.after_post)
+    def answer(cls, job: Job, status: Status, header: Reply | BindGrant | ErrorReply) -> Result:
+        """A reply without payload (an error, a control job's answer), as frames."""
+        return cls(job, status, Outgoing(header, [], "frames"))
+
+    @property
+    def reply(self) -> Reply | BindGrant | ErrorReply:
+        """The data message's header."""
+        return self.out.reply
+
+    @property
+    def frames(self) -> list:
+        return self.out.frames
 
     @property
     def header(self) -> dict[str, Any]:
@@ -94,22 +97,22 @@ class Result:
     @property
     def nbytes(self) -> int:
         """The reply's payload: its frames, plus the bytes it lends outside them (a lent slot)."""
-        return sum(len(memoryview(f)) for f in self.frames) + self.lent_bytes
+        return sum(len(memoryview(f)) for f in self.frames) + self.out.lent_bytes
 
     def drop(self) -> None:
         """The reply will not be sent: what it borrowed goes back now."""
-        if self.loan is not None:
-            self.loan.dropped()
+        if self.out.loan is not None:
+            self.out.loan.dropped()
 
 
-def done_status(result: Result) -> str:
+def done_status(result: Result) -> DoneStatus:
     """The DONE status of a reply handed to ZeroMQ; ``engine_dead`` tells the broker to send no more."""
     if result.status is Status.OK:
-        return "ok"
+        return DoneStatus.OK
     dead = isinstance(result.reply, ErrorReply) and result.reply.code == ErrorCode.ENGINE_DEAD.value
-    return "engine_dead" if dead else "error"
+    return DoneStatus.ENGINE_DEAD if dead else DoneStatus.ERROR
 
 
 def error_result(job: Job, worker: str, code: ErrorCode, message: str) -> Result:
     """An error reply to ``job``: no payload, the code and message the client reads."""
-    return Result(job, Status.ERROR, ErrorReply(worker=worker, code=code.value, error=message), [])
+    return Result.answer(job, Status.ERROR, ErrorReply(worker=worker, code=code.value, error=message))

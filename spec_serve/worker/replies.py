@@ -15,7 +15,7 @@ from collections.abc import Callable
 import zmq
 
 from spec_serve.paths.base import Loan
-from spec_serve.protocol.commands import data_message
+from spec_serve.protocol.commands import DoneStatus, data_message
 from spec_serve.protocol.messages import Done
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.sockets import Security, make_socket, send_lent
@@ -131,7 +131,7 @@ class Outbox:
         except Exception as e:  # a reply_to or data_key no socket takes: no one to answer
             event(log, logging.WARNING, "worker.bad_reply_to", endpoint=str(endpoint)[:80], error=e)
             result.drop()
-            self.send_done(result.job.request_id, Done(status="undeliverable", error=f"bad endpoint: {e}"))
+            self.send_done(result.job.request_id, Done(status=DoneStatus.UNDELIVERABLE, error=f"bad endpoint: {e}"))
             return
         self._waiting.append((sock, result))
 
@@ -141,7 +141,7 @@ class Outbox:
         self._release_sent()
         for _ in range(len(self._waiting)):
             reply_socket, result = self._waiting.popleft()
-            if result.ready is not None and not result.ready.query():
+            if result.out.ready is not None and not result.out.ready.query():
                 self._waiting.append((reply_socket, result))  # its device->host copy is still running
                 continue
             sent = self._hand_off(reply_socket, result, now)
@@ -149,8 +149,8 @@ class Outbox:
                 self._waiting.append((reply_socket, result))  # its socket is still connecting
                 continue
             self.send_done(result.job.request_id, Done(
-                status=done_status(result) if sent else "undeliverable", tokens=result.tokens, nbytes=result.nbytes,
-                via=result.via,
+                status=done_status(result) if sent else DoneStatus.UNDELIVERABLE, tokens=result.tokens,
+                nbytes=result.nbytes, via=result.out.via,
                 error=None if sent else "its data socket takes nothing (the endpoint refuses, or nothing reads it)"))
             self.served += 1
 
@@ -178,9 +178,9 @@ class Outbox:
                     return None
             else:
                 reply_socket.unsent.append((tracker, now))
-                if result.loan is not None:
-                    self._tracked.append((tracker, result.loan))
-                self.replies[result.via] += 1
+                if result.out.loan is not None:
+                    self._tracked.append((tracker, result.out.loan))
+                self.replies[result.out.via] += 1
                 return True
         result.drop()
         event(log, logging.INFO, "worker.reply_undeliverable", request=result.job.request_id.hex()[:12])

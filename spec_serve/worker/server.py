@@ -36,6 +36,7 @@ from spec_serve.protocol.commands import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_LIVENESS,
     WORKER_PORT_HINT,
+    DoneStatus,
     Message,
     ProtocolError,
     WorkerCommand,
@@ -282,7 +283,7 @@ class Worker:
     def _done(self, request_id: bytes, done: Done) -> None:
         """Tell the broker DONE, and count it for /metrics."""
         with self._counts_lock:
-            self._done_counts[done.status] += 1
+            self._done_counts[done.status.value] += 1
             self._done_counts["tokens"] += done.tokens or 0
             if done.nbytes:
                 self._done_counts[f"bytes:{done.via or 'frames'}"] += done.nbytes
@@ -335,7 +336,7 @@ class Worker:
 
     def _hand_back(self, job: Job) -> None:
         """A request we will not run: the broker gives it to another worker at once."""
-        self._done(job.request_id, Done(status="returned"))
+        self._done(job.request_id, Done(status=DoneStatus.RETURNED))
         self.drain.handed_back += 1
 
     def _holds_nothing(self, now: float) -> bool:

@@ -35,7 +35,7 @@ from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.broker_link import BrokerLink
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.ingress import Ingress
-from spec_serve.transport.sockets import Security, make_socket
+from spec_serve.transport.sockets import Security, local_host_key, make_socket
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -201,7 +201,7 @@ class BrokerSession:
         if not self.before_ready():
             return
         header = Ready(target_info=self.info.to_dict(), capacity=self.capacity, pid=os.getpid(),
-                       host=socket.gethostname(), max_message_bytes=self.max_message_bytes)
+                       host=socket.gethostname(), host_key=local_host_key(), max_message_bytes=self.max_message_bytes)
         self.sock.send_multipart(control(WORKER_TAG, WorkerCommand.READY.value, self.service, header=header))
         self.link.up = False  # until the broker answers this READY
         event(log, logging.DEBUG, "worker.registering", worker=self.name, service=self.service,

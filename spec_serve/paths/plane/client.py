@@ -26,7 +26,7 @@ class PlaneClient(ClientSide):
 
     def offer(self, op: str) -> Offer | None:
         offer = self.plane.offer() if self.plane is not None and op == Op.GENERATE.value else None
-        return Offer(offer) if offer is not None else None
+        return Offer(offer, near=offer["host"]) if offer is not None else None  # it pays on the offer's host only
 
     def accept(self, arrival: Arrival) -> Mapping[str, Any] | None:
         """Spans over the lent slot; None if the plane cannot deliver it here (asked for again without it)."""

@@ -41,7 +41,8 @@ class SpoolClient(ClientSide):
     def offer(self, op: str) -> Offer | None:
         if op != Op.GENERATE.value:
             return None
-        return Offer({"host": local_host_key(), "dir": str(self.dir)})
+        host = local_host_key()
+        return Offer({"host": host, "dir": str(self.dir)}, near=host)
 
     def _file(self, reply: Reply) -> Path:
         name = str(reply.descriptor(self.name)["file"])
