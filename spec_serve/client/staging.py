@@ -186,8 +186,8 @@ def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
 
 
 def land(span: Span, out: torch.Tensor, staging: Staging | None) -> torch.Tensor:
-    """``span.copy_into(out)``, through ``staging`` when there is one and the bytes are a frame's (a plane
-    slot's bytes are copied as the plane copies them)."""
+    """``span.copy_into(out)``, through ``staging`` when there is one and the bytes are a frame's (bytes a
+    worker lent are copied as their path copies them)."""
     if staging is not None and isinstance(span, TensorSpan):
         return staging.land(span, out)
     return span.copy_into(out)
