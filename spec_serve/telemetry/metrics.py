@@ -29,6 +29,16 @@ CLIENT_LM_HEAD_SLICES = Counter("spec_serve_client_lm_head_slices",
 CLIENT_LM_HEAD_SLICE_BYTES = Counter("spec_serve_client_lm_head_slice_bytes",
                                      "Bytes of the draft-vocab lm_head slices a client fetched", ["service"])
 
+# A rank's demand (client/demand.py; docs/sizing.md): its wait share is rate(wait) / (rate(wait) + rate(compute)).
+CLIENT_WAIT_SECONDS = Counter("spec_serve_client_wait_seconds",
+                              "Seconds the trainer was blocked waiting for supervision", ["service"])
+CLIENT_COMPUTE_SECONDS = Counter("spec_serve_client_compute_seconds",
+                                 "Seconds between the trainer's requests it did not wait (its own compute)",
+                                 ["service"])
+CLIENT_STEPS = Counter("spec_serve_client_steps", "Batches the trainer asked for", ["service"])
+CLIENT_REQUESTED_TOKENS = Counter("spec_serve_client_requested_tokens", "Real tokens of the batches asked for",
+                                  ["service"])
+
 
 class BrokerMetrics:
     """Counters the broker updates from its loop; the HTTP shim renders them."""
@@ -68,22 +78,89 @@ class BrokerMetrics:
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)
+        self._sizing_gauges(r)
+
+    def _sizing_gauges(self, r: CollectorRegistry) -> None:
+        """Supply and demand per service over the broker's --sizing-window (broker/supply.py, docs/sizing.md)."""
+        self.client_reports = Counter("spec_serve_client_reports", "Clients' demand reports (heartbeats), by what "
+                                      "became of them: accepted, first (a baseline), clamped (more seconds than "
+                                      "passed), reset (counters went back), rejected (negative, NaN, not a number), "
+                                      "foreign_service (a service its requests never named)", ["outcome"], registry=r)
+        service = ["service"]
+        self.demand_tps = Gauge("spec_serve_demand_tokens_per_second", "Tokens/s trainers asked for", service,
+                                registry=r)
+        self.demand_ranks = Gauge("spec_serve_demand_ranks", "Clients that asked for supervision", service, registry=r)
+        self.supply_tps = Gauge("spec_serve_supply_tokens_per_second",
+                                "Tokens/s the workers deliver while busy, summed: the service's capacity", service,
+                                registry=r)
+        self.delivered_tps = Gauge("spec_serve_delivered_tokens_per_second", "Tokens/s the workers delivered",
+                                   service, registry=r)
+        self.trainer_wait = Gauge("spec_serve_trainer_wait_fraction",
+                                  "Share of the trainers' step time spent waiting for supervision", service, registry=r)
+        self.busy = Gauge("spec_serve_busy_fraction", "Share of the time the workers held a request, their mean",
+                          service, registry=r)
+        self.queue_wait = Gauge("spec_serve_queue_wait_seconds", "Time requests waited for a worker",
+                                ["service", "quantile"], registry=r)
+        self.workers_needed = Gauge("spec_serve_workers_needed", "Workers the advice names (spec-serve status): "
+                                    "what an autoscaler should run", service, registry=r)
+        self.worker_busy = Gauge("spec_serve_worker_busy_fraction", "Share of the time a worker held a request",
+                                 ["worker", "service"], registry=r)
+        self.worker_supply = Gauge("spec_serve_worker_supply_tokens_per_second",
+                                   "Tokens/s a worker delivers while busy", ["worker", "service"], registry=r)
 
     def forget_service(self, service: str, statuses: tuple[str, ...]) -> None:
         """Drop a forgotten service's series, so label sets do not grow with every name ever used.
         (prometheus_client before 0.20 raises KeyError for a label set it never saw.)"""
-        for metric in (self.requests, self.tokens, self.reply_bytes, self.latency, self.queue_depth, self.workers):
+        for metric in (self.requests, self.tokens, self.reply_bytes, self.latency, self.queue_depth, self.workers,
+                       *self._per_service):
             with contextlib.suppress(KeyError):
                 metric.remove(service)
+        for quantile in QUEUE_WAIT_QUANTILES:
+            with contextlib.suppress(KeyError):
+                self.queue_wait.remove(service, quantile)
         for status in statuses:
             with contextlib.suppress(KeyError):
                 self.completed.remove(service, status)
+
+    @property
+    def _per_service(self) -> tuple[Gauge, ...]:
+        return (self.demand_tps, self.demand_ranks, self.supply_tps, self.delivered_tps, self.trainer_wait, self.busy,
+                self.workers_needed)
+
+    def set_sizing(self, services: Mapping[str, Mapping[str, Any]], workers: list[dict]) -> None:
+        """Each service's supply-and-demand entry (broker/supply.py) and each worker's figures, as gauges. A
+        figure not measured yet leaves no series (a gap, not a made-up zero); the advice's worker count too."""
+        for name, f in services.items():
+            for gauge, key in ((self.demand_tps, "demand_tps"), (self.demand_ranks, "ranks"),
+                               (self.supply_tps, "supply_tps"), (self.delivered_tps, "delivered_tps"),
+                               (self.busy, "busy"), (self.trainer_wait, "trainer_wait")):
+                _set_or_drop(gauge, (name,), f[key])
+            _set_or_drop(self.workers_needed, (name,), f["advice"]["workers_needed"])
+            for quantile in QUEUE_WAIT_QUANTILES:
+                _set_or_drop(self.queue_wait, (name, quantile), f[f"queue_wait_p{quantile[2:]}_s"])
+        self.worker_busy.clear()
+        self.worker_supply.clear()
+        for w in workers:
+            _set_or_drop(self.worker_busy, (w["id"], w["service"]), w["busy"])
+            _set_or_drop(self.worker_supply, (w["id"], w["service"]), w["supply_tps"])
 
     def set_worker_states(self, workers: list[dict]) -> None:
         """Replace the per-worker gauge with the current set of workers."""
         self.worker_state.clear()
         for w in workers:
             self.worker_state.labels(worker=w["id"], service=w["service"], state=w["state"]).set(w["inflight"])
+
+
+# The queue-wait quantiles exported (label values), and the status keys they come from (queue_wait_p50_s, ...).
+QUEUE_WAIT_QUANTILES = ("0.50", "0.95")
+
+
+def _set_or_drop(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    if value is not None:
+        gauge.labels(*labels).set(value)
+    else:
+        with contextlib.suppress(KeyError):
+            gauge.remove(*labels)
 
 
 # A forward's wall time, from a few milliseconds (a tiny request on a GPU) to minutes (a long one on a CPU).
