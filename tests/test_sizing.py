@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import threading
 import time
@@ -22,8 +23,8 @@ from spec_serve.protocol.messages import ClientHeartbeat
 
 def figures(workers: int = 3, demand: float = 1000.0, supply: float = 500.0, busy: float = 0.5,
             wait: float | None = 0.0, ranks: int = 2) -> Figures:
-    return Figures(workers=workers, demand_tps=demand, ranks=ranks, supply_tps=(supply,) * workers,
-                   busy=(busy,) * workers, wait=wait)
+    return Figures(seconds=60.0, span=60.0, workers=workers, demand_tps=demand, ranks=ranks,
+                   supply_tps=(supply,) * workers, busy=(busy,) * workers, wait=wait)
 
 
 # ------------------------------------------------------------------ the rule
@@ -72,10 +73,16 @@ def test_within_noise_is_balanced():
 def test_no_demand_no_supply_no_workers():
     assert advise(figures(demand=0.0, ranks=0)).action == IDLE
     assert advise(figures(demand=0.0, ranks=0)).workers_needed == 0
-    none_done = Figures(workers=2, demand_tps=500.0, ranks=1, supply_tps=(None, None), busy=(1.0, 1.0), wait=0.9)
+    none_done = Figures(seconds=60.0, span=60.0, workers=2, demand_tps=500.0, ranks=1, supply_tps=(None, None),
+                        busy=(1.0, 1.0), wait=0.9)
     assert advise(none_done).action == UNKNOWN and advise(none_done).workers_needed is None
-    nobody = Figures(workers=0, demand_tps=500.0, ranks=1, supply_tps=(), busy=(), wait=None)
+    nobody = Figures(seconds=60.0, span=60.0, workers=0, demand_tps=500.0, ranks=1, supply_tps=(), busy=(), wait=None)
     assert advise(nobody).action == ADD and advise(nobody).workers_needed == 1
+
+
+def test_no_advice_before_the_window_is_full():
+    early = dataclasses.replace(figures(demand=2970.0, supply=1000.0, busy=0.99, wait=0.31), seconds=20.0)
+    assert advise(early).action == UNKNOWN and advise(early).line.startswith("measuring: 20 of the window's 60 s")
 
 
 def test_a_rank_that_only_waits_asks_a_finite_amount():
@@ -201,7 +208,7 @@ def test_status_and_metrics_carry_the_figures(clock):
 
     router = make_router(sizing_window=5.0)
     ready(router, b"w1", clock.now)
-    run_steps(router, clock, b"rank0", 4)
+    run_steps(router, clock, b"rank0", 8)
     status = full_status(router)
     sizing = status["services"][SERVICE]["sizing"]
     assert set(sizing) >= {"demand_tps", "ranks", "supply_tps", "busy", "trainer_wait", "queue_wait_p50_s",

@@ -27,6 +27,9 @@ from typing import Any
 NOISE = 0.05
 HEADROOM = 0.10
 LATENCY_WAIT = 0.10
+# The advice waits until the figures cover this share of the window (ticks are discrete): a shorter history
+# is dominated by the start (each rank fills its prefetch at once).
+FULL_WINDOW = 0.9
 # A trainer that reports it waits nearly all the time (a benchmark that never computes) asks for at most this
 # many times what it got: the estimate of its unthrottled demand stays finite.
 MIN_COMPUTE_SHARE = 0.05
@@ -67,11 +70,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class Figures:
     """One service's supply and demand over the broker's window.
 
-    ``workers``: those taking pool requests. ``demand_tps``: tokens/s the trainers asked for (their REQUESTs).
+    ``seconds``: the history they cover, of the window's ``span`` seconds. ``workers``: those not leaving.
+    ``demand_tps``: tokens/s the trainers asked for (their REQUESTs).
     ``ranks``: clients that asked. ``supply_tps``: per worker, tokens/s it delivered while busy (None: it was
     never busy in the window). ``busy``: per worker, the share of the window it held a request. ``wait``: the
     trainers' share of step time spent waiting for supervision (None: no rank reported it)."""
 
+    seconds: float
+    span: float
     workers: int
     demand_tps: float
     ranks: int
@@ -115,6 +121,8 @@ class Advice:
 
 def advise(f: Figures) -> Advice:
     """The advice for a service's figures (the rule in this module's docstring and docs/sizing.md)."""
+    if f.seconds < f.span * FULL_WINDOW:
+        return Advice(UNKNOWN, None, f"measuring: {f.seconds:.0f} of the window's {f.span:.0f} s so far")
     if f.ranks == 0 or f.demand_tps <= 0:
         busy = f" ({f.mean_busy:.0%} busy)" if f.workers else ""
         return Advice(IDLE, 0, f"idle: no trainer asked in the window; {f.workers} workers{busy}")

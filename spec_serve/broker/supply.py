@@ -132,8 +132,8 @@ class SupplyDemand:
                 waited, computed = waited + counted[0], computed + counted[1]
         wait = waited / (waited + computed) if waited + computed > 0 else None
         figures = [self.workers[w.identity] for w in workers]
-        measured = Figures(workers=len(workers), demand_tps=demand, ranks=len(service.askers),
-                           supply_tps=tuple(f["supply_tps"] for f in figures),
+        measured = Figures(seconds=seconds, span=self.span, workers=len(workers), demand_tps=demand,
+                           ranks=len(service.askers), supply_tps=tuple(f["supply_tps"] for f in figures),
                            busy=tuple(f["busy"] or 0.0 for f in figures), wait=wait)
         advice = advise(measured)
         waits = [w for _, w in service.queue_waits]
