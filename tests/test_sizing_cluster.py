@@ -12,8 +12,10 @@ stays under 0.2 s. One rank needs 0.67 (0.83 with 0.1 s overhead): one worker of
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -24,6 +26,7 @@ from spec_serve.tools.cli import main
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 
+ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "sizing"
 FORWARD_S = 0.4
 COMPUTE_S = 0.6
@@ -116,3 +119,22 @@ def test_advice_follows_supply_and_demand(cluster, tiny_target_dir, tiny_vocab_m
     finally:
         for rank in ranks:
             rank.stop()
+
+
+def test_the_gpu_sizing_bench_runs_here(tiny_target_dir, tmp_path, capsys):
+    """benchmarks/bench_sizing.py (the GPU figure, benchmarks/gpu_sizing.sh) end to end on the tiny target, short
+    phases: every reply equal to the colocated forward, a figure and an advice per rank count."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_sizing", ROOT / "benchmarks" / "bench_sizing.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "sizing.json"
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--target", str(tiny_target_dir), "--device", "cpu", "--batch", "2", "--seq", "32",
+                    "--window", "1", "--phase-s", "2", "--max-ranks", "2", "--json", str(out)])
+    assert exited.value.code == 0, capsys.readouterr().out[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["verified"] > 0 and [p["ranks"] for p in report["phases"]] == [1, 2]
+    assert all(p["advice"].get("line") for p in report["phases"])
