@@ -122,8 +122,8 @@ def test_advice_follows_supply_and_demand(cluster, tiny_target_dir, tiny_vocab_m
 
 
 def test_the_gpu_sizing_bench_runs_here(tiny_target_dir, tmp_path, capsys):
-    """benchmarks/bench_sizing.py (the GPU figure, benchmarks/gpu_sizing.sh) end to end on the tiny target, short
-    phases: every reply equal to the colocated forward, a figure and an advice per rank count."""
+    """benchmarks/bench_sizing.py (the GPU figure: BENCHMARKS.md, "Supply and demand") end to end on the tiny
+    target, short phases: every reply equal to the colocated forward, a figure and an advice per rank count."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_sizing", ROOT / "benchmarks" / "bench_sizing.py")
