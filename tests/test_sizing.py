@@ -97,6 +97,13 @@ def test_window_covers_its_span_and_percentiles():
         window.add(float(t), (t * 2.0, t * 0.5))
     seconds, (a, b) = window.increase()
     assert seconds == 10.0 and a == 20.0 and b == 5.0
+    # A long window of frequent samples keeps a bounded number of them, and still its whole span.
+    long = Window(span=600.0)
+    for t in range(0, 3000):
+        long.add(t * 0.5, (float(t),))
+    seconds, (grown,) = long.increase()
+    assert 600.0 <= seconds <= 610.0 and grown == pytest.approx(2 * seconds)
+    assert len(long._samples) <= 2 * 120 + 2  # of two consecutive gaps between samples, one is a full gap
     assert percentile([], 0.5) is None
     assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 0.95) == 4.0
 

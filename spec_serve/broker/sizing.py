@@ -39,14 +39,23 @@ ADD, REMOVE, BALANCED, IDLE, UNKNOWN = "add", "remove", "balanced", "idle", "unk
 
 class Window:
     """Samples ``(t, counters)`` of cumulative counters, the last ``span`` seconds of them (and the one sample
-    before, so the increase covers the whole span): ``increase`` is how much each grew, and over how long."""
+    before, so the increase covers the whole span): ``increase`` is how much each grew, and over how long.
 
-    def __init__(self, span: float, max_samples: int = 256):
+    At most about twice ``resolution`` samples, whatever the span and the rate of ``add``: a sample that follows the
+    one before the newest by less than ``span / resolution`` replaces the newest (the newest is always the
+    latest counters, the oldest always a full span back)."""
+
+    def __init__(self, span: float, resolution: int = 120):
         self.span = span
-        self._samples: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque(maxlen=max_samples)
+        self._gap = span / resolution
+        self._samples: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque()
 
     def add(self, t: float, counters: Sequence[float]) -> None:
-        self._samples.append((t, tuple(counters)))
+        sample = (t, tuple(counters))
+        if len(self._samples) >= 2 and t - self._samples[-2][0] < self._gap:
+            self._samples[-1] = sample
+        else:
+            self._samples.append(sample)
         while len(self._samples) > 2 and self._samples[1][0] <= t - self.span:
             self._samples.popleft()
 
