@@ -155,6 +155,13 @@ def registered_series() -> dict[str, set[str]]:
         suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}[kind]
         for suffix in suffixes:
             series[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    sizing = BrokerMetrics().sizing  # the broker's supply-and-demand gauges, read when scraped
+    entry = {"demand_tps": 1.0, "ranks": 1, "supply_tps": 1.0, "delivered_tps": 1.0, "trainer_wait": 0.1, "busy": 0.5,
+             "queue_wait_p50_s": 0.1, "queue_wait_p95_s": 0.2, "advice": {"workers_needed": 1}}
+    sizing.read = lambda: ({"s": entry}, [{"id": "w", "service": "s", "busy": 0.5, "supply_tps": 1.0}])
+    for family in sizing.collect():
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
     figures = {"info": {"worker": "w", "service": "s", "engine": "hf", "model": "m"}, "requests": {"ok": 1},
                "tokens": 1, "reply_bytes": {"frames": 1}, "digests": 1, "queue_depth": 0, "in_forward": 0,
                "device_memory": {("cpu", "resident"): 1}, "state": "serving"}

@@ -197,7 +197,8 @@ def test_absurd_reports_are_clamped_or_ignored_and_counted_and_skew_no_other_ser
     router.measure(later + 3.0)
     assert router.supply.services["other"]["trainer_wait"] == pytest.approx(honest, abs=0.01)
     assert 0.0 <= router.supply.services[SERVICE]["trainer_wait"] <= 1.0
-    assert router.metrics.trainer_wait.labels(service="other")._value.get() == pytest.approx(honest, abs=0.01)
+    assert router.metrics.registry.get_sample_value("spec_serve_trainer_wait_fraction", {"service": "other"}) == \
+        pytest.approx(honest, abs=0.01)
 
 
 def test_a_client_that_leaves_frees_its_worker_busy_time():
@@ -221,7 +222,18 @@ def test_status_and_metrics_carry_the_figures(clock):
     assert set(sizing) >= {"demand_tps", "ranks", "supply_tps", "busy", "trainer_wait", "queue_wait_p50_s",
                            "queue_wait_p95_s", "advice"}
     assert sizing["advice"]["line"] and status["workers"][0]["busy"] is not None
-    assert router.metrics.workers_needed.labels(service=SERVICE)._value.get() == sizing["advice"]["workers_needed"]
+    sample = router.metrics.registry.get_sample_value
+    assert sample("spec_serve_workers_needed", {"service": SERVICE}) == sizing["advice"]["workers_needed"]
+    assert sample("spec_serve_queue_wait_seconds", {"service": SERVICE, "quantile": "0.95"}) == \
+        sizing["queue_wait_p95_s"]
+    assert sample("spec_serve_worker_busy_fraction", {"service": SERVICE, "worker": status["workers"][0]["id"]}) == \
+        status["workers"][0]["busy"]
+    # Before a full window (a service that just started) the advice's count has no sample: a gap, not a zero.
+    fresh = make_router(sizing_window=5.0)
+    ready(fresh, b"w1", clock.now)
+    fresh.measure(clock.now)
+    assert fresh.supply.services[SERVICE]["advice"]["workers_needed"] is None
+    assert fresh.metrics.registry.get_sample_value("spec_serve_workers_needed", {"service": SERVICE}) is None
 
 
 # ------------------------------------------------------------------ the rank's meter

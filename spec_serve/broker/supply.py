@@ -43,9 +43,12 @@ class SupplyDemand:
     def __init__(self, ctx: BrokerContext, span: float):
         self.ctx = ctx
         self.span = span
-        # Latest figures (sample): per service its entry for status, per worker (identity) its own.
+        # Latest figures (sample): per service its entry for status, per worker (identity) its own. Replaced
+        # whole each tick: the metrics, read from the HTTP shim's thread, see one tick's figures.
         self.services: dict[str, dict[str, Any]] = {}
         self.workers: dict[bytes, dict[str, Any]] = {}
+        self._labelled: list[dict[str, Any]] = []  # the workers' figures with their id and service, for metrics
+        ctx.metrics.sizing.read = lambda: (self.services, self._labelled)
 
     # ------------------------------------------------------------------ events
 
@@ -94,11 +97,13 @@ class SupplyDemand:
     def sample(self, services: dict[str, ServiceState], workers: dict[bytes, WorkerState],
                clients: dict[bytes, ClientState], now: float) -> None:
         """Add this tick's samples to every window, then compute each service's figures and advice."""
+        reporting: dict[str, list[ClientState]] = {}
         for client in clients.values():
             if client.report_service is not None:
                 _window(client, self.span).add(now, (client.wait_s, client.compute_s))
+                reporting.setdefault(client.report_service, []).append(client)
         self.workers = {w.identity: self._worker_figures(w, now) for w in workers.values()}
-        self.services = {}
+        entries = {}
         for name, service in services.items():
             _window(service, self.span).add(now, (service.asked,))
             for asker in [c for c, t in service.askers.items() if t < now - self.span]:
@@ -106,10 +111,9 @@ class SupplyDemand:
             while service.queue_waits and service.queue_waits[0][0] < now - self.span:
                 service.queue_waits.popleft()
             mine = [workers[i] for i in service.workers if i in workers and not workers[i].leaving]
-            reporting = [c for c in clients.values() if c.report_service == name]
-            self.services[name] = self._service_entry(service, mine, reporting)
-        self.ctx.metrics.set_sizing(self.services, [dict(self.workers[w.identity], id=w.name, service=w.service)
-                                                    for w in workers.values()])
+            entries[name] = self._service_entry(service, mine, reporting.get(name, []))
+        self.services = entries
+        self._labelled = [dict(self.workers[w.identity], id=w.name, service=w.service) for w in workers.values()]
 
     def _worker_figures(self, worker: WorkerState, now: float) -> dict[str, Any]:
         window = _window(worker, self.span)

@@ -4,7 +4,7 @@ including its compiled engine's (``CompileCollector``); the client's, process-lo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import prometheus_client
@@ -78,71 +78,22 @@ class BrokerMetrics:
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)
-        self._sizing_gauges(r)
-
-    def _sizing_gauges(self, r: CollectorRegistry) -> None:
-        """Supply and demand per service over the broker's --sizing-window (broker/supply.py, docs/sizing.md)."""
         self.client_reports = Counter("spec_serve_client_reports", "Clients' demand reports (heartbeats), by what "
                                       "became of them: accepted, first (a baseline), clamped (more seconds than "
                                       "passed), reset (counters went back), rejected (negative, NaN, not a number), "
                                       "foreign_service (a service its requests never named)", ["outcome"], registry=r)
-        service = ["service"]
-        self.demand_tps = Gauge("spec_serve_demand_tokens_per_second", "Tokens/s trainers asked for", service,
-                                registry=r)
-        self.demand_ranks = Gauge("spec_serve_demand_ranks", "Clients that asked for supervision", service, registry=r)
-        self.supply_tps = Gauge("spec_serve_supply_tokens_per_second",
-                                "Tokens/s the workers deliver while busy, summed: the service's capacity", service,
-                                registry=r)
-        self.delivered_tps = Gauge("spec_serve_delivered_tokens_per_second", "Tokens/s the workers delivered",
-                                   service, registry=r)
-        self.trainer_wait = Gauge("spec_serve_trainer_wait_fraction",
-                                  "Share of the trainers' step time spent waiting for supervision", service, registry=r)
-        self.busy = Gauge("spec_serve_busy_fraction", "Share of the time the workers held a request, their mean",
-                          service, registry=r)
-        self.queue_wait = Gauge("spec_serve_queue_wait_seconds", "Time requests waited for a worker",
-                                ["service", "quantile"], registry=r)
-        self.workers_needed = Gauge("spec_serve_workers_needed", "Workers the advice names (spec-serve status): "
-                                    "what an autoscaler should run", service, registry=r)
-        self.worker_busy = Gauge("spec_serve_worker_busy_fraction", "Share of the time a worker held a request",
-                                 ["worker", "service"], registry=r)
-        self.worker_supply = Gauge("spec_serve_worker_supply_tokens_per_second",
-                                   "Tokens/s a worker delivers while busy", ["worker", "service"], registry=r)
+        self.sizing = SizingCollector()
+        r.register(self.sizing)
 
     def forget_service(self, service: str, statuses: tuple[str, ...]) -> None:
         """Drop a forgotten service's series, so label sets do not grow with every name ever used.
         (prometheus_client before 0.20 raises KeyError for a label set it never saw.)"""
-        for metric in (self.requests, self.tokens, self.reply_bytes, self.latency, self.queue_depth, self.workers,
-                       *self._per_service):
+        for metric in (self.requests, self.tokens, self.reply_bytes, self.latency, self.queue_depth, self.workers):
             with contextlib.suppress(KeyError):
                 metric.remove(service)
-        for quantile in QUEUE_WAIT_QUANTILES:
-            with contextlib.suppress(KeyError):
-                self.queue_wait.remove(service, quantile)
         for status in statuses:
             with contextlib.suppress(KeyError):
                 self.completed.remove(service, status)
-
-    @property
-    def _per_service(self) -> tuple[Gauge, ...]:
-        return (self.demand_tps, self.demand_ranks, self.supply_tps, self.delivered_tps, self.trainer_wait, self.busy,
-                self.workers_needed)
-
-    def set_sizing(self, services: Mapping[str, Mapping[str, Any]], workers: list[dict]) -> None:
-        """Each service's supply-and-demand entry (broker/supply.py) and each worker's figures, as gauges. A
-        figure not measured yet leaves no series (a gap, not a made-up zero); the advice's worker count too."""
-        for name, f in services.items():
-            for gauge, key in ((self.demand_tps, "demand_tps"), (self.demand_ranks, "ranks"),
-                               (self.supply_tps, "supply_tps"), (self.delivered_tps, "delivered_tps"),
-                               (self.busy, "busy"), (self.trainer_wait, "trainer_wait")):
-                _set_or_drop(gauge, (name,), f[key])
-            _set_or_drop(self.workers_needed, (name,), f["advice"]["workers_needed"])
-            for quantile in QUEUE_WAIT_QUANTILES:
-                _set_or_drop(self.queue_wait, (name, quantile), f[f"queue_wait_p{quantile[2:]}_s"])
-        self.worker_busy.clear()
-        self.worker_supply.clear()
-        for w in workers:
-            _set_or_drop(self.worker_busy, (w["id"], w["service"]), w["busy"])
-            _set_or_drop(self.worker_supply, (w["id"], w["service"]), w["supply_tps"])
 
     def set_worker_states(self, workers: list[dict]) -> None:
         """Replace the per-worker gauge with the current set of workers."""
@@ -151,16 +102,61 @@ class BrokerMetrics:
             self.worker_state.labels(worker=w["id"], service=w["service"], state=w["state"]).set(w["inflight"])
 
 
-# The queue-wait quantiles exported (label values), and the status keys they come from (queue_wait_p50_s, ...).
-QUEUE_WAIT_QUANTILES = ("0.50", "0.95")
+# Supply and demand per service (broker/supply.py, docs/sizing.md): (metric, help, key of the service's
+# ``sizing`` entry). Read when scraped (``SizingCollector``).
+SIZING_SERIES = (
+    ("spec_serve_demand_tokens_per_second", "Tokens/s trainers asked for", "demand_tps"),
+    ("spec_serve_demand_ranks", "Clients that asked for supervision", "ranks"),
+    ("spec_serve_supply_tokens_per_second", "Tokens/s the workers deliver while busy, summed: the service's capacity",
+     "supply_tps"),
+    ("spec_serve_delivered_tokens_per_second", "Tokens/s the workers delivered", "delivered_tps"),
+    ("spec_serve_trainer_wait_fraction", "Share of the trainers' step time spent waiting for supervision",
+     "trainer_wait"),
+    ("spec_serve_busy_fraction", "Share of the time the workers held a request, their mean", "busy"),
+)
+# The queue-wait quantiles exported (label values) and the keys of the service's entry they come from.
+QUEUE_WAIT_QUANTILES = (("0.5", "queue_wait_p50_s"), ("0.95", "queue_wait_p95_s"))
 
 
-def _set_or_drop(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
-    if value is not None:
-        gauge.labels(*labels).set(value)
-    else:
-        with contextlib.suppress(KeyError):
-            gauge.remove(*labels)
+class SizingCollector(Collector):
+    """The broker's supply-and-demand figures as gauges, read when scraped: ``read`` returns the latest
+    ``{service: sizing entry}`` and ``[worker entries]`` (set by broker/supply.py; replaced whole each tick, so a
+    scrape from the HTTP shim's thread sees one tick's). A figure not measured yet leaves no sample (a gap, not a
+    made-up zero); ``spec_serve_workers_needed`` is the advice's count, what an autoscaler should run."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[Mapping[str, Mapping[str, Any]], Sequence[Mapping[str, Any]]]] = lambda: ({}, [])
+
+    def collect(self) -> Iterator[Metric]:
+        services, workers = self.read()
+        for name, text, key in SIZING_SERIES:
+            yield _gauge(name, text, ["service"], ((s, f[key]) for s, f in services.items()))
+        yield _gauge("spec_serve_workers_needed", "Workers the advice names (spec-serve status): what an autoscaler "
+                     "should run", ["service"], ((s, f["advice"]["workers_needed"]) for s, f in services.items()))
+        wait = GaugeMetricFamily("spec_serve_queue_wait_seconds", "Time requests waited for a worker",
+                                 labels=["service", "quantile"])
+        for service, f in services.items():
+            for quantile, key in QUEUE_WAIT_QUANTILES:
+                if f[key] is not None:
+                    wait.add_metric([service, quantile], f[key])
+        yield wait
+        for name, text, key in (("spec_serve_worker_busy_fraction", "Share of the time a worker held a request",
+                                 "busy"),
+                                ("spec_serve_worker_supply_tokens_per_second", "Tokens/s a worker delivers while busy",
+                                 "supply_tps")):
+            family = GaugeMetricFamily(name, text, labels=["worker", "service"])
+            for w in workers:
+                if w[key] is not None:
+                    family.add_metric([w["id"], w["service"]], w[key])
+            yield family
+
+
+def _gauge(name: str, text: str, labels: list[str], values: Iterator[tuple[str, float | None]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, text, labels=labels)
+    for label, value in values:
+        if value is not None:
+            family.add_metric([label], value)
+    return family
 
 
 # A forward's wall time, from a few milliseconds (a tiny request on a GPU) to minutes (a long one on a CPU).
