@@ -97,6 +97,7 @@ def test_advice_follows_supply_and_demand(cluster, tiny_target_dir, tiny_vocab_m
         assert short["busy"] > 0.6 and short["trainer_wait"] > 0.05 and short["advice"]["workers_needed"] >= 2
 
         out = CliRunner().invoke(main, ["status", "--broker", cluster.frontend])
+        print(out.output)
         assert out.exit_code == 0, out.output
         assert "advice: add " in out.output and "trainers wait" in out.output, out.output
 
@@ -138,3 +139,34 @@ def test_the_gpu_sizing_bench_runs_here(tiny_target_dir, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["ok"] and report["verified"] > 0 and [p["ranks"] for p in report["phases"]] == [1, 2]
     assert all(p["advice"].get("line") for p in report["phases"])
+
+
+def test_absurd_reports_over_the_wire_are_counted_and_the_broker_serves_on(cluster):
+    """A peer on the clients' port sends heartbeats with absurd demand figures (NaN, negative, huge, for a
+    service it never asked): the broker counts them, stays healthy and keeps serving STATUS."""
+    import zmq
+
+    from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, control
+
+    def reports(outcome: str) -> float:
+        _, text = cluster.get("/metrics")
+        line = f'spec_serve_client_reports_total{{outcome="{outcome}"}}'
+        found = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
+        return found[0] if found else 0.0
+
+    rejected, foreign = reports("rejected"), reports("foreign_service")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(cluster.frontend)
+    try:
+        for header in ({"wait_s": float("nan"), "compute_s": 1.0}, {"wait_s": -1.0, "compute_s": 1.0},
+                       {"steps": "many"}):
+            sock.send_multipart(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, SERVICE, header=header))
+        sock.send_multipart(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, SERVICE,
+                                    header={"wait_s": 1e300, "compute_s": 0.0}))
+        wait_until(lambda: reports("rejected") >= rejected + 3 and reports("foreign_service") >= foreign + 1, 30,
+                   what="the absurd reports counted")
+    finally:
+        sock.close(0)
+    assert cluster.get("/health")[0] == 200
+    out = CliRunner().invoke(main, ["status", "--broker", cluster.frontend, "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["services"][SERVICE]["workers"] >= 1, out.output
