@@ -77,6 +77,8 @@ class ClientIO(threading.Thread):
                                  leave_binding=lambda request_id, why: self.replies.leave_pinned(request_id, why))
         self.vocab = VocabRegistrations()
         self.paths: ClientPaths | None = None  # set by use_paths before any request
+        # The service and header each heartbeat carries (the rank's demand: client/demand.py), set by its owner.
+        self.heartbeat_header: Callable[[], tuple[str, WireMessage | None]] = lambda: ("", None)
         self.replies = WorkerReplies(self.requests, self.stats, max_message_bytes, self.call, self._send_new)
         self.broker = BrokerReplies(self.link, self.requests, self.vocab, self.replies, answered=self._answered,
                                     misdirected=self._wrong_port, resend_all=self._resend_all, send=self._send)
@@ -237,8 +239,9 @@ class ClientIO(threading.Thread):
                 f"{cause}. Clients connect to {CLIENT_PORT_HINT}"))
 
     def _heartbeat(self) -> list:
-        """The heartbeat the client sends the broker each interval."""
-        return control(CLIENT_TAG, ClientCommand.HEARTBEAT.value)
+        """The heartbeat the client sends the broker each interval, with what ``heartbeat_header`` reports."""
+        service, header = self.heartbeat_header()
+        return control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, service, header=header)
 
     def _shut_down(self) -> None:
         self.requests.close()
