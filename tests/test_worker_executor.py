@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from fakes.loan import CountingLoan
 from spec_serve.engines import EngineDead
 from spec_serve.paths.base import ClientSide, Delivery, Outgoing, PathUnavailable, ReplyPath, WorkerSetup, WorkerSide
 from spec_serve.paths.faults import Faults
@@ -69,17 +70,6 @@ class StandInEngine:
 
     def close(self) -> None:
         pass
-
-
-class CountingLoan:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def left(self) -> None:
-        self.calls.append("left")
-
-    def dropped(self) -> None:
-        self.calls.append("dropped")
 
 
 class LendSide(WorkerSide):

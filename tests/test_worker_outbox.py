@@ -15,6 +15,7 @@ import re
 import pytest
 import zmq
 
+from fakes.loan import CountingLoan
 from spec_serve.protocol.commands import ErrorCode, Status, new_request_id, parse_data
 from spec_serve.protocol.messages import Done, ErrorReply, Reply
 from spec_serve.worker import replies
@@ -72,17 +73,6 @@ class Context:
         assert kind == zmq.PUSH
         self.sockets.append(PushSocket())
         return self.sockets[-1]
-
-
-class CountingLoan:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def left(self) -> None:
-        self.calls.append("left")
-
-    def dropped(self) -> None:
-        self.calls.append("dropped")
 
 
 class DeviceCopy:
