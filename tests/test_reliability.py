@@ -150,9 +150,10 @@ def _redispatched(cluster) -> float:
 
 
 def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_vocab_mapping):
-    """SIGKILL the slow worker while it holds requests: the broker re-dispatches them (counted), and every
-    result arrives once and is correct. The client's own retries are off, so only the broker can have
-    recovered them (a broker that dropped them would leave the client to time out)."""
+    """SIGKILL the slow worker while it holds requests, after it answered one: the broker re-dispatches what it
+    held (counted) and never what it answered, and every result arrives once (no duplicates) and is correct.
+    The client's own retries are off, so only the broker can have recovered them (a broker that dropped them
+    would leave the client to time out)."""
     victim = cluster.slow_worker
     tally = Tally()
     redispatched_before = _redispatched(cluster)
@@ -160,9 +161,11 @@ def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_voc
         box = {}
         runner = threading.Thread(target=lambda: run_requests(client, reference, range(200, 216), tally))
         runner.start()
-        # The slow worker holds requests for 2 s each: kill it once it has some.
-        wait_until(lambda: sorted(workers(cluster), key=lambda w: w["registered_at"])[-1]["inflight"] > 0,
-                   timeout=30, interval=0.02, what="slow worker holding requests")
+        # The slow worker holds requests for 2 s each: kill it once it has answered one (a broker that sent
+        # that one again would show in the client's duplicates) and holds more.
+        wait_until(lambda: [(w["completed"] > 0, w["inflight"] > 0) for w in
+                            sorted(workers(cluster), key=lambda w: w["registered_at"])][-1] == (True, True),
+                   timeout=60, interval=0.02, what="slow worker having answered a request and holding more")
         held = sorted(workers(cluster), key=lambda w: w["registered_at"])[-1]["inflight"]
         killed_at = time.monotonic()
         kill(victim)
@@ -180,6 +183,7 @@ def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_voc
     assert tally.sent == tally.completed == tally.verified == 16, tally.errors
     assert tally.wrong == 0
     assert stats.retried == 0
+    assert stats.duplicates == 0, "a request answered before the death was sent again"
     assert redispatched >= 1, "the broker re-dispatched nothing: the dead worker held no request"
 
 
