@@ -117,3 +117,22 @@ def test_a_bad_mapping_is_refused():
                                                          payload=mapping_payload(vocab_size=64)), now)
     assert error_codes(router, b"client") == [ErrorCode.BAD_REQUEST.value]
     assert not router.services[SERVICE].mappings
+
+
+def test_a_client_forgotten_for_silence_is_told_and_one_that_said_goodbye_is_not():
+    """Past its liveness window a client is forgotten (its mappings with it) and told so: DISCONNECT, so a
+    client that was only late registers its mappings again before its next request. A client that sent
+    DISCONNECT itself hears nothing back."""
+    router = make_router()
+    now = time.monotonic()
+    ready(router, b"worker", now)
+    for client in (b"late-client", b"leaving-client"):
+        router.client_seen(client, now)
+    router.disconnect(router.client_seen(b"leaving-client", now), message(CLIENT_TAG, ClientCommand.DISCONNECT), now)
+    router.recorder.take()
+    later = now + router.expiry_window + 0.1
+    router.worker_seen(b"worker", later)
+    router.purge(later)
+    assert b"late-client" not in router.clients
+    assert [m.header for m in router.recorder.to_client(b"late-client", ClientCommand.DISCONNECT)] == [{}]
+    assert router.recorder.to_client(b"leaving-client", ClientCommand.DISCONNECT) == []

@@ -25,6 +25,7 @@ from cluster_util import (
     HEARTBEAT_LIVENESS,
     Reference,
     Tally,
+    assert_equal_batches,
     kill,
     rss_kib,
     run_requests,
@@ -61,6 +62,26 @@ def _client(cluster, mapping, **kw):
     client = RemoteTargetModel(cluster.frontend, **args)
     client.set_vocab_mapping(*mapping)
     return client
+
+
+def test_a_client_the_broker_forgot_registers_its_mapping_again_before_its_next_request(cluster, reference,
+                                                                                       tiny_vocab_mapping):
+    """A client whose heartbeats come past the broker's liveness window (a loaded host) is forgotten, its
+    mapping with it. Retries off: its next EAGLE-3 request is still served, bit-equal, because it registers
+    the mapping again before that request reaches the broker (told so by the broker; or, crossing that
+    word, sent again behind the registration at no cost to its retries)."""
+    with _client(cluster, tiny_vocab_mapping, max_retries=0) as client:
+        assert_equal_batches(client.generate_batch(*reference.batch(40)), reference.expected(40))
+        io, late = client._io, threading.Event()
+        keep_alive = io._keep_alive
+        io._keep_alive = lambda now: None if late.is_set() else keep_alive(now)
+        late.set()
+        gone = f"broker.client_gone client={io.identity.hex()[:12]}"
+        wait_until(lambda: gone in cluster.log_path("broker").read_text(), timeout=30, interval=0.05,
+                   what="the broker forgetting the silent client")
+        late.clear()
+        for seed in (41, 42):
+            assert_equal_batches(client.generate_batch(*reference.batch(seed)), reference.expected(seed))
 
 
 def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping):

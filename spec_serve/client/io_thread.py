@@ -52,6 +52,7 @@ from spec_serve.protocol.messages import (
     Bound,
     BrokerError,
     BrokerHeartbeat,
+    Disconnect,
     SetVocab,
     StatusPage,
     VocabOk,
@@ -76,7 +77,7 @@ log = logging.getLogger("spec_serve.client")
 # The typed header of each command the broker sends clients.
 _BROKER_MESSAGES: dict[ClientCommand, type[WireMessage]] = {
     ClientCommand.ERROR: BrokerError, ClientCommand.HEARTBEAT: BrokerHeartbeat, ClientCommand.STATUS: StatusPage,
-    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound,
+    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound, ClientCommand.DISCONNECT: Disconnect,
 }
 
 
@@ -457,6 +458,9 @@ class ClientIO(threading.Thread):
             if header.stopping:
                 self._broker_stopping()
             return
+        if isinstance(header, Disconnect):
+            self._forgotten()
+            return
         if self.paths is not None and header is not None:
             self.paths.on_broker(header)  # e.g. BOUND lost: our bound worker died (a pending BIND resolves below)
         pending = self.requests.table.get(msg.request_id)
@@ -475,6 +479,13 @@ class ClientIO(threading.Thread):
             event(log, logging.WARNING, "client.broker_stopping", broker=self.broker_url,
                   pending=len(self.requests.table))
 
+    def _forgotten(self) -> None:
+        """The broker forgot us (our heartbeats came too late): our mappings and every pending request again,
+        the mappings first, so that no request reaches it before the mapping it names."""
+        event(log, logging.WARNING, "client.forgotten_by_broker", broker=self.broker_url,
+              pending=len(self.requests.table))
+        self._resend_all()
+
     def _on_heartbeat(self, instance: str | None) -> None:
         if self._broker_instance is not None and instance != self._broker_instance:
             event(log, logging.WARNING, "client.broker_restarted", broker=self.broker_url)
@@ -487,9 +498,9 @@ class ClientIO(threading.Thread):
         code, error = refusal.code, refusal.error
         now = time.monotonic()
         registration = self.vocab.registration(pending.vocab) if refusal.unknown_vocab else None
-        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it)
+        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it, or forgot us)
             self._send(registration)
-            self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S)
+            self.requests.behind_registration(pending, now, error)
         elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S,
                                 exhausted=TimeoutError if code == ErrorCode.TIMEOUT.value else RemoteError)
