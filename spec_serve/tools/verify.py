@@ -8,6 +8,10 @@ expanded on the client's device after gathering, from the lm_head slice the clie
 assembled batch equals the unsharded forward bit for bit where the kernels are batch-invariant for
 the two compositions (measured here: both are computed colocated), and lies within the target's
 derived ``CompositionTolerance`` of it elsewhere.
+
+A compact batch is also held to a reference that shares no code with the client's expansion: the
+colocated *full* EAGLE-3 forward of the same composition (``full_reference_violations``), so a bug in
+``expand_compact`` cannot cancel out of the comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from spec_serve.client.api import shard_bounds
 from spec_serve.supervision.contract import Kind
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
-from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, measure
+from spec_serve.supervision.tolerance import PROBS, Bound, CompositionTolerance, ReferenceLogits, deviation, measure
 
 
 def sharded_forward(engine, batch: tuple[torch.Tensor, ...], wire_kind: str,
@@ -88,24 +92,57 @@ def reference_logits(engine, batch: tuple[torch.Tensor, ...]) -> ReferenceLogits
         return ReferenceLogits.of(engine.get_output_embeddings()(last))
 
 
+def full_reference_violations(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.Tensor, ...], *,
+                              shards: int = 1) -> list[str]:
+    """A compact client's expanded EAGLE-3 batch against ``engine``'s colocated full EAGLE-3 forward of the same
+    composition, one line per tensor outside the contract (empty: within it). Every tensor but
+    ``target_probs`` is bit-equal: the same forward's hidden states, the target's own argmax (so
+    ``position_mask``), the request's ids and mask. ``target_probs`` differ by one GEMM's rounding at most:
+    the client's draft logits come from the ``[Vd, H]`` lm_head slice instead of the ``[V, H]`` lm_head, one
+    reduction of length H in another order (``Bound.derive`` with one stage), scaled by 2 max|logit| as
+    every probability bound is (supervision/tolerance.py)."""
+    full = colocated_reference(engine, batch, "eagle3", shards=shards)
+    if sorted(got) != sorted(full):
+        return [f"tensors {sorted(got)} != {sorted(full)}"]
+    out = []
+    for name, want in full.items():
+        g = got[name].to(want.device)
+        if g.dtype != want.dtype or g.shape != want.shape:
+            out.append(f"{name}: {g.dtype}{list(g.shape)} != {want.dtype}{list(want.shape)}")
+        elif name != PROBS and not torch.equal(g, want):
+            out.append(f"{name}: differs from the full forward's, which it equals bit for bit")
+        elif name == PROBS and not torch.equal(g, want):
+            one_gemm = Bound.derive(engine.model.dtype, stages=1, reduction=engine.hidden_size)
+            limit = one_gemm.scaled(2 * reference_logits(engine, batch).scale)
+            rel_norm, max_error = deviation(g, want)
+            out += [f"{name}: {measure} {value:.3g} > {bound:.3g} (one GEMM's rounding of the full forward's)"
+                    for measure, value, bound in (("rel_norm", rel_norm, limit.rel_norm),
+                                                  ("max_error", max_error, limit.max_error)) if value > bound]
+    return out
+
+
 @dataclasses.dataclass
 class ContractCheck:
     """One batch against the contract: ``shard_mismatch`` (None: every shard bit-equal to the colocated
     forward of its rows); ``invariant`` (the kernels gave the per-shard and the unsharded compositions the
     same bits); ``violations`` of the tolerance by the assembled batch where they did not, and its
-    ``deviation`` from the unsharded forward (per tensor that differs)."""
+    ``deviation`` from the unsharded forward (per tensor that differs); for a compact batch, ``off_full``: how it
+    lies outside the contract against the colocated full forward (``full_reference_violations``)."""
 
     shards: list[tuple[int, int]]
     shard_mismatch: str | None
     invariant: bool
     violations: list[str]
     deviation: dict[str, dict[str, float]]
+    off_full: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.shard_mismatch is None and not self.violations
+        return self.shard_mismatch is None and not self.violations and not self.off_full
 
     def describe(self) -> str:
+        if self.off_full:
+            return f"the compact batch expanded is off the colocated full forward: {'; '.join(self.off_full)}"
         if self.shard_mismatch is not None:
             return f"a shard differs from the colocated forward of its rows: {self.shard_mismatch}"
         if self.invariant:
@@ -151,4 +188,5 @@ def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.T
                                                                      device=device, selected=selected)
     part2 = composition(per_shard, whole, tolerance or tolerance_for(engine),
                         lambda: None if kind == Kind.DSPARK.value else reference_logits(engine, batch))
-    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation)
+    off_full = full_reference_violations(got, engine, batch, shards=shards) if compact else []
+    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation, off_full)
