@@ -126,7 +126,9 @@ def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_ta
         assert _slices_metric("default") == before + 1
         other = (ids_map.flip(0), mask_map)  # another mapping (same ids, another order): one more slice
         remote.set_vocab_mapping(*other)
-        remote.generate_batch(*batches[0], kind="eagle3")
+        # Its values, not only the count: a slice kept under a key both mappings share would be the old one.
+        assert_contract(remote.generate_batch(*batches[0], kind="eagle3"), colocated_target(vocab_mapping=other),
+                        batches[0], "eagle3", shards=2, compact=True, selected=other)
         assert remote.stats.lm_head_slices == 2
     with RemoteTargetModel(cluster.frontend, num_shards=2, timeout=60) as local:
         local.set_vocab_mapping(ids_map, mask_map)

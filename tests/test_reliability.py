@@ -25,6 +25,7 @@ from cluster_util import (
     HEARTBEAT_LIVENESS,
     Reference,
     Tally,
+    assert_contract,
     assert_equal_batches,
     kill,
     rss_kib,
@@ -35,6 +36,7 @@ from cluster_util import (
 )
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import sample_batch
 
 SLOW_DELAY = 2.0  # 10 heartbeat intervals, twice the liveness window
 LIVENESS_WINDOW = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
@@ -84,6 +86,37 @@ def test_a_client_the_broker_forgot_registers_its_mapping_again_before_its_next_
             assert_equal_batches(client.generate_batch(*reference.batch(seed)), reference.expected(seed))
 
 
+def test_compact_replies_out_of_order_and_across_a_mapping_switch_each_get_their_own_values(
+        cluster, tiny_target_dir, tiny_vocab_mapping, colocated_target):
+    """Values, not counters. A compact client with prefetch: its requests spread over the slow worker and the
+    other one, so replies arrive out of order; the first half name one mapping, the second another (switched
+    while the first are in flight; the same draft vocab size, another order). Each batch meets the contract
+    with the colocated forward of its own mapping (and, compact, against the full forward: assert_contract).
+    A reply handed to another pending request, or an lm_head slice cached under a key both mappings share,
+    gives wrong values here, whatever the counters say."""
+    other = (tiny_vocab_mapping[0].flip(0), tiny_vocab_mapping[1])
+    mappings = (tiny_vocab_mapping, other)
+    engines = (colocated_target(), colocated_target(vocab_mapping=other))
+    arrived: list[int] = []
+    sent = []
+    with _client(cluster, tiny_vocab_mapping, compact=True, prefetch_depth=8) as client:
+        for which, seeds in enumerate((range(50, 53), range(53, 56))):
+            if which:
+                client.set_vocab_mapping(*other)
+            for seed in seeds:
+                batch = sample_batch(tiny_target_dir, 2, 16, seed=seed)
+                future = client.generate_batch_async(*batch, kind="eagle3")
+                future.add_done_callback(lambda _, seed=seed: arrived.append(seed))
+                sent.append((seed, which, batch, future))
+        for _, which, batch, future in sent:
+            assert_contract(future.result(timeout=120), engines[which], batch, "eagle3", compact=True,
+                            selected=mappings[which])
+        stats = client.stats
+    print(f"\nsent {[s for s, *_ in sent]}, arrived {arrived}")
+    assert arrived != sorted(arrived), "every reply came in order: the scenario did not happen"
+    assert (stats.compact_replies, stats.lm_head_slices) == (6, 2), stats
+
+
 def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping):
     """A forward of 2 s (10 heartbeat intervals) keeps the worker registered."""
     before = {w["id"]: w["registered_at"] for w in workers(cluster)}
@@ -118,6 +151,7 @@ def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, time
     from spec_serve.client.api import RemoteTargetModel
+from spec_serve.tools.tiny import sample_batch
     from spec_serve.tools.tiny import sample_batch
     frontend, target = sys.argv[1], sys.argv[2]
     client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=60, heartbeat_interval=0.2, liveness=15)
