@@ -2,7 +2,8 @@
 
 Requests go to the broker over a DEALER socket; replies come straight from the worker to a PULL
 socket the client binds (its address travels in the request). The thread heartbeats the broker,
-sends every request again with the same id when the broker is lost or restarted, and hands what
+sends every request again with the same id when the broker is lost or restarted or its connection
+ends (a message cut off midway is lost with it), and hands what
 arrives to the pending requests (pending.py, worker_replies.py). User threads talk to it through a
 queue and a wake-up pipe.
 """
@@ -182,11 +183,8 @@ class ClientIO(threading.Thread):
         # Only the broker sends here, control messages only.
         self._readers = {s: r for s, r in self._readers.items() if s is self.data}
         self._readers[sock] = BoundedReader(sock, lambda head: frame_limit(head, 0))
-        if self._heard:  # reached once: what went wrong since is a lost broker, not a wrong address
-            sock.connect(self.broker_url)
-            self._watch = None
-        else:
-            self._watch = connect_watched(sock, self.broker_url)
+        # Watched while it lives: before a broker answers, why none does; after, each connection that ends.
+        self._watch = connect_watched(sock, self.broker_url)
         return sock
 
     def _reply_room(self) -> int:
@@ -291,6 +289,7 @@ class ClientIO(threading.Thread):
                 self._read_sockets(events, now)
                 self._keep_alive(now)
                 self._check_reached(now)
+                self._check_link()
                 self.requests.check_timers(now)
         finally:
             self._shut_down()
@@ -395,8 +394,9 @@ class ClientIO(threading.Thread):
             self._lost_since = now
             event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url,
                   silent_s=round(self.heartbeat_interval * self.liveness, 1))
-        assert self.dealer is not None  # opened in __init__
+        assert self.dealer is not None and self._watch is not None  # opened in __init__
         self._poller.unregister(self.dealer)
+        self._watch.close()
         self.dealer.close(0)
         self.dealer = self._connect()
         self._poller.register(self.dealer, zmq.POLLIN)
@@ -418,21 +418,29 @@ class ClientIO(threading.Thread):
         if self._unreachable is not None:
             event(log, logging.WARNING, "client.broker_reached", broker=self.broker_url)
             self._unreachable = None
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
         self._heard = True
 
     def _check_reached(self, now: float) -> None:
         """Fail fast, naming the address and the likely cause, when no broker ever answered."""
         if self._heard or self._unreachable is not None:
             return
-        assert self._watch is not None  # _connect watches every socket until a broker is heard
+        assert self._watch is not None  # _connect watches every socket
         self._watch.read()  # keep the monitor's queue short; cause() needs only what it saw
         if now - self._created_at > self.connect_timeout:
             self._fail_all(BrokerUnreachable(
                 f"no spec-serve broker answered at {self.broker_url} within {self.connect_timeout:g}s: "
                 f"{self._watch.cause()}. Clients connect to {CLIENT_PORT_HINT}"))
+
+    def _check_link(self) -> None:
+        """The connection to the broker ended (the broker cut it, a slow link dropped it): libzmq reconnects,
+        but a message cut off midway is lost. Every pending request and our mappings go again at once, at no
+        cost to retries (request ids make that idempotent at the broker), not after a request timeout."""
+        if self._watch is None or not self._watch.read_disconnects() or not self._heard or self._misdirected:
+            return
+        event(log, logging.WARNING, "client.broker_link_lost", broker=self.broker_url,
+              pending=len(self.requests.table))
+        self.stats.link_resends += 1
+        self._resend_all()
 
     def _fail_all(self, error: BrokerUnreachable) -> None:
         """Requests cannot reach a broker: fail those pending, and every new one at once, with ``error``."""
