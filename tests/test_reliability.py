@@ -151,7 +151,6 @@ def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, time
     from spec_serve.client.api import RemoteTargetModel
-from spec_serve.tools.tiny import sample_batch
     from spec_serve.tools.tiny import sample_batch
     frontend, target = sys.argv[1], sys.argv[2]
     client = RemoteTargetModel(frontend, prefetch_depth=8, timeout=60, heartbeat_interval=0.2, liveness=15)

@@ -24,7 +24,7 @@ import torch
 from spec_serve.client.api import shard_bounds
 from spec_serve.supervision.contract import Kind
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
-from spec_serve.supervision.tolerance import PROBS, Bound, CompositionTolerance, ReferenceLogits, deviation, measure
+from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, measure
 
 
 def sharded_forward(engine, batch: tuple[torch.Tensor, ...], wire_kind: str,
@@ -97,28 +97,16 @@ def full_reference_violations(got: Mapping[str, torch.Tensor], engine, batch: tu
     """A compact client's expanded EAGLE-3 batch against ``engine``'s colocated full EAGLE-3 forward of the same
     composition, one line per tensor outside the contract (empty: within it). Every tensor but
     ``target_probs`` is bit-equal: the same forward's hidden states, the target's own argmax (so
-    ``position_mask``), the request's ids and mask. ``target_probs`` differ by one GEMM's rounding at most:
-    the client's draft logits come from the ``[Vd, H]`` lm_head slice instead of the ``[V, H]`` lm_head, one
-    reduction of length H in another order (``Bound.derive`` with one stage), scaled by 2 max|logit| as
-    every probability bound is (supervision/tolerance.py)."""
+    ``position_mask`` but at a near-tie within that rounding), the request's ids and mask. ``target_probs``
+    differ by one GEMM's rounding at most: the client's draft logits come from the ``[Vd, H]`` lm_head slice
+    instead of the ``[V, H]`` lm_head, one reduction of length H in another order
+    (``CompositionTolerance.one_gemm``), scaled by 2 max|logit| as every probability bound is."""
     full = colocated_reference(engine, batch, "eagle3", shards=shards)
-    if sorted(got) != sorted(full):
-        return [f"tensors {sorted(got)} != {sorted(full)}"]
-    out = []
-    for name, want in full.items():
-        g = got[name].to(want.device)
-        if g.dtype != want.dtype or g.shape != want.shape:
-            out.append(f"{name}: {g.dtype}{list(g.shape)} != {want.dtype}{list(want.shape)}")
-        elif name != PROBS and not torch.equal(g, want):
-            out.append(f"{name}: differs from the full forward's, which it equals bit for bit")
-        elif name == PROBS and not torch.equal(g, want):
-            one_gemm = Bound.derive(engine.model.dtype, stages=1, reduction=engine.hidden_size)
-            limit = one_gemm.scaled(2 * reference_logits(engine, batch).scale)
-            rel_norm, max_error = deviation(g, want)
-            out += [f"{name}: {measure} {value:.3g} > {bound:.3g} (one GEMM's rounding of the full forward's)"
-                    for measure, value, bound in (("rel_norm", rel_norm, limit.rel_norm),
-                                                  ("max_error", max_error, limit.max_error)) if value > bound]
-    return out
+    if mismatch(got, full) is None:
+        return []
+    tolerance = CompositionTolerance.one_gemm(engine.model.dtype, engine.hidden_size)
+    return [f"{line} (against the full forward)"
+            for line in tolerance.violations(got, full, reference_logits(engine, batch))]
 
 
 @dataclasses.dataclass
