@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from broker_util import SERVICE, done, make_router, message, ready, submit
+from broker_util import SERVICE, done, keep_alive, make_router, message, ready, submit
 from spec_serve.broker.context import Peer
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import CLIENT_TAG, WORKER_TAG, ClientCommand, ErrorCode, WorkerCommand
@@ -185,3 +185,25 @@ def test_a_dying_worker_never_gets_its_answered_requests_sent_again(router, deat
     sent = collections.Counter(_every_request_sent(router))
     assert [sent[r] for r in held] == [1, 1, 2], death
     assert router.metrics.redispatched._value.get() >= 1
+
+
+def test_a_request_a_forgotten_client_sends_again_while_its_worker_runs_it_is_not_run_twice(router):
+    """The broker forgets a client that was only late (DISCONNECT), with a request on A-worker; the client sends
+    it again. A-worker still runs it, so it is held as A-worker's again, not sent to anyone (B-worker is idle):
+    the client gets one reply. Its DONE completes it; had A-worker died instead, it would go to B-worker."""
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    request_id = submit(router, b"client", now)
+    assert router.recorder.requests_to(b"A-worker") == [request_id]
+    ready(router, b"B-worker", now)
+    later = now + router.expiry_window + 0.1
+    keep_alive(router, later, b"A-worker", b"B-worker")
+    router.purge(later)
+    assert b"client" not in router.clients and request_id not in router.requests
+    router.recorder.take()
+    router.enqueue(router.client_seen(b"client", later), _retry(request_id), later)
+    assert router.recorder.take() == [] and router.requests[request_id].worker == b"A-worker"
+    assert router.workers[b"A-worker"].free == 0
+    dying = router.requests[request_id]
+    expire(router, b"A-worker", later, b"B-worker", b"client")
+    assert router.recorder.requests_to(b"B-worker") == [request_id] and dying.killed
