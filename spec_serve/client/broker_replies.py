@@ -1,6 +1,7 @@
 """The broker's control messages to the requests they concern (the counterpart of worker_replies.py): an
 answer resolves its request, an ERROR retries or fails it by its code, and a heartbeat from a new broker
-instance (a restart) means every pending request and mapping goes again. I/O thread only."""
+instance (a restart) or a DISCONNECT (the broker forgot us) means every pending request and mapping goes
+again. I/O thread only."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from spec_serve.client.vocab import VocabRegistrations
 from spec_serve.client.worker_replies import WorkerReplies
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ErrorCode, parse_control
-from spec_serve.protocol.messages import Bound, BrokerError, BrokerHeartbeat, StatusPage, VocabOk, WireMessage
+from spec_serve.protocol.messages import (
+    Bound,
+    BrokerError,
+    BrokerHeartbeat,
+    Disconnect,
+    StatusPage,
+    VocabOk,
+    WireMessage,
+)
 from spec_serve.telemetry.logs import event
 from spec_serve.transport.broker_link import BrokerLink
 
@@ -24,7 +33,7 @@ log = logging.getLogger("spec_serve.client")
 # The typed header of each command the broker sends clients.
 MESSAGES: dict[ClientCommand, type[WireMessage]] = {
     ClientCommand.ERROR: BrokerError, ClientCommand.HEARTBEAT: BrokerHeartbeat, ClientCommand.STATUS: StatusPage,
-    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound,
+    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound, ClientCommand.DISCONNECT: Disconnect,
 }
 
 
@@ -52,6 +61,11 @@ class BrokerReplies:
         if isinstance(header, BrokerHeartbeat):
             self._on_heartbeat(header)
             return
+        if isinstance(header, Disconnect):  # it forgot us (our heartbeats came too late)
+            event(log, logging.WARNING, "client.forgotten_by_broker", broker=self.link.broker_url,
+                  pending=len(self.requests.table))
+            self.resend_all()
+            return
         if self.paths is not None and header is not None:
             self.paths.on_broker(header)  # e.g. BOUND lost: our bound worker died (a pending BIND resolves below)
         pending = self.requests.table.get(msg.request_id)
@@ -78,9 +92,9 @@ class BrokerReplies:
         code, error = refusal.code, refusal.error
         now = time.monotonic()
         registration = self.vocab.registration(pending.vocab) if refusal.unknown_vocab else None
-        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it)
+        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it, or forgot us)
             self.send(registration)
-            self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S)
+            self.requests.behind_registration(pending, now, error)
         elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S,
                                 exhausted=TimeoutError if code == ErrorCode.TIMEOUT.value else RemoteError)

@@ -3,7 +3,8 @@
 Requests go to the broker over a DEALER socket; replies come straight from the worker to a PULL
 socket the client binds (its address travels in the request). The broker link (transport/broker_link.py,
 shared with the worker) says when to heartbeat and when the broker is lost (a fresh socket, and every
-request again with the same id) or was never reached (fail fast). What arrives goes to the pending
+request again with the same id) or was never reached (fail fast); a connection that ends (a message cut
+off midway is lost with it) sends every request again at once. What arrives goes to the pending
 requests: the broker's messages through broker_replies.py, the workers' through worker_replies.py. User
 threads talk to the thread through a queue and a wake-up pipe.
 """
@@ -195,6 +196,7 @@ class ClientIO(threading.Thread):
                 self._run_calls(events)
                 self._read_sockets(events, now)
                 self._keep_alive(now)
+                self._check_link()
                 self.requests.check_timers(now)
         finally:
             self._shut_down()
@@ -230,13 +232,21 @@ class ClientIO(threading.Thread):
             self.sockets.reconnect(self._poller)
             self.stats.broker_reconnects += 1
             self._resend_all()
-        if self.sockets.watch is not None:
-            self.sockets.watch.read()  # keep the monitor's queue short; cause() needs only what it saw
         if due.unreachable and self._unreachable is None:
-            cause = self.sockets.watch.cause() if self.sockets.watch is not None else "no answer"
             self._fail_all(BrokerUnreachable(
                 f"no spec-serve broker answered at {self.broker_url} within {self.link.connect_timeout:g}s: "
-                f"{cause}. Clients connect to {CLIENT_PORT_HINT}"))
+                f"{self.sockets.watch.cause()}. Clients connect to {CLIENT_PORT_HINT}"))
+
+    def _check_link(self) -> None:
+        """The connection to the broker ended (the broker cut it, a slow link dropped it): libzmq reconnects,
+        but a message cut off midway is lost. Every pending request and our mappings go again at once, at no
+        cost to retries (request ids make that idempotent at the broker), not after a request timeout."""
+        if not self.sockets.dropped() or not self.link.ever_up or self._misdirected:
+            return
+        event(log, logging.WARNING, "client.broker_link_lost", broker=self.broker_url,
+              pending=len(self.requests.table))
+        self.stats.link_resends += 1
+        self._resend_all()
 
     def _heartbeat(self) -> list:
         """The heartbeat the client sends the broker each interval, with what ``heartbeat_header`` reports."""
@@ -261,7 +271,8 @@ class ClientIO(threading.Thread):
     # ------------------------------------------------------ broker health
 
     def _resend_all(self) -> None:
-        """The broker was lost or restarted: our vocab mappings and every pending request again."""
+        """The broker was lost, restarted or forgot us, or our connection ended: our vocab mappings and every
+        pending request again, the mappings first (no request reaches it before the mapping it names)."""
         for frames in self.vocab.all_registrations():
             self._send(frames)
         self.requests.resend_all(time.monotonic())
@@ -270,7 +281,6 @@ class ClientIO(threading.Thread):
         """A valid message from the broker: we are (again) connected."""
         self.link.connected(time.monotonic())
         self._unreachable = None
-        self.sockets.unwatch()
 
     def _wrong_port(self, error: BrokerUnreachable) -> None:
         self._misdirected = True

@@ -38,7 +38,9 @@ class ClientSockets:
                  reply_room: Callable[[], int]):
         self.ctx, self.identity, self.broker_url, self.security = ctx, identity, broker_url, security
         self.max_message_bytes, self.stats = max_message_bytes, stats
-        self.watch: ConnectWatch | None = None  # the DEALER's connection, watched until a broker answers
+        # The DEALER's connection, watched while it lives: before a broker answers, why none does (``cause``);
+        # after, each connection that ends (``dropped``).
+        self.watch: ConnectWatch
         self.data: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.data_ingress: Ingress | None = None
@@ -68,11 +70,10 @@ class ClientSockets:
         if data_bind.startswith("ipc://"):
             self._ipc_files.append(data_bind[len("ipc://"):])
         self.data_key = security.keypair()[0].decode() if security else None
-        self.dealer = self.connect(watched=True)
+        self.dealer = self.connect()
 
-    def connect(self, watched: bool) -> zmq.Socket:
-        """A fresh DEALER to the broker; ``watched`` until a broker answers (the link was never up: what goes
-        wrong is a wrong address, which the watch explains)."""
+    def connect(self) -> zmq.Socket:
+        """A fresh DEALER to the broker, watched."""
         # No send high-water mark: a large request goes as many parts (protocol.commands.in_parts), all
         # queued at once; they are views of payloads this client holds anyway (credits bound those).
         sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, security=self.security, hwm=0)
@@ -80,26 +81,21 @@ class ClientSockets:
         # Only the broker sends here, control messages only.
         self._readers = {s: r for s, r in self._readers.items() if s is self.data}
         self._readers[sock] = BoundedReader(sock, lambda head: frame_limit(head, 0))
-        if watched:
-            self.watch = connect_watched(sock, self.broker_url)
-        else:
-            sock.connect(self.broker_url)
-            self.watch = None
+        self.watch = connect_watched(sock, self.broker_url)
         return sock
 
     def reconnect(self, poller: zmq.Poller) -> None:
         """Lazy Pirate: the broker went silent; a fresh DEALER in the old one's place, watched by ``poller``."""
         assert self.dealer is not None  # opened in __init__
         poller.unregister(self.dealer)
+        self.watch.close()
         self.dealer.close(0)
-        self.dealer = self.connect(watched=False)
+        self.dealer = self.connect()
         poller.register(self.dealer, zmq.POLLIN)
 
-    def unwatch(self) -> None:
-        """A broker answered: the connection needs no watching any more."""
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
+    def dropped(self) -> int:
+        """Connections to the broker that ended since the last call (libzmq reconnects; what was midway is lost)."""
+        return self.watch.read_disconnects()
 
     def send(self, frames: list) -> None:
         """A control message to the broker (a large payload in parts, protocol.commands.in_parts)."""
@@ -141,8 +137,7 @@ class ClientSockets:
 
     def close(self) -> None:
         """The I/O thread ends: let a final DISCONNECT leave, close both sockets and unlink their files."""
-        if self.watch is not None:
-            self.watch.close()
+        self.watch.close()
         assert self.dealer is not None and self.data is not None and self.data_ingress is not None  # opened
         self.dealer.close(linger=500)
         self.data_ingress.close()
