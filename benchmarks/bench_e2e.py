@@ -6,7 +6,7 @@ The ``spec-serve bench`` command, runnable from a checkout without installing (P
     python benchmarks/bench_e2e.py --gpu-8b --devices cuda:0 --json h200.json        # 1 x H200
     python benchmarks/bench_e2e.py --gpu-8b --devices cuda:0,cuda:1 --json h200x2.json  # 2 x H200
 
-Scenarios and options: ``python benchmarks/bench_e2e.py --help`` (spec_serve/tools/bench.py).
+Scenarios and options: ``python benchmarks/bench_e2e.py --help`` (spec_serve/tools/bench/).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spec_serve.tools.bench import main  # noqa: E402
+from spec_serve.tools.bench.command import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

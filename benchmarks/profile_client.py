@@ -41,7 +41,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from spec_serve.client import api as client_api  # noqa: E402
 from spec_serve.client import assembly  # noqa: E402
-from spec_serve.tools.bench import Context, _sync, make_config  # noqa: E402
+from spec_serve.tools.bench import Context, make_config  # noqa: E402
+from spec_serve.tools.bench.batches import _sync  # noqa: E402
 from spec_serve.tools.verify import fingerprint  # noqa: E402
 
 TOP_OPS = 15
