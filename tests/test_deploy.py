@@ -180,11 +180,10 @@ def test_grace_periods_cover_the_drain():
 
 
 def test_kubernetes_objects_hang_together():
-    """Selectors match their pods, the Service reaches the broker's ports, probes ask /health (the broker's
+    """Selectors match their pods, the Services reach the broker's ports, probes ask /health (the broker's
     readiness: /ready) on the port the process serves it on (bound beyond loopback: kubelet probes the pod),
-    each worker asks a GPU, every mounted volume exists, and the workers reach the Service's worker port."""
+    each worker asks a GPU, every mounted volume exists, and the workers reach a Service's worker port."""
     objects = {**k8s_objects(K8S_BROKER), **k8s_objects(K8S_WORKER)}
-    service = objects["Service/spec-serve-broker"]
     for name in ("Deployment/spec-serve-broker", "Deployment/spec-serve-worker"):
         spec = objects[name]["spec"]
         labels = spec["template"]["metadata"]["labels"]
@@ -202,19 +201,100 @@ def test_kubernetes_objects_hang_together():
         argv = k8s_argv(container)
         assert str(ports["http"]) == flag_value(argv, "--http-port") and flag_value(argv, "--http-host") == "0.0.0.0"
     broker_labels = objects["Deployment/spec-serve-broker"]["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= broker_labels.items()
     broker = k8s_container(objects["Deployment/spec-serve-broker"])
     broker_ports = {p["name"]: p["containerPort"] for p in broker["ports"]}
-    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert all(p["targetPort"] in broker_ports for p in service_ports.values())
+    services = [obj for obj in objects.values() if obj["kind"] == "Service"]
+    for service in services:
+        assert service["spec"]["selector"].items() <= broker_labels.items()
+        assert all(p["targetPort"] in broker_ports for p in service["spec"]["ports"])
     argv = k8s_argv(broker)
     assert flag_value(argv, "--frontend").endswith(f":{broker_ports['clients']}")
     assert flag_value(argv, "--backend").endswith(f":{broker_ports['workers']}")
     worker = k8s_container(objects["Deployment/spec-serve-worker"])
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert k8s_env(worker)["SPEC_SERVE_BROKER"] == \
-        f"tcp://{service['metadata']['name']}:{service_ports['workers']['port']}"
+    assert k8s_env(worker)["SPEC_SERVE_BROKER"] in {
+        f"tcp://{s['metadata']['name']}:{p['port']}" for s in services for p in s["spec"]["ports"]
+        if p["targetPort"] == "workers"}
     assert "startupProbe" in worker and "readinessProbe" in worker
+
+
+# A readiness path of the broker's that waits for workers: /ready, and /health or /ready of one service.
+_WAITS_FOR_WORKERS = re.compile(r"^/ready|[?&]service=")
+
+
+def k8s_manifests(root: Path = DEPLOY) -> list[dict]:
+    """Every Kubernetes object of every manifest under ``root`` (any file, any kind)."""
+    return [doc for path in sorted([*root.rglob("*.yaml"), *root.rglob("*.yml")])
+            for doc in yaml.safe_load_all(path.read_text()) if isinstance(doc, dict) and "kind" in doc]
+
+
+def _pod_templates(objects: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(name, labels, pod spec) of every workload's pods (Deployment, StatefulSet, DaemonSet, Job...)."""
+    found = []
+    for obj in objects:
+        template = (obj.get("spec") or {}).get("template") or (obj.get("spec", {}).get("jobTemplate", {})
+                                                                .get("spec", {}).get("template"))
+        if obj["kind"] == "Pod":
+            template = {"metadata": obj["metadata"], "spec": obj["spec"]}
+        if template and "containers" in template.get("spec", {}):
+            found.append((f"{obj['kind']}/{obj['metadata']['name']}", template["metadata"].get("labels", {}),
+                          template["spec"]))
+    return found
+
+
+def _container_port(container: dict, target: int | str) -> int | None:
+    for port in container.get("ports", []):
+        if target in (port.get("name"), port["containerPort"]):
+            return int(port["containerPort"])
+    return None
+
+
+def worker_port_gated_on_readiness(objects: list[dict]) -> list[str]:
+    """Services that reach a spec-serve broker's worker port (its --backend) only while the broker is ready,
+    when its readiness waits for a registered worker: no worker could ever register. A Service publishes
+    only ready pods unless ``publishNotReadyAddresses``."""
+    problems = []
+    for service in (o for o in objects if o["kind"] == "Service"):
+        spec, name = service["spec"], f"Service/{service['metadata']['name']}"
+        if spec.get("publishNotReadyAddresses") or not spec.get("selector"):
+            continue
+        for workload, labels, pod in _pod_templates(objects):
+            if not spec["selector"].items() <= labels.items():
+                continue
+            for container in pod["containers"]:
+                argv = [*container.get("command", []), *container.get("args", [])]
+                if "broker" not in argv[1:2] or Path(argv[0]).name != "spec-serve" or "--backend" not in argv:
+                    continue
+                path = (container.get("readinessProbe") or {}).get("httpGet", {}).get("path", "")
+                backend = int(flag_value(argv, "--backend").rpartition(":")[2])
+                for port in spec.get("ports", []):
+                    if _container_port(container, port.get("targetPort", port["port"])) == backend and \
+                            _WAITS_FOR_WORKERS.search(path):
+                        problems.append(f"{name} port {port['port']} reaches {workload}'s worker port only once "
+                                        f"it is ready, and its readiness ({path}) waits for a worker: set "
+                                        f"publishNotReadyAddresses: true on a Service of its own")
+    return problems
+
+
+def test_no_service_gates_the_worker_port_on_the_broker_readiness():
+    """Every manifest under examples/deploy: workers register through a Service that publishes the broker
+    before it is ready (its /ready waits for them). The rule also catches the layout that broke it."""
+    objects = k8s_manifests()
+    assert any(o["kind"] == "Service" for o in objects)
+    assert worker_port_gated_on_readiness(objects) == []
+    one_service = [o for o in objects if o["kind"] != "Service"] + [yaml.safe_load("""
+        kind: Service
+        metadata: {name: spec-serve-broker}
+        spec:
+          selector: {app.kubernetes.io/name: spec-serve, app.kubernetes.io/component: broker}
+          ports: [{name: clients, port: 5555, targetPort: clients}, {name: workers, port: 5556, targetPort: 5556}]
+        """)]
+    assert worker_port_gated_on_readiness(one_service) == [
+        "Service/spec-serve-broker port 5556 reaches Deployment/spec-serve-broker's worker port only once it is "
+        "ready, and its readiness (/ready) waits for a worker: set publishNotReadyAddresses: true on a Service "
+        "of its own"]
+    one_service[-1]["spec"]["publishNotReadyAddresses"] = True
+    assert worker_port_gated_on_readiness(one_service) == []
 
 
 # ---------------------------------------------------------------------------- on loopback
@@ -344,7 +424,7 @@ def test_kubernetes_and_systemd_commands_run_on_loopback(tiny_target_dir, refere
     on SIGTERM (kubelet, systemctl stop) with status 0 within the grace its orchestrator gives it."""
     keys = _keys(tmp_path / "keys")
     frontend, backend, http, k8s_http, unit_http = (free_port() for _ in range(5))
-    swaps = {"spec-serve-broker:5556": f"127.0.0.1:{backend}", "127.0.0.1:5556": f"127.0.0.1:{backend}",
+    swaps = {"spec-serve-broker-workers:5556": f"127.0.0.1:{backend}", "127.0.0.1:5556": f"127.0.0.1:{backend}",
              "tcp://*:5555": f"tcp://*:{frontend}", "tcp://*:5556": f"tcp://*:{backend}",
              "/models/llama-3.1-8b": str(tiny_target_dir), "/etc/spec-serve/keys": str(keys), "/keys": str(keys),
              "cuda:0": "cpu", "8080": str(http), "8081": str(k8s_http), "8090": str(unit_http)}
