@@ -123,18 +123,25 @@ def unit_env(path: Path) -> dict[str, str]:
     return dict(item.split("=", 1) for item in unit(path)["Service"].get("Environment", []))
 
 
-def sbatch_commands() -> list[list[str]]:
-    """The spec-serve command lines of the sbatch script's srun steps (inside `bash -c` too)."""
+def sbatch_steps() -> list[tuple[list[str], list[str]]]:
+    """The sbatch script's srun steps: (srun's options, the spec-serve command line, inside `bash -c` too)."""
     text = SBATCH.read_text().replace("\\\n", " ")
-    commands = []
+    steps = []
     for line in text.splitlines():
         if not line.startswith("srun "):
             continue
         tokens = shlex.split(line.rstrip("& "))
+        command = tokens.index("bash") if "bash" in tokens else tokens.index("spec-serve")
+        options = [t for t in tokens[1:command] if t.startswith("--")]
         if "bash" in tokens:
             tokens = shlex.split(tokens[tokens.index("-c") + 1])
-        commands.append(tokens[tokens.index("spec-serve"):])
-    return commands
+        steps.append((options, tokens[tokens.index("spec-serve"):]))
+    return steps
+
+
+def sbatch_commands() -> list[list[str]]:
+    """The spec-serve command lines of the sbatch script's srun steps."""
+    return [argv for _, argv in sbatch_steps()]
 
 
 def sbatch_default(name: str) -> str:
@@ -165,6 +172,19 @@ def test_every_flag_and_variable_the_deploy_files_pass_exists():
     assert check_command(["spec-serve", "worker", "--drain-timeuot", "3"], "t") == ["t: spec-serve worker has no "
                                                                                    "--drain-timeuot"]
     assert check_variables({"SPEC_SERVE_DRAIN_TIMOUT"}, "t") == ["t: spec-serve reads no SPEC_SERVE_DRAIN_TIMOUT"]
+
+
+def test_slurm_workers_get_their_cpus_and_as_many_threads():
+    """Issue 39 item 6: each worker task is given its CPUs by srun itself (a step does not inherit the job's
+    --cpus-per-task since Slurm 22.05: each task would get one core) and runs as many math threads
+    (--threads), the same variable, whose default is the job's --cpus-per-task."""
+    (_, broker), (options, worker) = sbatch_steps()
+    cpus = dict(o.split("=", 1) for o in options if "=" in o).get("--cpus-per-task")
+    assert cpus == "$CPUS_PER_WORKER", options
+    assert flag_value(worker, "--threads") == cpus, worker
+    per_task = re.search(r"^#SBATCH --cpus-per-task=(\d+)$", SBATCH.read_text(), re.M).group(1)
+    assert sbatch_default("CPUS_PER_WORKER") == "${SLURM_CPUS_PER_TASK:-" + per_task
+    assert re.search(r"^export .*\bCPUS_PER_WORKER\b", SBATCH.read_text(), re.M)  # read inside bash -c
 
 
 def test_grace_periods_cover_the_drain():
@@ -372,7 +392,7 @@ def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path)
     env = {**os.environ, **FAST_ENV, **{k: str(v) for k, v in ports.items()}, "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(FAKE_SLURM), str(_checkout_entry_point(tmp_path / "bin")), os.environ["PATH"]]),
            "SLURM_JOB_NODELIST": "node[1-2]", "TARGET": str(tiny_target_dir), "KEYS": str(keys),
-           "WORKERS_PER_NODE": "1", "SPEC_SERVE_DEVICE": "cpu", "DRAIN_TIMEOUT": "5"}
+           "WORKERS_PER_NODE": "1", "SPEC_SERVE_DEVICE": "cpu", "DRAIN_TIMEOUT": "5", "CPUS_PER_WORKER": "2"}
     log = tmp_path / "job.log"
     with open(log, "wb") as out:
         job = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -397,6 +417,7 @@ def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path)
     text = log.read_text()
     assert text.count("fake srun: task 0 exited 0") == 2, text[-3000:]
     assert "outcome=drained" in text and "broker.stop" in text, text[-3000:]
+    assert "worker.threads threads=2 source=--threads" in text, text[-3000:]
 
 
 def _swap(text: str, swaps: dict[str, str]) -> str:

@@ -40,7 +40,7 @@ from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
 from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE, device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
+from spec_serve.worker.threads import ThreadShare, default_threads, is_worker_cmdline, local_workers, parse_cpu_list
 
 GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE of the cluster below
 ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S)}
@@ -544,3 +544,33 @@ def _captured(logger_name: str):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_thread_share_follows_each_worker_cpu_affinity(tmp_path):
+    """Issue 39 item 6: 8 workers of a 64-core node, each a Slurm task pinned to 8 cores of its own
+    (--cpus-per-task=8), got one math thread each (its 8 cores over the 8 workers); now each core is split
+    among the workers that may run on it. Unpinned workers still divide the node; a worker whose affinity
+    cannot be read counts on every core."""
+    broker = "tcp://10.0.0.1:5556"
+    proc = tmp_path / "proc"
+
+    def workers(affinities: dict[str, str | None]) -> Path:
+        shutil.rmtree(proc, ignore_errors=True)
+        for pid, cpus in affinities.items():
+            (proc / pid).mkdir(parents=True)
+            (proc / pid / "cmdline").write_bytes(b"\0".join([b"spec-serve", b"worker", b"--broker",
+                                                             broker.encode()]) + b"\0")
+            if cpus is not None:
+                (proc / pid / "status").write_text(f"Name:\tspec-serve\nCpus_allowed_list:\t{cpus}\nVoluntary:\t1\n")
+        return proc
+
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    pinned = workers({str(100 + i): f"{8 * i}-{8 * i + 7}" for i in range(8)})
+    assert default_threads(broker, pinned, cpus=parse_cpu_list("8-15")) == 8
+    unpinned = workers({str(100 + i): "0-63" for i in range(8)})
+    assert default_threads(broker, unpinned, cpus=parse_cpu_list("0-63")) == 8
+    halves = workers({"100": "0-3", "101": "0-3", "102": "4-7", "103": "4-7"})
+    assert default_threads(broker, halves, cpus=parse_cpu_list("0-3")) == 2
+    unknown = workers({"100": "0-3", "101": None})
+    assert default_threads(broker, unknown, cpus=parse_cpu_list("0-3")) == 2
+    assert default_threads(broker, tmp_path / "absent", cpus=parse_cpu_list("0-5")) == 6

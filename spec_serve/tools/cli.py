@@ -344,9 +344,9 @@ def _start_shim(b, host: str, port: int, authenticated: bool, insecure_network: 
                    f"(a larger request runs alone; 0: every request alone) [{DEFAULT_PACKED_TOKENS}] "
                    f"[env SPEC_SERVE_MAX_BATCH_TOKENS].")
 @click.option("--threads", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_THREADS",
-              help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else the cores this process may "
-                   "use divided by the spec-serve workers on this host that serve the same --broker, recounted as they "
-                   "come and go "
+              help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else this worker's share of the "
+                   "cores it may use, each split among the spec-serve workers on this host that serve the same "
+                   "--broker and may run on it (their CPU affinity), recounted as they come and go "
                    "[env SPEC_SERVE_THREADS].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
