@@ -49,9 +49,9 @@ def json_response(code: int, body: Any) -> Response:
     return code, "application/json", json.dumps(body).encode()
 
 
-def metrics_response(registry: CollectorRegistry) -> Response:
-    """The registry in Prometheus' text format."""
-    return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+def metrics_response(*registries: CollectorRegistry) -> Response:
+    """The registries, one after another, in Prometheus' text format (no metric name in two of them)."""
+    return 200, CONTENT_TYPE_LATEST, b"".join(generate_latest(registry) for registry in registries)
 
 
 @dataclasses.dataclass
