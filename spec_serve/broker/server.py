@@ -53,6 +53,7 @@ from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    KEYS_DIR_FLAG,
     KeyPolicy,
     Security,
     bound_endpoint,
@@ -84,6 +85,8 @@ FRONTEND_READ_AHEAD = 4
 FRONTEND_BACKLOG_BYTES = (FRONTEND_READ_AHEAD + 2) * FRONTEND_CONNECTION_BYTES
 # A peer on the wrong port is answered every time, but logged once per this many seconds.
 WRONG_PORT_LOG_INTERVAL_S = 60.0
+# At most one line per refused CURVE peer (address and role) in this window; every refusal is counted.
+CURVE_REFUSAL_LOG_INTERVAL_S = 60.0
 # How long a stopping broker lets its last words to clients and workers leave before it closes.
 GOODBYE_LINGER_MS = 1000
 # The loop turns at least every 0.25 s; one that has not turned for this long (or twice the peers' expiry
@@ -166,6 +169,9 @@ class Broker:
         self.metrics = self.router.metrics
         self.heartbeat_interval = heartbeat_interval
         self.ctx = context or zmq.Context.instance()
+        self.curve = security is not None
+        self._curve_log = Throttle(CURVE_REFUSAL_LOG_INTERVAL_S)
+        self._curve_log_lock = threading.Lock()  # refusals are heard on the ZAP handler's thread
         _check_listeners(frontend, backend, security, insecure_network)
         self._open(frontend, backend, security)
         self.frontend_endpoint = bound_endpoint(self.frontend)
@@ -200,8 +206,8 @@ class Broker:
         """Create and bind both sockets, each watched by an Ingress (what a peer can make libzmq hold
         before a message is whole; the sockets bind once watched)."""
         # Held for the broker's life: a socket admits nobody once its KeyPolicy is gone.
-        self.client_keys = KeyPolicy(security.client_keys_dir) if security else None
-        self.worker_keys = KeyPolicy(security.worker_keys_dir) if security else None
+        self.client_keys = KeyPolicy(security.client_keys_dir, "client", self._curve_refused) if security else None
+        self.worker_keys = KeyPolicy(security.worker_keys_dir, "worker", self._curve_refused) if security else None
         # libzmq drops a peer that sends a frame over this, before allocating it.
         self.frontend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.client_keys,
                                     max_frame_bytes=FRONTEND_FRAME_BYTES)
@@ -240,7 +246,8 @@ class Broker:
         poller.register(self.backend, zmq.POLLIN)
         next_tick = time.monotonic()
         tick = min(self.heartbeat_interval, 0.25)
-        event(log, logging.INFO, "broker.start", frontend=self.frontend_endpoint, backend=self.backend_endpoint)
+        event(log, logging.INFO, "broker.start", frontend=self.frontend_endpoint, backend=self.backend_endpoint,
+              curve="on" if self.curve else "off")
         self.update_snapshot()
         try:
             while not self._stop.is_set():
@@ -345,6 +352,17 @@ class Broker:
             request_id = refused.frames[4].bytes if len(refused.frames) > 4 else b""
             self.router.ctx.send_error(identity, request_id if len(request_id) == REQUEST_ID_BYTES else b"",
                                        ErrorCode.BAD_REQUEST, f"refused unread: {why}")
+
+    def _curve_refused(self, address: str, role: str) -> None:
+        """A peer's CURVE key was refused for ``role`` (on the ZAP handler's thread): counted, and logged once
+        per peer address and role a window, naming the flag whose directory would admit it."""
+        self.metrics.curve_refusals.labels(role=role).inc()
+        with self._curve_log_lock:
+            held = self._curve_log.ready(f"{role} {address}", time.monotonic())
+        if held is not None:
+            event(log, logging.WARNING, "broker.curve_refused", peer=address, role=role,
+                  reason=f"its public key is not in {KEYS_DIR_FLAG.get(role, 'the admitted keys')}",
+                  similar_since_last=held)
 
     def _wrong_port(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
         """A client on the workers' port, or a worker on the clients' port: tell it which port it

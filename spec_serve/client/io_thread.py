@@ -185,7 +185,7 @@ class ClientIO(threading.Thread):
             sock.connect(self.broker_url)
             self._watch = None
         else:
-            self._watch = connect_watched(sock, self.broker_url)
+            self._watch = connect_watched(sock, self.broker_url, "client")
         return sock
 
     def _reply_room(self) -> int:

@@ -65,6 +65,9 @@ class BrokerMetrics:
                                         "Messages refused unread at ingress: more frames than their kind has "
                                         "(the sender's connection is cut)", ["socket"], registry=r)
         self.errors = Counter("spec_serve_errors", "Error replies sent by the broker", ["code"], registry=r)
+        self.curve_refusals = Counter("spec_serve_curve_refusals",
+                                      "CURVE handshakes refused: the peer's key is not admitted for the role it "
+                                      "tried (client: the frontend, worker: the backend)", ["role"], registry=r)
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -85,31 +85,58 @@ class Security:
         return public
 
 
+# The broker flag whose directory admits each role's CURVE keys.
+KEYS_DIR_FLAG = {"client": "--curve-client-keys-dir", "worker": "--curve-worker-keys-dir"}
+# Called from the ZAP thread with a refused peer's address and the role its socket admits.
+OnRefused = Callable[[str, str], None]
+
+
 class KeyPolicy:
     """The CURVE keys one server socket admits: the public keys (``*.key``) in ``directory``, read
     once; None admits nobody. A socket's policy lives as long as the object does (its owner holds it):
-    once it is gone, the socket admits nobody."""
+    once it is gone, the socket admits nobody. ``role`` names who the socket admits (client, worker);
+    ``on_refused(address, role)`` hears of each peer whose key it refused (on the ZAP handler's thread)."""
 
-    def __init__(self, directory: Path | None):
+    def __init__(self, directory: Path | None, role: str = "peer", on_refused: OnRefused | None = None):
         if directory is not None and not Path(directory).is_dir():
             raise ValueError(f"CURVE key directory {directory} does not exist (make keys with spec-serve keygen)")
         self.keys = frozenset(zmq.auth.load_certificates(str(directory))) if directory is not None else frozenset()
         self.domain = f"spec-serve-{uuid.uuid4().hex}"  # the socket's ZAP domain
+        self.role = role
+        self.on_refused = on_refused
 
 
 class _Policies:
     """The ZAP credentials provider of one context: each request goes to the policy of its socket's domain
-    (a context has one ZAP handler; without domains, the first socket's policy would answer for all)."""
+    (a context has one ZAP handler; without domains, the first socket's policy would answer for all).
+    ``address``: the peer of the request being answered (set by ``_Authenticator``, on its thread)."""
 
     def __init__(self) -> None:
         self.by_domain: weakref.WeakValueDictionary[str, KeyPolicy] = weakref.WeakValueDictionary()
+        self.address = ""
 
     def callback(self, domain: str, key: bytes) -> bool:
         policy = self.by_domain.get(domain)
-        return policy is not None and key in policy.keys
+        admitted = policy is not None and key in policy.keys
+        if not admitted and policy is not None and policy.on_refused is not None:
+            policy.on_refused(self.address, policy.role)
+        return admitted
 
 
-_authenticators: dict[int, tuple[ThreadAuthenticator, _Policies]] = {}
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler thread, telling the credentials provider which peer address asks (pyzmq passes
+    it only the domain and the key)."""
+
+    def __init__(self, context: zmq.SyncContext, policies: _Policies):
+        super().__init__(context)
+        self.policies = policies
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.policies.address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
+        await super().handle_zap_message(msg)
+
+
+_authenticators: dict[int, tuple[_Authenticator, _Policies]] = {}
 _auth_lock = threading.Lock()
 
 
@@ -118,9 +145,10 @@ def _admit(sock: zmq.SyncSocket, policy: KeyPolicy) -> None:
     with _auth_lock:
         entry = _authenticators.get(id(sock.context))
         if entry is None:
-            auth = ThreadAuthenticator(sock.context)
+            policies = _Policies()
+            auth = _Authenticator(sock.context, policies)
             auth.start()
-            entry = _authenticators[id(sock.context)] = (auth, _Policies())
+            entry = _authenticators[id(sock.context)] = (auth, policies)
         auth, policies = entry
         policies.by_domain[policy.domain] = policy
         auth.configure_curve_callback(domain=policy.domain, credentials_provider=policies)
