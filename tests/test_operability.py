@@ -34,7 +34,7 @@ import zmq
 from click.testing import CliRunner
 
 import zygote
-from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
+from cluster_util import CLIENT_KW, FAST_ENV, Reference, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
 from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE, device_and_dtype, join_int_lists, main
@@ -574,3 +574,43 @@ def test_thread_share_follows_each_worker_cpu_affinity(tmp_path):
     unknown = workers({"100": "0-3", "101": None})
     assert default_threads(broker, unknown, cpus=parse_cpu_list("0-3")) == 2
     assert default_threads(broker, tmp_path / "absent", cpus=parse_cpu_list("0-5")) == 6
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("url, says", [
+    ("tcp://::1:5555", "tcp://[::1]:5555"),
+    ("tcp://fe80::1%eth0:5555", "tcp://[fe80::1%eth0]:5555"),
+    ("tcp://[::1]", "needs a port after the IPv6 address, e.g. tcp://[::1]:5555"),
+    ("tcp://[broker]:5555", "brackets hold an IPv6 address"),
+])
+def test_ipv6_endpoints_without_brackets_fail_in_one_line(url, says):
+    """Issue 39 item 5: an IPv6 address without brackets reached libzmq, which said only "No such device"."""
+    with pytest.raises(ValueError) as err:
+        RemoteTargetModel(url)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+def test_ipv6_loopback_cluster_serves_bit_for_bit(tiny_target_dir, tiny_vocab_mapping, tmp_path):
+    """Issue 39 item 5: a broker bound to tcp://[::1]:PORT, a worker and a client reaching it there (ZMQ_IPV6 in
+    the one socket factory): served, equal to the colocated forward; protected mode counts ::1 as loopback."""
+    reference = Reference(tiny_target_dir, tiny_vocab_mapping)
+    cluster = Cluster.on_free_ports("::1", env=FAST_ENV, log_dir=tmp_path)
+    try:
+        assert cluster.frontend.startswith("tcp://[::1]:")
+        cluster.start_broker()
+        cluster.start_worker(tiny_target_dir)
+        cluster.wait_workers(1)
+        with RemoteTargetModel(cluster.frontend, timeout=60, **CLIENT_KW) as client:
+            assert_equal_batches(client.generate_batch(*reference.batch(5), kind="dspark"),
+                                 reference.expected(5, kind="dspark"))
+    finally:
+        cluster.stop()

@@ -69,6 +69,7 @@ from spec_serve.transport.sockets import (
     check_connect_url,
     make_socket,
     route_address,
+    tcp_endpoint,
 )
 
 log = logging.getLogger("spec_serve.client")
@@ -142,7 +143,7 @@ class ClientIO(threading.Thread):
         if local:
             data_bind = _ipc_endpoint()
         else:
-            data_bind = f"tcp://{self.local_host}:*"
+            data_bind = tcp_endpoint(self.local_host, "*")
         # With CURVE, only the workers' keys may push replies here (none without worker_keys_dir).
         self.data_keys = KeyPolicy(security.worker_keys_dir) if security else None
         self.data = make_socket(self.ctx, zmq.PULL, security=security, admit=self.data_keys)

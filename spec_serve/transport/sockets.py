@@ -10,6 +10,8 @@ Options and why:
   codec splits tensors into frames of at most 16 MiB (wire.MAX_FRAME_BYTES),
   so honest peers never come near it.
 - ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
+- IPV6: ``tcp://[::1]:5555`` and IPv6 host names work (off, libzmq answers them "No such device"); a
+  ``tcp://*`` bind listens on IPv4 and IPv6 both (libzmq falls back to IPv4 where the host has no IPv6).
 - IMMEDIATE (``immediate=True``, a worker's sockets to client data endpoints):
   messages queue only on a connection that completed its handshake, so a
   send to an endpoint that refuses or never speaks ZeroMQ fails at once.
@@ -198,6 +200,7 @@ def _configure(sock: zmq.SyncSocket, kind: int, bind: str | None, connect: str |
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+    sock.setsockopt(zmq.IPV6, 1)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if identity is not None:
@@ -356,13 +359,19 @@ def route_address(broker_url: str) -> str:
             return "127.0.0.1"
     except ValueError:
         pass
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    probe = socket.socket(family, socket.SOCK_DGRAM)
     try:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
+        probe.connect(where)  # UDP connect sends nothing
         address: str = probe.getsockname()[0]
         return address
     finally:
         probe.close()
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """``tcp://host:port``, an IPv6 address in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
 @functools.cache
@@ -423,10 +432,30 @@ def _check_url(url: object, expect: str, default_port: int, host_example: str) -
     if scheme != "tcp":
         raise ValueError(f"{url!r}: unsupported scheme {scheme!r}; use tcp://{host_example}:{default_port}, {expect}")
     host, colon, port = rest.rpartition(":")
+    _check_ipv6(url, host, rest, default_port)
     if not colon or not host or not (port.isdigit() and 0 < int(port) < 65536 or port == "*"):
         raise ValueError(f"{url!r} needs a host and a port, e.g. tcp://{host or rest or host_example}:"
                          f"{default_port}; expected {expect}")
     return url
+
+
+def _check_ipv6(url: str, host: str, rest: str, default_port: int) -> None:
+    """An IPv6 address goes in brackets, port after: ``tcp://[::1]:5555``; else a ValueError saying so."""
+    if rest.startswith("["):
+        inside, bracket, _ = rest[1:].partition("]")
+        try:
+            ipaddress.IPv6Address(inside.split("%")[0])
+            valid = bool(bracket)
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ValueError(f"{url!r}: brackets hold an IPv6 address, e.g. tcp://[::1]:{default_port}")
+        if not rest[1:].partition("]")[2].startswith(":"):
+            raise ValueError(f"{url!r} needs a port after the IPv6 address, e.g. tcp://[{inside}]:{default_port}")
+    elif ":" in host:
+        address = rest if rest.count(":") > 1 and not rest.rpartition(":")[2].isdigit() else host
+        raise ValueError(f"{url!r}: an IPv6 address goes in brackets, before the port: "
+                         f"tcp://[{address}]:{default_port if address == rest else rest.rpartition(':')[2]}")
 
 
 # LO-HI: free_port picks from this range instead of the OS's ephemeral ports. Parallel runs on one host (the
@@ -449,8 +478,12 @@ def _port_range() -> tuple[int, int] | None:
     return lo, hi
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+
+
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         try:
             s.bind((host, port))
         except OSError:
@@ -462,9 +495,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on now: the OS picks it, or under PORT_RANGE_ENV the next
     bindable one of that range, from a random start in each process (so a process and its children rarely
     try the same one)."""
+    host = host.strip("[]")
     span = _port_range()
     if span is None:
-        with socket.socket() as s:
+        with socket.socket(_family(host)) as s:
             s.bind((host, 0))
             port: int = s.getsockname()[1]
             return port
