@@ -54,6 +54,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from spec_serve.telemetry.logs import event
+from spec_serve.transport.sockets import bind_endpoint
 
 log = logging.getLogger("spec_serve.ingress")
 
@@ -152,7 +153,7 @@ class Ingress:
         _watcher().add(self, sock.get_monitor_socket(_EVENTS))
         try:
             if bind is not None:
-                sock.bind(bind)
+                bind_endpoint(sock, bind)
             if connect is not None:
                 sock.connect(connect)
         except BaseException:  # as make_socket: a bad endpoint must not leak the socket

@@ -12,6 +12,7 @@ Options and why:
 - ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
 - IPV6: ``tcp://[::1]:5555`` and IPv6 host names work (off, libzmq answers them "No such device"); a
   ``tcp://*`` bind listens on IPv4 and IPv6 both (libzmq falls back to IPv4 where the host has no IPv6).
+  Off for a bind to an IPv4 address, which stays a plain IPv4 listener (not a v4-mapped IPv6 one).
 - IMMEDIATE (``immediate=True``, a worker's sockets to client data endpoints):
   messages queue only on a connection that completed its handshake, so a
   send to an endpoint that refuses or never speaks ZeroMQ fails at once.
@@ -134,7 +135,8 @@ class _Authenticator(ThreadAuthenticator):
         self.policies = policies
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
-        self.policies.address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
+        address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
+        self.policies.address = address.removeprefix("::ffff:") if "." in address else address  # v4-mapped: IPv4
         await super().handle_zap_message(msg)
 
 
@@ -214,9 +216,23 @@ def _configure(sock: zmq.SyncSocket, kind: int, bind: str | None, connect: str |
         else:
             sock.curve_serverkey = curve_server_key or security.server_public_key()
     if bind is not None:
-        sock.bind(bind)
+        bind_endpoint(sock, bind)
     if connect is not None:
         sock.connect(connect)
+
+
+def bind_endpoint(sock: zmq.SyncSocket, endpoint: str) -> None:
+    """Bind ``sock`` to ``endpoint``: a plain IPv4 listener for an IPv4 address (with IPV6 on, libzmq would
+    make it a v4-mapped IPv6 one), IPv6 (and IPv4 for ``*``) otherwise."""
+    sock.setsockopt(zmq.IPV6, int(not _is_ipv4(endpoint_host(endpoint))))
+    sock.bind(endpoint)
+
+
+def _is_ipv4(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).version == 4
+    except ValueError:
+        return False
 
 
 def send_lent(sock: zmq.SyncSocket, frames: Iterable[Any], flags: int = 0) -> zmq.MessageTracker:
