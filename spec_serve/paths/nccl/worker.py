@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import torch
 
@@ -137,8 +139,9 @@ class NcclWorker(WorkerSide):
     def _bind(self, bind: WorkerBind, post: Post) -> None:
         prefix, timeout = bind.prefix, float(bind.timeout)
         assert self.advertise_host is not None  # resolved by _refusal
-        try:
-            store, port = PairGroup.host_store(self.advertise_host, 0, timeout)
+        try:  # only the bound client's address may reach the store (admit.py)
+            store, port = PairGroup.host_store(self.advertise_host, 0, timeout,
+                                               peers=client_addresses(bind.reply_to, self.advertise_host))
         except Exception as e:
             post(Status.ERROR, ErrorReply(worker=self.worker, code=ErrorCode.UNAVAILABLE.value,
                                           error=f"could not host the rendezvous store: {e}"))
@@ -218,3 +221,17 @@ class NcclWorker(WorkerSide):
         if self.prefix is not None:
             self._released.discard(self.prefix)
         self._client = self.prefix = None
+
+
+def client_addresses(reply_to: str, store_host: str) -> list[str]:
+    """The source addresses a bound client reaches our store from: those of its data endpoint's host (the
+    address it chose to be reached at, from its route to the broker: the same route reaches us); a client
+    on an ``ipc://`` endpoint is on this host and comes from ``store_host``, as we do."""
+    host = urlsplit(reply_to).hostname if reply_to.startswith("tcp://") else None
+    if host is None:
+        return [store_host]
+    family = socket.AF_INET6 if ":" in store_host else socket.AF_INET
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, family)})
+    except OSError:
+        return []
