@@ -169,6 +169,55 @@ class RawZmtpPeer:
         except OSError:
             return True
 
+    def send(self, frames: list[bytes]) -> None:
+        """One whole message."""
+        self.sock.sendall(b"".join(self.frame(f, more=i < len(frames) - 1) for i, f in enumerate(frames)))
+
+    def slow_frames(self, first_frames: list[bytes], per_step: int, step_s: float, timeout: float) -> bool:
+        """``first_frames``, then empty frames, ``per_step`` every ``step_s``, never ending the message, until the
+        receiver cuts the connection (True) or ``timeout`` passes (False)."""
+        chunk, deadline = self.frame(b"", more=True) * per_step, time.monotonic() + timeout
+        try:
+            for f in first_frames:
+                self.sock.sendall(self.frame(f, more=True))
+            while time.monotonic() < deadline:
+                self.sock.sendall(chunk)
+                time.sleep(step_s)
+        except OSError:
+            return True
+        return False
+
+    def messages(self, timeout: float) -> list[list[bytes]]:
+        """The messages the receiver sent us (ZMTP commands skipped) until it closed the connection or
+        ``timeout`` passed."""
+        data, deadline = b"", time.monotonic() + timeout
+        self.sock.settimeout(0.1)
+        while time.monotonic() < deadline:
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        messages, current, at = [], [], 0
+        while at + 2 <= len(data):
+            flags = data[at]
+            size_len = 8 if flags & 2 else 1
+            if at + 1 + size_len > len(data):
+                break
+            size = int.from_bytes(data[at + 1:at + 1 + size_len], "big")
+            body, at = data[at + 1 + size_len:at + 1 + size_len + size], at + 1 + size_len + size
+            if flags & 4:
+                continue  # a command (READY, PING)
+            current.append(body)
+            if not flags & 1:
+                messages.append(current)
+                current = []
+        return messages
+
     def many_frames(self, first_frames: list[bytes], count: int, timeout: float = 60.0) -> int:
         """One whole message: ``first_frames``, then ``count`` empty frames (2 bytes each on the wire), the
         last ending it. Returns the bytes sent before the receiver cut the connection (all if never)."""

@@ -85,6 +85,9 @@ FRONTEND_READ_AHEAD = 4
 FRONTEND_BACKLOG_BYTES = (FRONTEND_READ_AHEAD + 2) * FRONTEND_CONNECTION_BYTES
 # A peer on the wrong port is answered every time, but logged once per this many seconds.
 WRONG_PORT_LOG_INTERVAL_S = 60.0
+# A refused message's connection is cut this long after its answer was queued: a shutdown discards what
+# libzmq has not yet written, and the answer must reach the client first (its bytes are bounded meanwhile).
+ANSWER_GRACE_S = 1.0
 # At most one line per refused CURVE peer (address and role) in this window; every refusal is counted.
 CURVE_REFUSAL_LOG_INTERVAL_S = 60.0
 # How long a stopping broker lets its last words to clients and workers leave before it closes.
@@ -221,7 +224,7 @@ class Broker:
             with _binding("frontend", frontend):
                 front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
                                 per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES,
-                                backlog=FRONTEND_BACKLOG_BYTES)
+                                backlog=FRONTEND_BACKLOG_BYTES, answer_cuts=True)
             with _binding("backend", backend):
                 back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
                                per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES,
@@ -257,6 +260,7 @@ class Broker:
                 # watchers no whole message waits, even on a turn the poll did not wake for them.
                 self._drain(self.backend, self.process_worker)
                 self._drain(self.frontend, self.process_client)
+                self._tell_cut_clients()
                 now = time.monotonic()
                 if now >= next_tick:
                     self._tick(now)
@@ -337,12 +341,12 @@ class Broker:
                 log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
 
     def _refuse(self, sock: zmq.Socket, refused: Overlong) -> None:
-        """A message with more frames than its kind may have: count it, cut its connection (a client would
-        never send it), and tell a client why; its remaining frames are being discarded unread."""
+        """A message with more frames than its kind may have: count it, tell a client why (under the
+        message's request id), and cut its connection (a client would never send it) once that answer has
+        had ``ANSWER_GRACE_S`` to leave; its remaining frames are being discarded unread."""
         side = "frontend" if sock is self.frontend else "backend"
         self.metrics.refused_messages.labels(socket=side).inc()
         why = f"a message of more than {refused.limit} frames, more than its kind has"
-        self.ingress[sock].cut(refused.source_fd, why)
         identity = refused.frames[0].bytes
         held = self._refusal_log.ready(side, time.monotonic())
         if held is not None:
@@ -352,6 +356,7 @@ class Broker:
             request_id = refused.frames[4].bytes if len(refused.frames) > 4 else b""
             self.router.ctx.send_error(identity, request_id if len(request_id) == REQUEST_ID_BYTES else b"",
                                        ErrorCode.BAD_REQUEST, f"refused unread: {why}")
+        self.ingress[sock].cut(refused.source_fd, why, after=ANSWER_GRACE_S if sock is self.frontend else 0.0)
 
     def _curve_refused(self, address: str, role: str) -> None:
         """A peer's CURVE key was refused for ``role`` (on the ZAP handler's thread): counted, and logged once
@@ -363,6 +368,13 @@ class Broker:
             event(log, logging.WARNING, "broker.curve_refused", peer=address, role=role,
                   reason=f"its public key is not in {KEYS_DIR_FLAG.get(role, 'the admitted keys')}",
                   similar_since_last=held)
+
+    def _tell_cut_clients(self) -> None:
+        """Each client connection the frontend's ingress is cutting for a message it could not finish within
+        its bound hears why first (``bad_request``, no request id: that message's was never read)."""
+        for identity, why in self.ingress[self.frontend].take_told():
+            self.router.ctx.send_error(identity, b"", ErrorCode.BAD_REQUEST,
+                                       f"connection cut: {why} (more frames or bytes than any message has)")
 
     def _wrong_port(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
         """A client on the workers' port, or a worker on the clients' port: tell it which port it

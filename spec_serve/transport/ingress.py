@@ -64,6 +64,9 @@ CHECK_INTERVAL_S = 0.01
 # pipes) at least every 100 reads (its inbound_poll_rate), then serves each in turn; two per connection
 # covers those the monitor reports a round late.
 FAIR_SHARE_READS = 128
+# How long a connection past ``per_connection`` stays up while its owner tells its peer why it is cut
+# (``answer_cuts``): the owner's loop turn and the answer's way out. ``backlog`` still bounds it meanwhile.
+TELL_S = 1.5
 # Unaccounted bytes (handshake, ZMTP heartbeats) forgiven per delivered message.
 GRANT_BYTES = 64 << 10
 _TCP_INFO_LEN = 136
@@ -112,6 +115,7 @@ class _Conn:
     last: _Measure | None = None  # the latest measure (None: measured in this round)
     mark: _Measure | None = None  # the measure the owner's reads have yet to prove unfinished, or not
     unfinished: int = 0  # bytes last proven part of a message that is not whole; 0 once it delivers again
+    told: float | None = None  # when its owner was asked to tell its peer why it is cut (answer_cuts)
 
 
 class Ingress:
@@ -123,6 +127,11 @@ class Ingress:
     connection's undelivered bytes whatever the owner does; ``per_connection`` and ``total`` bound the
     bytes proven to belong to unfinished messages (module docstring).
 
+    ``answer_cuts`` (a ROUTER whose peers can be answered): a connection found past ``per_connection`` whose
+    peer delivered a message before (so its identity is known) is cut only ``TELL_S`` later, and its
+    identity and the reason wait in ``take_told`` for the owner to answer it meanwhile. A peer whose first
+    message never ends cannot be answered: no identity is known for it.
+
     Give the socket's ``bind``/``connect`` endpoint here rather than to ``make_socket``: the monitor
     must be in place before the first connection, or that connection goes unwatched. If binding or
     connecting fails, the socket is closed.
@@ -130,7 +139,7 @@ class Ingress:
 
     def __init__(self, sock: zmq.SyncSocket, name: str, *, total: Budget, per_connection: Budget | None = None,
                  backlog: Budget | None = None, router: bool = False, bind: str | None = None,
-                 connect: str | None = None) -> None:
+                 connect: str | None = None, answer_cuts: bool = False) -> None:
         self.name = name
         self.total = total
         self.per_connection = total if per_connection is None else per_connection
@@ -147,7 +156,12 @@ class Ingress:
         self._sock = sock
         # Watcher thread only: fd -> (bytes, messages) delivered through connections on it that have ended.
         self._retired: dict[int, tuple[int, int]] = {}
-        self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str]] = collections.deque()
+        # (fd, its peer when asked, why, not before): cuts the owner asked for.
+        self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str, float]] = collections.deque()
+        # Router with answer_cuts: fd -> the identity of the last message it delivered (owner writes, watcher
+        # reads and forgets); (identity, reason) of connections being cut, for the owner to answer.
+        self.identities: dict[int, bytes] = {}
+        self._told: collections.deque[tuple[bytes, str]] | None = collections.deque() if answer_cuts else None
         self._closed = threading.Event()
         self._closed_ack = threading.Event()
         _watcher().add(self, sock.get_monitor_socket(_EVENTS))
@@ -170,18 +184,28 @@ class Ingress:
         fd = parts[-1].get(zmq.SRCFD)
         self.bytes[fd] = self.bytes.get(fd, 0) + sum(wire_bytes(len(p), self.curve) for p in parts)
         self.count[fd] = self.count.get(fd, 0) + 1
+        if self._told is not None:
+            self.identities[fd] = frames[0].bytes
+
+    def take_told(self) -> list[tuple[bytes, str]]:
+        """Owner thread: (identity, reason) of each connection being cut that its owner should tell why."""
+        told = []
+        while self._told:
+            told.append(self._told.popleft())
+        return told
 
     def emptied(self) -> None:
         """Owner thread: a read found no message waiting (every whole message that had arrived was read)."""
         self.empties += 1
 
-    def cut(self, fd: int | None, reason: str) -> None:
-        """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's next
-        check, e.g. one that sent a message the owner refused; any thread. Its peer address is taken now,
-        so a connection that takes the descriptor over later is spared."""
+    def cut(self, fd: int | None, reason: str, after: float = 0.0) -> None:
+        """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's first
+        check ``after`` seconds from now, e.g. one that sent a message the owner refused, once the answer the
+        owner queued for it has left (a shutdown discards what libzmq has not written); any thread. Its peer
+        address is taken now, so a connection that takes the descriptor over later is spared."""
         if fd is None:
             return
-        self._cuts.append((fd, _borrow(fd, socket.socket.getpeername), reason))
+        self._cuts.append((fd, _borrow(fd, socket.socket.getpeername), reason, time.monotonic() + after))
         _watcher().wake()
 
     def close(self) -> None:
@@ -333,6 +357,7 @@ class _Watcher(threading.Thread):
         """Stop watching ``conn``; what was delivered through its descriptor so far is not the next one's."""
         conns.pop(conn.fd, None)
         ingress._retired[conn.fd] = (ingress.bytes.get(conn.fd, 0), ingress.count.get(conn.fd, 0))
+        ingress.identities.pop(conn.fd, None)
         if self._owners.get(conn.fd) is conn:  # not if the descriptor already serves a newer connection
             del self._owners[conn.fd]
             try:
@@ -340,19 +365,29 @@ class _Watcher(threading.Thread):
             except OSError:
                 pass
 
-    def _check(self, ingress: Ingress, conns: dict[int, _Conn], dirty: set[int], sweep: bool) -> None:
-        while ingress._cuts:
-            fd, peer, why = ingress._cuts.popleft()
+    def _cut_due(self, ingress: Ingress, conns: dict[int, _Conn], now: float) -> None:
+        """The cuts the owner asked for whose time has come."""
+        for _ in range(len(ingress._cuts)):
+            fd, peer, why, when = cut = ingress._cuts.popleft()
+            if when > now:
+                ingress._cuts.append(cut)
+                continue
             conn = conns.get(fd)
             if peer is not None and (conn is None or conn.peer == peer):  # None: not seen accepted yet
                 self._drop(ingress, conns, conn or _Conn(fd, peer, 0, 0), why)
+
+    def _check(self, ingress: Ingress, conns: dict[int, _Conn], dirty: set[int], sweep: bool) -> None:
+        now = time.monotonic()
+        self._cut_due(ingress, conns, now)
         per_connection, backlog = ingress.limit(ingress.per_connection), ingress.limit(ingress.backlog)
         share = FAIR_SHARE_READS + 2 * len(conns)
         for fd, conn in list(conns.items()):
             self._judge(ingress, conn, share)
             if conn.unfinished > per_connection:
-                self._drop(ingress, conns, conn, f"a message unfinished past {per_connection} bytes")
-                continue
+                why = f"a message unfinished past {per_connection} bytes"
+                if not self._telling(ingress, conn, why, now):
+                    self._drop(ingress, conns, conn, why)
+                    continue
             if not (sweep or fd in dirty or conn.last is None or ingress.count.get(fd, 0) != conn.seen):
                 continue  # nothing arrived and nothing was delivered: its count stands
             last = self._measure(ingress, conn)
@@ -367,6 +402,18 @@ class _Watcher(threading.Thread):
             conn = unfinished.pop()
             together -= conn.unfinished
             self._drop(ingress, conns, conn, f"unfinished messages together past {total} bytes")
+
+    @staticmethod
+    def _telling(ingress: Ingress, conn: _Conn, why: str, now: float) -> bool:
+        """True while ``conn``'s owner tells its peer why it is cut (``answer_cuts``, its identity known):
+        for ``TELL_S`` from the first time it is found past its bound; its other bounds hold meanwhile."""
+        if conn.told is None:
+            identity = ingress.identities.get(conn.fd)
+            if ingress._told is None or identity is None:
+                return False
+            conn.told = now
+            ingress._told.append((identity, why))
+        return now - conn.told < TELL_S
 
     @staticmethod
     def _judge(ingress: Ingress, conn: _Conn, share: int) -> None:
