@@ -151,10 +151,11 @@ def test_unauthenticated_worker_never_registers(cluster, keys, tiny_target_dir):
     assert after == before and "intruder" not in cluster.get("/workers")[1]["services"]
 
 
-def _curve_refusals(cluster) -> dict[str, float]:
+def _curve_refusals(cluster, cause: str = "key") -> dict[str, float]:
     _, text = cluster.get("/metrics")
     return {role: sum(float(ln.split()[-1]) for ln in text.splitlines()
-                      if ln.startswith(f'spec_serve_curve_refusals_total{{role="{role}"}}'))
+                      if ln.startswith("spec_serve_curve_refusals_total{") and f'role="{role}"' in ln
+                      and f'cause="{cause}"' in ln)
             for role in ("client", "worker")}
 
 
@@ -178,10 +179,32 @@ def test_refused_client_keys_are_counted_and_logged_once_per_peer(cluster, keys)
     wait_until(lambda: _curve_refusals(cluster)["client"] >= before["client"] + 3, 10, what="3 refusals counted")
     assert _curve_refusals(cluster)["worker"] == before["worker"]
     text = log.read_text(errors="replace")
-    lines = [ln for ln in text.splitlines() if "broker.curve_refused" in ln and "role=client" in ln]
+    lines = [ln for ln in text.splitlines() if "broker.curve_refused" in ln and "role=client" in ln
+             and "keys-dir" in ln]
     new = [ln for ln in text[logged:].splitlines() if "broker.curve_refused" in ln]
     assert lines and len(new) <= 1, lines  # earlier tests' refusals from this address may have opened the window
     assert f"peer={cluster.frontend[6:].rpartition(':')[0]}" in lines[-1] and "--curve-client-keys-dir" in lines[-1]
+
+
+def test_failed_curve_handshakes_are_counted_and_logged(cluster, keys):
+    """A client with another broker key, or with no CURVE at all, fails the handshake before any key is
+    checked: the broker counts it (cause "handshake") and logs the peer's address and role."""
+    before, log = _curve_refusals(cluster, "handshake"), cluster.log_dir / "broker.log"
+    logged = len(log.read_text(errors="replace"))
+    for security in (client_security(keys, server="stranger"), None):
+        client = RemoteTargetModel(cluster.frontend, security=security, timeout=30, max_retries=0, connect_timeout=1,
+                                   **CLIENT_KW)
+        try:
+            with pytest.raises(BrokerUnreachable):
+                client.status()
+        finally:
+            client.close()
+    wait_until(lambda: _curve_refusals(cluster, "handshake")["client"] >= before["client"] + 2, 10,
+               what="2 failed handshakes counted")
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "broker.curve_refused" in ln
+             and "handshake failed" in ln]
+    assert lines and f"peer={cluster.frontend[6:].rpartition(':')[0]}" in lines[-1] and "role=client" in lines[-1]
+    assert len([ln for ln in log.read_text(errors="replace")[logged:].splitlines() if "curve_refused" in ln]) <= 1
 
 
 def test_data_socket_admits_only_worker_keys(cluster, keys):

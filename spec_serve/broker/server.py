@@ -60,6 +60,7 @@ from spec_serve.transport.sockets import (
     check_exposure,
     endpoint_host,
     make_socket,
+    plain_address,
 )
 
 log = logging.getLogger("spec_serve.broker")
@@ -224,11 +225,13 @@ class Broker:
             with _binding("frontend", frontend):
                 front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
                                 per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES,
-                                backlog=FRONTEND_BACKLOG_BYTES, answer_cuts=True)
+                                backlog=FRONTEND_BACKLOG_BYTES, answer_cuts=True,
+                                on_handshake_failed=lambda peer: self._curve_refused(peer, "client", "handshake"))
             with _binding("backend", backend):
                 back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
                                per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES,
-                               backlog=BACKEND_BACKLOG_BYTES)
+                               backlog=BACKEND_BACKLOG_BYTES,
+                               on_handshake_failed=lambda peer: self._curve_refused(peer, "worker", "handshake"))
         except BindError:  # the one that failed closed its socket; close the rest
             if front is not None:
                 front.close()
@@ -358,16 +361,25 @@ class Broker:
                                        ErrorCode.BAD_REQUEST, f"refused unread: {why}")
         self.ingress[sock].cut(refused.source_fd, why, after=ANSWER_GRACE_S if sock is self.frontend else 0.0)
 
-    def _curve_refused(self, address: str, role: str) -> None:
-        """A peer's CURVE key was refused for ``role`` (on the ZAP handler's thread): counted, and logged once
-        per peer address and role a window, naming the flag whose directory would admit it."""
-        self.metrics.curve_refusals.labels(role=role).inc()
+    def _curve_refused(self, address: str, role: str, cause: str = "key") -> None:
+        """A peer's handshake for ``role`` failed (on the ZAP handler's or the ingress watcher's thread):
+        ``cause`` "key", its CURVE key is not admitted, or "handshake", the two ends' CURVE settings differ.
+        Counted, and logged once per peer address, role and cause a window, naming the fix."""
+        address = plain_address(address)
+        self.metrics.curve_refusals.labels(role=role, cause=cause).inc()
         with self._curve_log_lock:
-            held = self._curve_log.ready(f"{role} {address}", time.monotonic())
-        if held is not None:
-            event(log, logging.WARNING, "broker.curve_refused", peer=address, role=role,
-                  reason=f"its public key is not in {KEYS_DIR_FLAG.get(role, 'the admitted keys')}",
-                  similar_since_last=held)
+            held = self._curve_log.ready(f"{role} {cause} {address}", time.monotonic())
+        if held is None:
+            return
+        if cause == "key":
+            why = f"its public key is not in {KEYS_DIR_FLAG.get(role, 'the admitted keys')}"
+        elif self.curve:
+            why = ("its CURVE handshake failed: its --curve-server-key is not this broker's public key, it has no "
+                   "CURVE, or it does not speak ZeroMQ")
+        else:
+            why = "its handshake failed: it uses CURVE and this broker does not (no --curve-secret-key)"
+        event(log, logging.WARNING, "broker.curve_refused", peer=address, role=role, reason=why,
+              similar_since_last=held)
 
     def _tell_cut_clients(self) -> None:
         """Each client connection the frontend's ingress is cutting for a message it could not finish within

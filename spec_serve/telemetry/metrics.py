@@ -66,8 +66,10 @@ class BrokerMetrics:
                                         "(the sender's connection is cut)", ["socket"], registry=r)
         self.errors = Counter("spec_serve_errors", "Error replies sent by the broker", ["code"], registry=r)
         self.curve_refusals = Counter("spec_serve_curve_refusals",
-                                      "CURVE handshakes refused: the peer's key is not admitted for the role it "
-                                      "tried (client: the frontend, worker: the backend)", ["role"], registry=r)
+                                      "Handshakes refused, by the role the peer tried (client: the frontend, "
+                                      "worker: the backend) and cause (key: its CURVE key is not admitted; "
+                                      "handshake: the two ends' CURVE settings differ)", ["role", "cause"],
+                                      registry=r)
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)

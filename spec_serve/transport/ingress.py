@@ -71,7 +71,8 @@ TELL_S = 1.5
 GRANT_BYTES = 64 << 10
 _TCP_INFO_LEN = 136
 _BYTES_RECEIVED_OFFSET = 128  # struct tcp_info.tcpi_bytes_received (Linux >= 4.1)
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 # Bytes arriving on a descriptor wake its EPOLLIN waiters, but epoll reports an edge only if the descriptor is
 # still ready when asked, and libzmq has usually read them by then. A TCP socket is writable, so asking for
 # EPOLLOUT too reports every such wake-up.
@@ -127,6 +128,10 @@ class Ingress:
     connection's undelivered bytes whatever the owner does; ``per_connection`` and ``total`` bound the
     bytes proven to belong to unfinished messages (module docstring).
 
+    ``on_handshake_failed(address)`` (on the watcher's thread) hears of each connection whose ZMTP handshake
+    failed for a protocol reason (a CURVE peer with another server key, one without CURVE at a CURVE socket
+    or the reverse); the event names no connection, but libzmq reports that connection's DISCONNECTED next.
+
     ``answer_cuts`` (a ROUTER whose peers can be answered): a connection found past ``per_connection`` whose
     peer delivered a message before (so its identity is known) is cut only ``TELL_S`` later, and its
     identity and the reason wait in ``take_told`` for the owner to answer it meanwhile. A peer whose first
@@ -139,7 +144,8 @@ class Ingress:
 
     def __init__(self, sock: zmq.SyncSocket, name: str, *, total: Budget, per_connection: Budget | None = None,
                  backlog: Budget | None = None, router: bool = False, bind: str | None = None,
-                 connect: str | None = None, answer_cuts: bool = False) -> None:
+                 connect: str | None = None, answer_cuts: bool = False,
+                 on_handshake_failed: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.total = total
         self.per_connection = total if per_connection is None else per_connection
@@ -161,6 +167,8 @@ class Ingress:
         # Router with answer_cuts: fd -> the identity of the last message it delivered (owner writes, watcher
         # reads and forgets); (identity, reason) of connections being cut, for the owner to answer.
         self.identities: dict[int, bytes] = {}
+        self.on_handshake_failed = on_handshake_failed
+        self._handshake_failed = False  # watcher thread: the next DISCONNECTED is that of a failed handshake
         self._told: collections.deque[tuple[bytes, str]] | None = collections.deque() if answer_cuts else None
         self._closed = threading.Event()
         self._closed_ack = threading.Event()
@@ -333,8 +341,10 @@ class _Watcher(threading.Thread):
                 msg = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            fd = msg["value"]
-            if msg["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+            fd, kind = msg["value"], msg["event"]
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # its value is an error code, not a descriptor
+                ingress._handshake_failed = True
+            elif kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 peer = _borrow(fd, socket.socket.getpeername)
                 if peer is not None and _borrow(fd, _received) is not None:
                     # Counted from the connection's first byte: a flood that began before this event is not forgiven,
@@ -342,8 +352,22 @@ class _Watcher(threading.Thread):
                     delivered, count = ingress._retired.get(fd, (0, 0))
                     conns[fd] = self._owners[fd] = _Conn(fd, peer, -delivered, count)
                     self._listen(fd)  # measured in this round (no last measure)
-            elif fd in conns:
-                self._forget(ingress, conns, conns[fd])
+            else:
+                self._ended(ingress, conns, fd, kind)
+
+    @staticmethod
+    def _handshake_failure(ingress: Ingress, conn: _Conn | None, kind: int) -> None:
+        """Tell the owner of a failed handshake, by the address of the connection that ended after it."""
+        if kind == zmq.EVENT_DISCONNECTED and ingress._handshake_failed:
+            ingress._handshake_failed = False
+            if conn is not None and ingress.on_handshake_failed is not None:
+                ingress.on_handshake_failed(str(conn.peer[0]))
+
+    def _ended(self, ingress: Ingress, conns: dict[int, _Conn], fd: int, kind: int) -> None:
+        conn = conns.get(fd)
+        self._handshake_failure(ingress, conn, kind)
+        if conn is not None:
+            self._forget(ingress, conns, conn)
 
     def _listen(self, fd: int) -> None:
         try:

@@ -135,9 +135,13 @@ class _Authenticator(ThreadAuthenticator):
         self.policies = policies
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
-        address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
-        self.policies.address = address.removeprefix("::ffff:") if "." in address else address  # v4-mapped: IPv4
+        self.policies.address = plain_address(msg[3].decode(errors="replace") if len(msg) > 3 else "")
         await super().handle_zap_message(msg)
+
+
+def plain_address(address: str) -> str:
+    """An IPv4 peer of a dual-stack listener (``::ffff:10.0.0.5``) as its IPv4 address; others unchanged."""
+    return address.removeprefix("::ffff:") if "." in address else address
 
 
 _authenticators: dict[int, tuple[_Authenticator, _Policies]] = {}
