@@ -40,6 +40,7 @@ from spec_serve.protocol.commands import WORKER_TAG, WorkerCommand, control
 from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE, device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
+from spec_serve.transport.http_shim import HttpShim, json_response
 from spec_serve.worker.threads import ThreadShare, default_threads, is_worker_cmdline, local_workers, parse_cpu_list
 
 GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE of the cluster below
@@ -614,3 +615,15 @@ def test_ipv6_loopback_cluster_serves_bit_for_bit(tiny_target_dir, tiny_vocab_ma
                                  reference.expected(5, kind="dspark"))
     finally:
         cluster.stop()
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_http_shim_listens_on_ipv6_loopback(host):
+    """--http-host ::1 (a probe on an IPv6-only pod network): the shim binds it, loopback in protected mode."""
+    shim = HttpShim({"/health": lambda query: json_response(200, {"status": "ok"})}, host, 0).start()
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{shim.port}/health", timeout=5) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    finally:
+        shim.close()

@@ -74,7 +74,9 @@ class HttpShim:
         check_exposure(host, f"the HTTP port --http-host {host}", authenticated=authenticated,
                        insecure_network=insecure_network)
         self._routes = dict(routes)
-        self._listener = socket.create_server((host, port), backlog=128)
+        host = host.strip("[]")  # an IPv6 address, bracketed or not
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
