@@ -11,6 +11,7 @@ orchestrator would stop it, with status 0.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -96,7 +97,17 @@ def k8s_argv(container: dict) -> list[str]:
 
 
 def k8s_env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    """Its variables; one from the Downward API (``resourceFieldRef``) as kubelet sets it from the resources."""
+    env = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+            continue
+        ref = e["valueFrom"]["resourceFieldRef"]
+        assert ref["containerName"] == container["name"] and ref.get("divisor", "1") == "1", e
+        kind, _, resource = ref["resource"].partition(".")
+        env[e["name"]] = str(math.ceil(float(container["resources"][kind][resource])))
+    return env
 
 
 def unit(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -186,6 +197,14 @@ def test_slurm_workers_get_their_cpus_and_as_many_threads():
     per_task = re.search(r"^#SBATCH --cpus-per-task=(\d+)$", SBATCH.read_text(), re.M).group(1)
     assert sbatch_default("CPUS_PER_WORKER") == "${SLURM_CPUS_PER_TASK:-" + per_task
     assert re.search(r"^export .*\bCPUS_PER_WORKER\b", SBATCH.read_text(), re.M)  # read inside bash -c
+
+
+def test_kubernetes_workers_run_as_many_threads_as_cpus_they_request():
+    """Issue 39 item 6: a pod sees no other worker's process, so the default share would be every core of
+    the node; each worker runs as many math threads as the CPUs its pod requests (the Downward API)."""
+    worker = k8s_container(k8s_objects(K8S_WORKER)["Deployment/spec-serve-worker"])
+    assert k8s_env(worker)["SPEC_SERVE_THREADS"] == str(worker["resources"]["requests"]["cpu"])
+    assert "--threads" not in k8s_argv(worker)  # the variable is the one source
 
 
 def test_grace_periods_cover_the_drain():
@@ -489,7 +508,8 @@ def test_kubernetes_and_systemd_commands_run_on_loopback(tiny_target_dir, refere
     worker = k8s_container(k8s_objects(K8S_WORKER)["Deployment/spec-serve-worker"])
     broker = k8s_container(k8s_objects(K8S_BROKER)["Deployment/spec-serve-broker"])
     procs = {"broker": _start("broker", k8s_argv(broker), k8s_env(broker), swaps, tmp_path),
-             "k8s-worker": _start("k8s-worker", k8s_argv(worker), k8s_env(worker), swaps, tmp_path),
+             "k8s-worker": _start("k8s-worker", k8s_argv(worker), {**k8s_env(worker), "SPEC_SERVE_THREADS": "1"},
+                                  swaps, tmp_path),  # this host's cores
              "unit-worker": _start("unit-worker", unit_argv(WORKER_UNIT), unit_env(WORKER_UNIT), swaps, tmp_path)}
     grace = {"k8s-worker": _grace(K8S_WORKER, "Deployment/spec-serve-worker"),
              "unit-worker": float(unit(WORKER_UNIT)["Service"]["TimeoutStopSec"][0]),

@@ -41,7 +41,14 @@ from spec_serve.tools.cli import EXIT_ADDRESS_IN_USE, device_and_dtype, join_int
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.transport.http_shim import HttpShim, json_response
-from spec_serve.worker.threads import ThreadShare, default_threads, is_worker_cmdline, local_workers, parse_cpu_list
+from spec_serve.worker.threads import (
+    ThreadShare,
+    cgroup_cpus,
+    default_threads,
+    is_worker_cmdline,
+    local_workers,
+    parse_cpu_list,
+)
 
 GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE of the cluster below
 ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S)}
@@ -575,6 +582,32 @@ def test_thread_share_follows_each_worker_cpu_affinity(tmp_path):
     unknown = workers({"100": "0-3", "101": None})
     assert default_threads(broker, unknown, cpus=parse_cpu_list("0-3")) == 2
     assert default_threads(broker, tmp_path / "absent", cpus=parse_cpu_list("0-5")) == 6
+
+
+def test_thread_share_stays_within_the_cgroup_cpu_quota(tmp_path):
+    """A container's CPU limit (cgroup v2 cpu.max, v1 cpu.cfs_quota_us; the smallest along the cgroup's
+    ancestors) caps the share: a Kubernetes pod limited to 4 CPUs on a 64-core node runs 4 threads, not 64."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    pod = root / "kubepods" / "pod1"
+    (pod / "worker").mkdir(parents=True)
+    (pod / "cpu.max").write_text("800000 100000\n")
+    (pod / "worker" / "cpu.max").write_text("400000 100000\n")
+    (proc / "self" / "cgroup").write_text("0::/kubepods/pod1/worker\n")
+    assert cgroup_cpus(root, proc / "self" / "cgroup") == 4.0
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 4
+    (pod / "worker" / "cpu.max").write_text("max 100000\n")  # the pod's limit still holds
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 8
+    v1 = root / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (proc / "self" / "cgroup").write_text("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n0::/\n")
+    assert cgroup_cpus(root, proc / "self" / "cgroup") == 1.5
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpus(root, proc / "self" / "cgroup") is None
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 64
 
 
 def _has_ipv6_loopback() -> bool:

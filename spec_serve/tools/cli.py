@@ -350,8 +350,8 @@ def _start_shim(b, host: str, port: int, authenticated: bool, insecure_network: 
 @click.option("--threads", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_THREADS",
               help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else this worker's share of the "
                    "cores it may use, each split among the spec-serve workers on this host that serve the same "
-                   "--broker and may run on it (their CPU affinity), recounted as they come and go "
-                   "[env SPEC_SERVE_THREADS].")
+                   "--broker and may run on it (their CPU affinity), within its cgroup's CPU quota, recounted as they "
+                   "come and go [env SPEC_SERVE_THREADS].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
                    "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")

@@ -5,8 +5,9 @@ trainer's ranks) on one host oversubscribe the cores and spin against each other
 ``--threads`` (and without ``OMP_NUM_THREADS`` in its environment) takes its share of the cores it may
 run on: each of them split evenly among the spec-serve workers on this host, for the same broker, that
 may run on it too (their CPU affinity). Workers that share every core divide them; workers pinned to
-cores of their own (Slurm tasks, taskset, Kubernetes' CPU manager) each keep all of theirs. It re-divides
-as workers come and go.
+cores of their own (Slurm tasks, taskset, Kubernetes' CPU manager) each keep all of theirs. A CPU quota on
+its cgroup (a container's --cpus, a Kubernetes CPU limit) caps the share. It re-divides as workers come
+and go.
 """
 
 from __future__ import annotations
@@ -143,14 +144,46 @@ def local_workers(broker_url: str | None = None, proc: Path = Path("/proc")) -> 
 
 
 def default_threads(broker_url: str | None = None, proc: Path = Path("/proc"),
-                    cpus: frozenset[int] | None = None) -> int:
+                    cpus: frozenset[int] | None = None, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """This worker's share of ``cpus`` (default: the cores it may run on): each core split evenly among the
     local workers of its broker that may run on it (one whose affinity is unknown counts on all of them;
-    this worker counts once), at least 1 thread."""
+    this worker counts once), at most its cgroup's CPU quota, at least 1 thread."""
     mine = cpus if cpus is not None else own_cpus()
     sharing = [a if a is not None else mine for a in worker_affinities(broker_url, proc)]
     share = sum(1 / max(1, sum(cpu in a for a in sharing)) for cpu in mine)
-    return max(1, int(share + 1e-9))
+    quota = cgroup_cpus(cgroup, proc / "self" / "cgroup")
+    return max(1, int(min(share, quota if quota is not None else share) + 1e-9))
+
+
+def cgroup_cpus(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs this process's cgroup quota allows (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), the
+    smallest along its cgroup's ancestors; None without a quota."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        base = root / ("" if not controllers else controllers if (root / controllers).is_dir() else "cpu")
+        below = [base / Path(*Path(path).parts[1:i]) for i in range(len(Path(path).parts), 0, -1)]
+        quotas += [q for q in map(_quota, below) if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _quota(directory: Path) -> float | None:
+    """The CPU quota set on one cgroup directory (in CPUs), None if none is set there (or no such file)."""
+    try:
+        if (directory / "cpu.max").is_file():
+            quota, period = (directory / "cpu.max").read_text().split()
+        else:
+            quota = (directory / "cpu.cfs_quota_us").read_text().strip()
+            period = (directory / "cpu.cfs_period_us").read_text().strip()
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
 
 
 class ThreadShare:
