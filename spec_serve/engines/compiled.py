@@ -114,6 +114,7 @@ class CompileReport:
     graphs: int = 0  # graphs dynamo compiled at load (0: another engine of this process had compiled them)
     recompiles: int = 0  # forwards after load that compiled graphs (a shape outside WARMUP)
     recompile_seconds: float = 0.0  # what those forwards took
+    recompile_reason: str | None = None  # the guards of the saved classes that refused the last recompile's call
     cache_hits: int = 0  # Inductor FX graph cache hits at load: kernels loaded, not generated
     cache_misses: int = 0
     cache_dir: str = ""
@@ -284,14 +285,20 @@ def _cache_dir() -> str:
 def _store_key(model: Any, layers: Sequence[torch.nn.Module], device: torch.device, backend: str) -> str:
     """What cached kernels and saved classes of ``model`` on ``device`` depend on, hashed: torch and transformers,
     the source of the layers' classes and of packing (its attention function is traced into the packed class),
-    the model's configuration and dtype, the device, the backend and its options."""
+    the model's configuration and dtype, the device (its kind and index), the backend and its options, and torch's
+    math threads. Not the weights or the path: every target of one configuration shares the directory.
+
+    The index and the threads because the saved guards check them at every call: a parameter's device (cuda:1 is
+    not cuda:0), and dynamo's global state, which counts torch's intra-op threads (Inductor's CPU code is built for
+    that many). A load at another count, keyed alike, would be refused by every saved class, compile them again and
+    replace them, and the next load of the first count would do the same."""
     import transformers
 
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = sorted({_source_digest(type(layer)) for layer in layers} | {_source_digest(packing.PackedLayout)})
     key = json.dumps([torch.__version__, transformers.__version__, sources, config, str(next(model.parameters()).dtype),
-                      name, backend, _options()], sort_keys=True, default=str)
+                      name, str(device), torch.get_num_threads(), backend, _options()], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -359,6 +366,7 @@ class CompiledLayers:
         self.model, self.layers, self.name, self._warm_up = model, list(layers), name, warm_up
         self.packed = packed
         self.report = CompileReport(cache_dir=os.environ.get(CACHE_ENV) or "")
+        self._saved: dict[type, precompiled.ClassFunctions] = {}  # by layer class, where classes are saved
 
     # -- load ------------------------------------------------------------------------------------
 
@@ -408,6 +416,7 @@ class CompiledLayers:
                     for cls in {type(layer) for layer in self.layers}}
         saved = {} if store is None else {cls: precompiled.ClassFunctions(cls, store, _ahead_of_time(backend, config))
                                           for cls in compiled}
+        self._saved = saved
         for layer in self.layers:
             traced = _bound(compiled[type(layer)], layer, config)
             layer.forward = precompiled.LayerForward(saved[type(layer)], layer, traced) if saved else traced
@@ -440,16 +449,20 @@ class CompiledLayers:
         """Around a forward (under the engine's forward lock): count and log the graphs it compiled.
 
         Dynamo's counters are process-wide, so a compile by another compiled model in this process at
-        the same moment would be counted here too."""
+        the same moment would be counted here too. Where classes are saved, the line says which of their guards
+        refused the call (``reason``: e.g. a size outside a class, or dynamo's global state, such as torch's
+        math threads, changed since load)."""
         before, started = _graphs(), time.monotonic()
         yield
         compiled = _graphs() - before
+        missed = [m for m in (f.take_miss() for f in self._saved.values()) if m is not None]
         if compiled:
             seconds = time.monotonic() - started
             self.report.recompiles += 1
             self.report.recompile_seconds = round(self.report.recompile_seconds + seconds, 2)
+            self.report.recompile_reason = "; ".join(missed) or None
             event(log, logging.INFO, "compile.recompiled", model=self.name, shape=list(shape), graphs=compiled,
-                  seconds=round(seconds, 2), recompiles=self.report.recompiles)
+                  seconds=round(seconds, 2), recompiles=self.report.recompiles, reason=self.report.recompile_reason)
 
     def fall_back(self, exc: BaseException) -> None:
         """A compiled forward failed to compile (a recompile): eager from now on, one WARNING."""

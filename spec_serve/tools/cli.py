@@ -449,6 +449,9 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         share.set_torch_threads()  # torch loads here, unless a flag needed it: a bad --broker fails without it
         status.phase = "loading"
         engine_obj = _load_engine(engine, target, path, kwargs)
+        if getattr(getattr(engine_obj, "compile_report", None), "active", False):
+            share.freeze("compiled layers: their guards check torch's math threads, so another share would "
+                         "compile every batch class again")
         _serve_engine(engine, engine_obj, broker_url, status, service=service,
                       capacity=capacity or (8 if packing else 2),
                       max_batch_tokens=max_batch_tokens if max_batch_tokens is not None
