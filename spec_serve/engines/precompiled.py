@@ -121,8 +121,9 @@ class ClassFunctions:
 
     def note_miss(self, args: tuple, kwargs: dict) -> None:
         """A call outside warm-ups that no function admits (it goes to dynamo: a recompile, unless dynamo compiled
-        such a call before): keep why the function that matched last refuses it, once until ``take_miss``."""
-        if self.missed is None and self.functions:
+        such a call before): keep why the function that matched last refuses it, once until ``take_miss``. Not
+        where a class failed to compile ahead of time: dynamo serves the classes from it on, every call a miss."""
+        if self.missed is None and self.functions and self.failed is None:
             self.missed = refusal(self.functions[self._last], args, kwargs)
 
     def take_miss(self) -> str | None:
