@@ -232,20 +232,29 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "batches": args.batches, "rows": args.rows, "seq": args.seq,
                     "padded_lengths": [int(b[0].shape[1]) for b in batches], "useful_tokens": tokens}
     compiled_outputs = _colocated(report, target, args, aux, batches, mapping, device)
-    report["worker"] = _worker(target, args, ["--compile", *aux_args], log_dir / "compiled", batches, mapping,
-                               device, compiled_outputs)
+    _attempt(report, "worker", _worker, target, args, ["--compile", *aux_args], log_dir / "compiled", batches,
+             mapping, device, compiled_outputs)
     del compiled_outputs
     if second is not None:
-        report["second_target_worker"] = _second_target(second, args, aux_args, log_dir / "second", batches[:2],
-                                                        mapping, device)
+        _attempt(report, "second_target_worker", _second_target, second, args, aux_args, log_dir / "second",
+                 batches[:2], mapping, device)
     if time.monotonic() - began < args.budget * 2 / 3:
-        report["eager_worker"] = _worker(target, args, aux_args, log_dir / "eager", batches, mapping, device)
+        _attempt(report, "eager_worker", _worker, target, args, aux_args, log_dir / "eager", batches, mapping, device)
     report["ratios"] = _ratios(report, tokens)
     report["seconds"] = round(time.monotonic() - began, 1)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(summary(report))
     return 0 if _met(report) else 1
+
+
+def _attempt(report: dict, name: str, run, *args) -> None:
+    """``report[name] = run(*args)``; a worker that does not start or answer leaves ``{"error": ...}`` there
+    instead, and the other figures are still reported."""
+    try:
+        report[name] = run(*args)
+    except Exception as e:
+        report[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"}
 
 
 def _second_target(target, args, aux_args, log_dir, batches, mapping, device) -> dict:
@@ -260,16 +269,18 @@ def _ratios(report: dict, tokens: int) -> dict[str, float | None]:
     def over_eager(seconds: float | None) -> float | None:
         return round(_rate(tokens, seconds) / eager, 3) if seconds and eager else None
 
-    ratios = {"worker_first / eager": over_eager(report["worker"]["first"]["seconds"]),
-              "worker_first / eager_first": round(report["eager_first"]["seconds"]
-                                                  / report["worker"]["first"]["seconds"], 3),
-              "worker_seen / eager": over_eager(report["worker"]["seen"]["seconds"]),
-              "colocated_compiled_first / eager": over_eager(report["colocated_compiled_first"]["seconds"]),
-              "colocated_compiled / eager": over_eager(report["colocated_compiled"]["seconds"])}
-    if "eager_worker" in report:
-        ratios["eager_worker_first / eager"] = over_eager(report["eager_worker"]["first"]["seconds"])
-        ratios["eager_worker_seen / eager"] = over_eager(report["eager_worker"]["seen"]["seconds"])
-    return ratios
+    def passed(name: str, run: str) -> float | None:
+        return report.get(name, {}).get(run, {}).get("seconds")
+
+    worker_first = passed("worker", "first")
+    return {"worker_first / eager": over_eager(worker_first),
+            "worker_first / eager_first": round(report["eager_first"]["seconds"] / worker_first, 3)
+            if worker_first else None,
+            "worker_seen / eager": over_eager(passed("worker", "seen")),
+            "colocated_compiled_first / eager": over_eager(report["colocated_compiled_first"]["seconds"]),
+            "colocated_compiled / eager": over_eager(report["colocated_compiled"]["seconds"]),
+            "eager_worker_first / eager": over_eager(passed("eager_worker", "first")),
+            "eager_worker_seen / eager": over_eager(passed("eager_worker", "seen"))}
 
 
 def _forward_seconds(figure: dict) -> tuple[float | None, float | None]:
@@ -283,13 +294,40 @@ def _forward_seconds(figure: dict) -> tuple[float | None, float | None]:
 
 def _met(report: dict) -> bool:
     worker = report["worker"]
+    if "error" in worker:
+        return False
     return (worker.get("bit_equal", "").split("/")[0] == str(report["batches"])
             and worker["metrics_after_seen"].get("spec_serve_worker_compile_recompiles_total", 1) == 0
             and not worker["recompiled_lines"])
 
 
+def _worker_lines(name: str, worker: dict, report: dict) -> list[str]:
+    if "error" in worker:
+        return [f"  {name}: FAILED: {worker['error']}"]
+    recompiles = [worker[f"metrics_after_{p}"].get("spec_serve_worker_compile_recompiles_total") for p in
+                  ("first", "seen")]
+    first, seen = _forward_seconds(worker)
+    lines = [f"  {name}: its forwards' own seconds (/metrics): first pass {first}, second pass {seen} (colocated "
+             f"eager: {report['eager']['seconds']}); answers of the first pass done at (s since the first request): "
+             f"{worker['first']['done_at']}"]
+    if worker["compile_seconds"] is not None:
+        lines.append(f"    compile {worker['compile_seconds']} s at load (excluded), classes loaded whole "
+                     f"{worker['loaded']}; bit-equal to colocated HFTarget(compile=True): {worker.get('bit_equal')}; "
+                     f"recompiles after load (metric): {recompiles[0]} after the first pass, {recompiles[1]} after "
+                     f"the second; compile.recompiled lines: {len(worker['recompiled_lines'])}")
+    return lines + [f"    {line}" for line in worker["recompiled_lines"][:5]]
+
+
+def _second_lines(second: dict) -> list[str]:
+    if "error" in second:
+        return [f"  second target: FAILED: {second['error']}"]
+    return [f"  second target (same config, other weights): loaded {second['loaded']} classes whole, compile "
+            f"{second['compile_seconds']} s, saved_class_unusable lines: {len(second['unusable_lines'])}"] + \
+        [f"    {line}" for line in second["unusable_lines"][:4]]
+
+
 def summary(report: dict) -> str:
-    worker, ratios = report["worker"], report["ratios"]
+    ratios = report["ratios"]
     value = ratios["worker_first / eager"]
     verdict = "-" if value is None else "MET" if value >= TARGET_RATIO else "NOT MET"
     lines = [f"compile_new_lengths ({report['when']}, {report['gpu']}, torch {report['torch']}): "
@@ -298,32 +336,18 @@ def summary(report: dict) -> str:
              f"  fresh --compile worker, first {report['batches']} batches / colocated eager: {value} "
              f"(target >= {TARGET_RATIO}) {verdict}"]
     lines += [f"  {name}: {v}" for name, v in ratios.items() if name != "worker_first / eager"]
-    recompiles = [worker[f"metrics_after_{p}"].get("spec_serve_worker_compile_recompiles_total") for p in
-                  ("first", "seen")]
-    lines.append(f"  worker: compile {worker['compile_seconds']} s at load (excluded), classes loaded whole "
-                 f"{worker['loaded']}; bit-equal to colocated HFTarget(compile=True): {worker.get('bit_equal')}; "
-                 f"recompiles after load (metric): {recompiles[0]} after the first pass, {recompiles[1]} after the "
-                 f"second; compile.recompiled lines: {len(worker['recompiled_lines'])}")
-    lines += [f"    {line}" for line in worker["recompiled_lines"][:5]]
     for name in ("worker", "eager_worker"):
         if name in report:
-            first, seen = _forward_seconds(report[name])
-            lines.append(f"  {name}: its forwards' own seconds (/metrics), first pass {first}, second pass {seen} "
-                         f"(colocated eager: {report['eager']['seconds']})")
+            lines += _worker_lines(name, report[name], report)
     lines.append(f"  colocated compiled: compile {report['colocated_compile']['seconds']} s cold (excluded), "
                  f"recompiles after load {report['colocated_compiled_recompiles_after_load']} "
                  f"({report['colocated_compiled_recompile_reason']})")
     if "second_target_worker" in report:
-        second = report["second_target_worker"]
-        lines.append(f"  second target (same config, other weights): loaded {second['loaded']} classes whole, "
-                     f"compile {second['compile_seconds']} s, saved_class_unusable lines: "
-                     f"{len(second['unusable_lines'])}")
-        lines += [f"    {line}" for line in second["unusable_lines"][:4]]
+        lines += _second_lines(report["second_target_worker"])
     lines.append(f"  per-batch seconds, eager (seen): {report['eager']['per_batch']}")
     lines.append(f"  per-batch seconds, eager (first): {report['eager_first']['per_batch']}")
     lines.append(f"  per-batch seconds, colocated compiled (first): {report['colocated_compiled_first']['per_batch']}")
-    lines.append(f"  worker first pass, answers done at (s since the first request): {worker['first']['done_at']}")
-    lines.append(f"  verdict: {'ok' if _met(report) else 'FAILED (bit-equality or recompiles)'}; "
+    lines.append(f"  verdict: {'ok' if _met(report) else 'FAILED (a worker, bit-equality or recompiles)'}; "
                  f"{report['seconds']} s in all")
     return "\n".join(lines)
 
