@@ -371,6 +371,21 @@ def test_every_batch_class_runs_a_load_time_graph(plumbing_engine, eager_engine,
     assert plumbing_engine.compile_report.recompiles == 0
 
 
+def test_compiled_layers_run_without_cudnn_attention(plumbing_engine, tiny_target_dir):
+    """cuDNN's attention builds an execution plan for each new sequence length, so a fresh worker ran its first
+    batches of new lengths slower than the same lengths later (issue 40): compiled layers run, as packed rows do,
+    with flash, memory-efficient or math attention only, in every forward (and were compiled so), and the flags
+    come back after it."""
+    seen: list[bool] = []
+    hook = plumbing_engine._layers[0].register_forward_pre_hook(
+        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        plumbing_engine.generate_batch(*_batches(tiny_target_dir)[0])
+    finally:
+        hook.remove()
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_compiled_within_tolerance_of_eager(inductor_engine, eager_engine, tiny_target_dir):
     """Inductor's kernels on single rows, every kind: within TOLERANCE of eager, flips within the bound derived
     for the batch, yet not eager's bits (the compiled kernels ran), and no batch compiled anything new."""

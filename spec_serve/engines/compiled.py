@@ -7,9 +7,11 @@ serves all N layers, so start-up costs one layer's compile, not N (and a second 
 same model in the process compiles nothing). The engine's capture hooks sit in the module call around
 ``forward``, so they stay eager and record the compiled outputs.
 
-Attention is traced with the rest: padded batches run the model's own attention function (SDPA: the
-same fused attention kernel as eager, called from the graph); packed sequences run packing's
-``rows_sdpa``, one custom op whatever the number of rows. What Inductor fuses is what lies around
+Attention is traced with the rest: padded batches run the model's own attention function (SDPA, called from the
+graph), with flash or memory-efficient kernels and never cuDNN's (``packing.any_length_attention``, at load and in
+every forward: cuDNN plans each new sequence length anew, so a worker's first batches of new lengths would run
+slower than the same lengths later); packed sequences run packing's ``rows_sdpa``, one custom op whatever the
+number of rows. What Inductor fuses is what lies around
 the matmuls and attention: RMSNorm, RoPE, residual adds, SiLU * up.
 
 Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and 1, which dynamo
@@ -86,6 +88,10 @@ WARMUP: dict[str, tuple[int, int, bool, bool]] = {
 # shape of model, dtype, device and backend adds its WARMUP classes, so the limit is raised to this (never
 # lowered).
 RECOMPILE_LIMIT = 64
+
+# The attention kernels a class's graph may call (packing.any_length_attention, under which every class compiles and
+# serves): in the store key, so that classes traced with another choice (cuDNN's, before) are not loaded.
+ATTENTION_KERNELS = "flash,efficient,math"
 
 # The same rounding class as packing (docs/compile.md derives why): by the model's dtype, each tensor
 # against the eager padded forward, over real positions (``packing.compare``).
@@ -298,7 +304,8 @@ def _store_key(model: Any, layers: Sequence[torch.nn.Module], device: torch.devi
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = sorted({_source_digest(type(layer)) for layer in layers} | {_source_digest(packing.PackedLayout)})
     key = json.dumps([torch.__version__, transformers.__version__, sources, config, str(next(model.parameters()).dtype),
-                      name, str(device), torch.get_num_threads(), backend, _options()], sort_keys=True, default=str)
+                      name, str(device), torch.get_num_threads(), backend, _options(), ATTENTION_KERNELS],
+                     sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -427,7 +434,8 @@ class CompiledLayers:
                 for functions in saved.values():
                     functions.warming = None if functions.failed else name
                 try:
-                    self._warm_up(*shape)
+                    with packing.any_length_attention():  # as served (watch): the graph's attention kernel
+                        self._warm_up(*shape)
                 finally:
                     for functions in saved.values():
                         functions.warming = None
@@ -447,14 +455,17 @@ class CompiledLayers:
 
     @contextlib.contextmanager
     def watch(self, shape: Sequence[int]) -> Iterator[None]:
-        """Around a forward (under the engine's forward lock): count and log the graphs it compiled.
+        """Around a forward (under the engine's forward lock): run it with the attention kernels the classes were
+        compiled with (``packing.any_length_attention``: no cuDNN, which plans each new length anew), and count
+        and log the graphs it compiled.
 
         Dynamo's counters are process-wide, so a compile by another compiled model in this process at
         the same moment would be counted here too. Where classes are saved, the line says which of their guards
         refused the call (``reason``: e.g. a size outside a class, or dynamo's global state, such as torch's
         math threads, changed since load)."""
         before, started = _graphs(), time.monotonic()
-        yield
+        with packing.any_length_attention():
+            yield
         compiled = _graphs() - before
         missed = [m for m in (f.take_miss() for f in self._saved.values()) if m is not None]
         if compiled:
