@@ -11,6 +11,8 @@ lognormal`` draws them; every padded length new to every engine):
    ``eager``: the same batches again), timed batch by batch, synchronised.
 2. The colocated ``HFTarget(compile=True)`` (as a worker without --packing compiles: no packed class), compiled cold
    into an empty cache (its compile seconds reported apart), then over the batches twice; its answers are kept.
+   Beside it, compiled against eager on full rows (``full_rows``: one length, where cuDNN's attention, which eager
+   keeps and the compiled layers leave out, plans once).
 3. A fresh worker started with ``--compile`` on that cache (it loads the saved classes; its compile seconds come
    from its ``compile.done`` line), through the same-host plane, prefetch 2: its first pass over the batches
    (``worker_first``: every length new to it, timed from the first request to the last answer), then a second pass
@@ -175,6 +177,22 @@ def _targets(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path | None]:
     return make_tiny_target(tmp / "tiny"), make_tiny_target(tmp / "tiny-other-weights", seed=7)
 
 
+def _full_rows(eager, compiled, args, vocab: int, device) -> dict:
+    """Colocated compiled against eager on full rows (``--rows`` x ``--seq``, one length: no plan to build twice),
+    alternating, 4 timed batches each after one: what the compiled layers' attention kernels cost where cuDNN's
+    would be planned once (issue 26 measured 1.195x with them)."""
+    from spec_serve.tools.bench import make_batch
+
+    batches = [make_batch(args.rows, args.seq, vocab, seed=2000 + i) for i in range(5)]
+    seconds = {"eager": 0.0, "compiled": 0.0}
+    for i, batch in enumerate(batches):
+        for name, engine in (("eager", eager), ("compiled", compiled)):
+            spent, _ = _colocated_pass(engine, [batch], device)
+            seconds[name] += spent[0] if i else 0.0
+    return {**{k: round(v, 4) for k, v in seconds.items()},
+            "compiled / eager": round(seconds["eager"] / seconds["compiled"], 3) if seconds["compiled"] else None}
+
+
 def _colocated(report: dict, target: Path, args, aux, batches, mapping, device) -> list[dict]:
     """Steps 1 and 2 (the module doc) into ``report``; returns the colocated compiled engine's answers."""
     from spec_serve.engines.hf import HFTarget
@@ -187,10 +205,11 @@ def _colocated(report: dict, target: Path, args, aux, batches, mapping, device) 
     for name in ("eager_first", "eager"):
         seconds, _ = _colocated_pass(eager, batches, device)
         report[name] = {"seconds": round(sum(seconds), 4), "per_batch": [round(s, 4) for s in seconds]}
-    del eager
     compiled = HFTarget(target, device=device, dtype=args.dtype, aux_layer_ids=aux, compile=True,
                         compile_packed=False)
     compiled.set_vocab_mapping(*mapping)
+    report["full_rows"] = _full_rows(eager, compiled, args, eager.vocab_size, device)
+    del eager
     report["colocated_compile"] = {k: getattr(compiled.compile_report, k) for k in
                                    ("active", "reason", "seconds", "graphs", "loaded", "classes", "phases")}
     recompiles = compiled.compile_report.recompiles
@@ -339,6 +358,8 @@ def summary(report: dict) -> str:
     for name in ("worker", "eager_worker"):
         if name in report:
             lines += _worker_lines(name, report[name], report)
+    lines.append(f"  full rows ({report['rows']} x {report['seq']}), colocated compiled / eager: "
+                 f"{report['full_rows']['compiled / eager']} (issue 26, with cuDNN attention: 1.195 on an H200)")
     lines.append(f"  colocated compiled: compile {report['colocated_compile']['seconds']} s cold (excluded), "
                  f"recompiles after load {report['colocated_compiled_recompiles_after_load']} "
                  f"({report['colocated_compiled_recompile_reason']})")
