@@ -63,6 +63,8 @@ def test_entries_appear_to_other_processes_whole_once_published(tmp_path):
     writer.publish()
     reader.refresh(force=True)
     assert torch.equal(reader.get(KEY).tensors["argmax_ids"], _row()["argmax_ids"])
+    into = reader.get(KEY, alloc=lambda n: torch.empty(n, dtype=torch.uint8))  # as a GPU client reads (pinned)
+    assert all(torch.equal(into.tensors[name], t) for name, t in _row().items())
     writer.close()
     reader.close()
 

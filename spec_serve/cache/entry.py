@@ -59,7 +59,7 @@ def encode(key: bytes, kind: str, tokens: int, codec: str, tensors: Mapping[str,
     return ENTRY_HEAD.pack(ENTRY_MAGIC, key, _digest(key, bytes(frames[0]), tensors), len(body)) + body
 
 
-def decode(data: bytes, key: bytes | None = None) -> Entry:
+def decode(data: bytes | memoryview, key: bytes | None = None) -> Entry:
     """The entry in ``data`` (exactly one entry's bytes), checked: ``BadEntry`` if it is torn, fails its
     digest, or (``key`` given) belongs to another key."""
     if len(data) < ENTRY_HEAD.size:

@@ -17,7 +17,7 @@ import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,7 +34,6 @@ from spec_serve.cache.rows import (
     stored_kind,
 )
 from spec_serve.cache.store import Store
-from spec_serve.client.compact import COMPACT, Expansion
 from spec_serve.supervision.contract import (
     RESPONSE_TENSORS,
     Kind,
@@ -45,6 +44,7 @@ from spec_serve.supervision.contract import (
 )
 from spec_serve.supervision.eagle3 import shift_left
 
+COMPACT = Kind.EAGLE3_COMPACT.value
 READ_THREADS = 4  # batches whose hits are read (and checked) at once
 MAX_PENDING_WRITE_BYTES = 1 << 30  # rows waiting for the writer thread; past this, new batches wait
 
@@ -66,6 +66,12 @@ class CacheStats:
     def hit_rate(self) -> float:
         rows = self.hits + self.misses
         return self.hits / rows if rows else 0.0
+
+
+class Expansion(Protocol):
+    """How the client expands a compact EAGLE-3 batch (``spec_serve.client.compact.Expansion``)."""
+
+    def later(self, parts: Any, kinds: list, rows: list, out: concurrent.futures.Future) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +109,9 @@ class CacheFront:
         self._lock = threading.Lock()
         self._credits = threading.BoundedSemaphore(upstream.prefetch_depth)
         self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spec-serve-cache")
+        self._rows = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spec-serve-cache-row")
+        # A GPU client reads entries into pinned memory, copied to the device without staging.
+        self._alloc = _pinned if upstream.device.type == "cuda" else None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-cache-write")
         self._pending = threading.Condition()
         self._pending_bytes = 0
@@ -144,20 +153,10 @@ class CacheFront:
                 batch.out.set_exception(e)
 
     def _look_up(self, batch: _Batch) -> None:
-        """Read the hits; send the rest as one request (nothing when every row hit)."""
-        hits: dict[int, dict[str, torch.Tensor]] = {}
-        dtype, hidden = model_dtype(batch.info), batch.info.hidden_size
-        for i, key in enumerate(batch.keys):
-            if key is None:
-                continue
-            with self._pending:
-                stored = self._unwritten.get(key)
-            if stored is not None:
-                hits[i] = decode_row(stored, dtype, hidden)
-                continue
-            found = self.store.get(key)
-            if found is not None and self._fits(found, batch, batch.spans[i]):
-                hits[i] = decode_row(found.tensors, dtype, hidden)
+        """Read the hits (the rows at once, on the row threads); send the rest as one request (nothing when
+        every row hit)."""
+        read = list(self._rows.map(lambda i: self._read(batch, i), range(len(batch.keys))))
+        hits = {i: row for i, row in enumerate(read) if row is not None}
         missing = [i for i in range(len(batch.keys)) if i not in hits]
         self._count(batch, hits, missing)
         if not missing:
@@ -168,6 +167,21 @@ class CacheFront:
                             batch.stored.value)
         sent.add_done_callback(lambda f: self._readers.submit(self._guarded, batch, self._landed, batch, hits,
                                                               missing, f))
+
+    def _read(self, batch: _Batch, i: int) -> dict[str, torch.Tensor] | None:
+        """Row ``i``'s tensors (``[L, ...]``, CPU: pinned for a GPU client) if the cache holds it, else None."""
+        key = batch.keys[i]
+        if key is None:
+            return None
+        dtype, hidden = model_dtype(batch.info), batch.info.hidden_size
+        with self._pending:
+            stored = self._unwritten.get(key)
+        if stored is not None:
+            return decode_row(stored, dtype, hidden)
+        found = self.store.get(key, self._alloc)
+        if found is None or not self._fits(found, batch, batch.spans[i]):
+            return None
+        return decode_row(found.tensors, dtype, hidden)
 
     def _fits(self, found: entries.Entry, batch: _Batch, length: int | None) -> bool:
         """An entry of the row's key is its row, unless it is of another kind, codec or shape (foreign)."""
@@ -207,7 +221,7 @@ class CacheFront:
                if name in STORED[batch.stored]}
         for i, row in hits.items():
             for name, t in row.items():
-                out[name][i, : t.shape[0]].copy_(t)
+                out[name][i, : t.shape[0]].copy_(t, non_blocking=True)
         if reply is not None:
             where = torch.tensor(missing, device=device)
             for name, t in out.items():
@@ -217,6 +231,8 @@ class CacheFront:
         if batch.stored is Kind.EAGLE3_COMPACT:
             ids, loss = shift_left(ids), shift_left(loss)
         out.update(input_ids=ids, loss_mask=loss)
+        if device.type == "cuda":  # the pinned entries the copies read are freed once this returns
+            torch.cuda.current_stream(device).synchronize()
         return {name: out[name] for name in RESPONSE_TENSORS[batch.stored]}
 
     @staticmethod
@@ -275,5 +291,10 @@ class CacheFront:
     def close(self) -> None:
         """Finish the batches and writes under way, publish, and record this client's counts."""
         self._readers.shutdown(wait=True)
+        self._rows.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close(self.summary())
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -41,7 +41,10 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from spec_serve.cache import entry as entries
 from spec_serve.telemetry.logs import event
@@ -135,8 +138,9 @@ class Store:
         with self._lock:
             return len(self._index)
 
-    def get(self, key: bytes) -> entries.Entry | None:
-        """The checked entry of ``key``, or None (a miss: absent, or its entry failed a check)."""
+    def get(self, key: bytes, alloc: Callable[[int], torch.Tensor] | None = None) -> entries.Entry | None:
+        """The checked entry of ``key``, or None (a miss: absent, or its entry failed a check). ``alloc(n)``:
+        a CPU uint8 tensor of ``n`` bytes to read it into (pinned memory, for a GPU); else fresh bytes."""
         with self._lock:
             location = self._index.get(key)
             if location is None and time.monotonic() - self._refreshed > REFRESH_EVERY_S:
@@ -150,7 +154,7 @@ class Store:
                 self._forget_segment(location.segment, e)
                 return None
         try:
-            data = _read_exactly(fd, location.length, location.offset)
+            data = _read_exactly(fd, location.length, location.offset, alloc)
             found = entries.decode(data, key)
         except OSError as e:
             with self._lock:
@@ -372,15 +376,18 @@ def evict(segments: Path, max_bytes: int, keep: str | None = None) -> list[str]:
     return gone
 
 
-def _read_exactly(fd: int, length: int, offset: int) -> bytes:
-    """``length`` bytes at ``offset`` (fewer where the file ends: a torn entry, which decode refuses)."""
-    data = os.pread(fd, length, offset)
-    while len(data) < length:
-        more = os.pread(fd, length - len(data), offset + len(data))
-        if not more:
+def _read_exactly(fd: int, length: int, offset: int,
+                  alloc: Callable[[int], torch.Tensor] | None = None) -> memoryview:
+    """``length`` bytes at ``offset`` (fewer where the file ends: a torn entry, which decode refuses), read
+    into ``alloc(length)`` or a fresh buffer."""
+    buffer = memoryview(alloc(length).numpy().data) if alloc is not None else memoryview(bytearray(length))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if not n:
             break
-        data += more
-    return data
+        done += n
+    return buffer[:done]
 
 
 def _write_all(fd: int, data: bytes) -> None:
