@@ -113,6 +113,9 @@ class CacheFront:
         # A GPU client reads entries into pinned memory, copied to the device without staging.
         self._alloc = _pinned if upstream.device.type == "cuda" else None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-serve-cache-write")
+        # One batch's missing rows go to the client at a time (its request preparation is the caller's
+        # thread's without a cache; NCCL binds lazily there).
+        self._send_lock = threading.Lock()
         self._pending = threading.Condition()
         self._pending_bytes = 0
         # Rows handed to the writer and not yet in the store, in their stored form: hits already.
@@ -163,8 +166,9 @@ class CacheFront:
             self._finish(batch, hits, missing, None)
             return
         rows = torch.tensor(missing)
-        sent = self.up.send(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
-                            batch.stored.value)
+        with self._send_lock:
+            sent = self.up.send(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
+                                batch.stored.value)
         sent.add_done_callback(lambda f: self._readers.submit(self._guarded, batch, self._landed, batch, hits,
                                                               missing, f))
 

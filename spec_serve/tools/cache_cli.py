@@ -55,8 +55,7 @@ def capture(data, cache_dir, broker_url, service, kind, batch_tokens, max_rows, 
         rows = read_rows(data)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    with RemoteTargetModel(broker_url, service=service, timeout=timeout, cache=cache_dir, cache_dtype=cache_dtype,
-                           prefetch_depth=in_flight or 1) as probe:
+    with RemoteTargetModel(broker_url, service=service, timeout=timeout) as probe:
         workers = len([w for w in probe.status(service)["workers"] if w["service"] == service])
     depth = in_flight or max(2, 2 * workers)
     with RemoteTargetModel(broker_url, service=service, timeout=timeout, cache=cache_dir, cache_dtype=cache_dtype,
