@@ -188,16 +188,16 @@ def test_a_full_disk_turns_writing_off_with_one_warning(tmp_path, caplog, monkey
     """Simulated ENOSPC here (tests/test_cache.py fills a real small tmpfs through a client)."""
     store = Store(tmp_path, seal_after_s=1e9)
     store.put(_key(0), _entry(_key(0)), 5)
-    real_write = os.write
+    real_write = os.writev
 
     def full(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "writev", full)
     with caplog.at_level(logging.WARNING, logger="spec_serve.cache"):
         for i in range(1, 5):
             store.put(_key(i), _entry(_key(i)), 5)  # never raises
-    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "writev", real_write)
     assert not store.writable and len(store) == 0  # the partial file's rows went with it
     assert [r.message.split()[0] for r in caplog.records] == ["cache.write_disabled"]
     assert list((tmp_path / "tmp").iterdir()) == []

@@ -52,11 +52,19 @@ def _digest(key: bytes, header: bytes, tensors: Mapping[str, torch.Tensor]) -> b
     return hashlib.blake2b(key + header + words, digest_size=DIGEST_BYTES).digest()
 
 
-def encode(key: bytes, kind: str, tokens: int, codec: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """The entry's bytes (CPU ``tensors``)."""
+def encode_parts(key: bytes, kind: str, tokens: int, codec: str,
+                 tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """The entry's bytes as consecutive parts (CPU ``tensors``): its head, then the body's frames, views of
+    the tensors (no copy; written with one ``writev``)."""
     frames = wire.encode(dict(tensors), {"kind": kind, "tokens": str(tokens), "codec": codec})
-    body = b"".join(bytes(f) for f in frames)
-    return ENTRY_HEAD.pack(ENTRY_MAGIC, key, _digest(key, bytes(frames[0]), tensors), len(body)) + body
+    length = sum(memoryview(f).nbytes for f in frames)
+    head = ENTRY_HEAD.pack(ENTRY_MAGIC, key, _digest(key, bytes(frames[0]), tensors), length)
+    return [head, *(memoryview(f).cast("B") for f in frames)]
+
+
+def encode(key: bytes, kind: str, tokens: int, codec: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The entry's bytes, in one piece."""
+    return b"".join(encode_parts(key, kind, tokens, codec, tensors))
 
 
 def decode(data: bytes | memoryview, key: bytes | None = None) -> Entry:

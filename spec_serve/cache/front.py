@@ -258,7 +258,7 @@ class CacheFront:
     def _write(self, key: bytes, stored: dict[str, torch.Tensor], kind: Kind, nbytes: int) -> None:
         try:
             length = next(iter(stored.values())).shape[0]
-            self.store.put(key, entries.encode(key, kind.value, length, self.codec, stored), length)
+            self.store.put(key, entries.encode_parts(key, kind.value, length, self.codec, stored), length)
             with self._lock:
                 self.stats.stored += 1
         finally:

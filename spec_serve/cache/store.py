@@ -41,7 +41,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -60,6 +60,7 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_SEAL_AFTER_S = 30.0
 REFRESH_EVERY_S = 2.0  # a miss looks for newly published segments at most this often
 OPEN_SEGMENTS = 64  # file descriptors kept open for reading
+IOV_MAX = 1024  # parts one writev takes (Linux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +237,11 @@ class Store:
 
     # ------------------------------------------------------------ writing
 
-    def put(self, key: bytes, data: bytes, tokens: int) -> None:
-        """Append an entry (``entry.encode``'s bytes) of ``key``, unless the key is known or writing is off."""
+    def put(self, key: bytes, data: bytes | Sequence[bytes | memoryview], tokens: int) -> None:
+        """Append an entry of ``key`` (``entry.encode``'s bytes, or ``encode_parts``' parts), unless the key is
+        known or writing is off."""
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        size = sum(memoryview(p).nbytes for p in parts)
         with self._lock:
             if not self.writable or key in self._index:
                 return
@@ -245,16 +249,16 @@ class Store:
                 if self._partial_fd is None:
                     self._open_partial()
                 assert self._partial is not None and self._partial_fd is not None
-                _write_all(self._partial_fd, data)
+                _write_all(self._partial_fd, parts)
             except OSError as e:
                 self._stop_writing(e)
                 return
-            location = Location(self._partial.name, self._partial_size, len(data), tokens)
-            self._partial_size += len(data)
+            location = Location(self._partial.name, self._partial_size, size, tokens)
+            self._partial_size += size
             self._partial_records.append((key, location))
             self._index[key] = location
             self.counts.written += 1
-            self.counts.written_bytes += len(data)
+            self.counts.written_bytes += size
             if (self._partial_size >= self.segment_bytes
                     or time.monotonic() - self._partial_since >= self.seal_after_s):
                 self.publish()
@@ -271,7 +275,7 @@ class Store:
                                    hashlib.blake2b(index, digest_size=16).digest())
             name = f"{time.time_ns():020d}-{self.writer}.{self._serial}{SEGMENT_SUFFIX}"
             try:
-                _write_all(self._partial_fd, index + trailer)
+                _write_all(self._partial_fd, [index + trailer])
                 os.fsync(self._partial_fd)  # the bytes are on the server before the name appears (NFS)
                 os.rename(self._partial, self.segments / name)
             except OSError as e:
@@ -380,7 +384,8 @@ def _read_exactly(fd: int, length: int, offset: int,
                   alloc: Callable[[int], torch.Tensor] | None = None) -> memoryview:
     """``length`` bytes at ``offset`` (fewer where the file ends: a torn entry, which decode refuses), read
     into ``alloc(length)`` or a fresh buffer."""
-    buffer = memoryview(alloc(length).numpy().data) if alloc is not None else memoryview(bytearray(length))
+    into = alloc(length) if alloc is not None else torch.empty(length, dtype=torch.uint8)  # not zeroed first
+    buffer = memoryview(into.numpy().data)
     done = 0
     while done < length:
         n = os.preadv(fd, [buffer[done:]], offset + done)
@@ -390,10 +395,16 @@ def _read_exactly(fd: int, length: int, offset: int,
     return buffer[:done]
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """Every byte of ``parts``, in order (``writev`` may write fewer bytes than asked, or fewer parts)."""
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        written = os.writev(fd, views[:IOV_MAX])
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
 
 
 def _publish_json(path: Path, value: dict) -> None:
