@@ -11,13 +11,14 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+import zygote
+from cluster_util import wait_until
 from spec_serve.cache.rows import normalize_rows, row_spans
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
@@ -95,13 +96,15 @@ def test_cached_rows_are_bit_equal_and_all_hits_send_nothing(cluster, tmp_path, 
         assert torch.equal(later[name], first[name]), name
 
 
+@pytest.mark.parametrize("path", ["plane", "frames, 2 shards"])
 def test_partial_hits_send_only_the_missing_rows_within_the_composition_tolerance(
-        cluster, tmp_path, tiny_target_dir, tiny_vocab_mapping, colocated_target):
+        cluster, tmp_path, tiny_target_dir, tiny_vocab_mapping, colocated_target, path):
     engine = colocated_target()
     old = sample_batch(tiny_target_dir, 4, 32, seed=2)
     new = sample_batch(tiny_target_dir, 4, 32, seed=3)
     mixed = tuple(torch.cat([o[:2], n[:2]]) for o, n in zip(old, new))  # two cached rows, two new ones
-    with _client(cluster, tmp_path) as client:
+    options = {} if path == "plane" else {"same_host_plane": False, "num_shards": 2}
+    with _client(cluster, tmp_path, **options) as client:
         captured = client.generate_batch(*old, kind="eagle3_compact")
         sent = _recording(client)
         got = client.generate_batch(*mixed, kind="eagle3_compact")
@@ -160,44 +163,52 @@ def test_a_full_disk_degrades_to_no_cache_with_one_warning(cluster, tmp_path, ti
 
 
 WRITER = textwrap.dedent("""
-    import sys, torch
+    import sys, threading
     from spec_serve.client.api import RemoteTargetModel
     from spec_serve.tools.tiny import sample_batch
     broker, target, cache, seeds, kill = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"
-    with RemoteTargetModel(broker, cache=cache, timeout=60, prefetch_depth=2) as client:
-        for seed in map(int, seeds.split(",")):
-            client.generate_batch(*sample_batch(target, 3, 24, seed=seed), kind="dspark")
-        client.cache.flush() if not kill else None
-        print("done", flush=True)
-        if kill:
-            client.cache.store.put(bytes(16), b"x" * 100000, 1)  # mid-write of another segment
-            sys.stdin.read()
+    client = RemoteTargetModel(broker, cache=cache, timeout=60, prefetch_depth=2)
+    for seed in map(int, seeds.split(",")):
+        client.generate_batch(*sample_batch(target, 3, 24, seed=seed), kind="dspark")
+    if kill:
+        client.cache.store.put(bytes(16), b"x" * 100000, 1)  # and more rows under way, never published
+        print("written", flush=True)
+        threading.Event().wait()  # until SIGKILL
+    client.close()
+    print("done", flush=True)
 """)
 
 
+def _rank(script, args, log):
+    """A training rank: a process forked from the test zygote (it imported torch already)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as out:
+        return zygote.popen([str(script), *args], env, out)
+
+
 def test_several_ranks_share_one_directory_and_a_killed_writer_leaves_nothing(cluster, tmp_path, tiny_target_dir):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", WRITER, cluster.frontend, str(tiny_target_dir), str(tmp_path),
-                               seeds, "0"], env=env, stdout=subprocess.PIPE, text=True)
-             for seeds in ("10,11,12", "11,12,13")]  # rows 11 and 12 written by both ranks at once
-    victim = subprocess.Popen([sys.executable, "-c", WRITER, cluster.frontend, str(tiny_target_dir), str(tmp_path),
-                               "20", "1"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    for proc in ranks:
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0 and "done" in out
-    assert victim.stdout.readline().strip() == "done"
+    script = tmp_path / "rank.py"
+    script.write_text(WRITER)
+    cache = tmp_path / "cache"
+    common = [cluster.frontend, str(tiny_target_dir), str(cache)]
+    ranks = [_rank(script, [*common, seeds, "0"], tmp_path / f"rank{n}.log")
+             for n, seeds in enumerate(("10,11,12", "11,12,13"))]  # rows 11 and 12 written by both ranks at once
+    victim = _rank(script, [*common, "20", "1"], tmp_path / "victim.log")
+    for n, proc in enumerate(ranks):
+        assert proc.wait(timeout=240) == 0, (tmp_path / f"rank{n}.log").read_text()[-2000:]
+    wait_until(lambda: "written" in (tmp_path / "victim.log").read_text(), 240, what="the victim's rows")
     victim.kill()  # rows of seed 20 were never published
     victim.wait()
-    with _client(cluster, tmp_path) as client:
+    with _client(cluster, cache) as client:
         sent = _recording(client)
         for seed in (10, 11, 12, 13):
             client.generate_batch(*sample_batch(tiny_target_dir, 3, 24, seed=seed), kind="dspark")
         assert sent == []
         client.generate_batch(*sample_batch(tiny_target_dir, 3, 24, seed=20), kind="dspark")
         assert sent == [3], "the killed writer's rows are nowhere"
-    assert CliRunner().invoke(main, ["cache", "verify", str(tmp_path)]).exit_code == 0
-    assert len(list((tmp_path / "tmp").glob("*.partial"))) == 1
-    result = CliRunner().invoke(main, ["cache", "prune", str(tmp_path), "--partials-older-than", "0"])
+    assert CliRunner().invoke(main, ["cache", "verify", str(cache)]).exit_code == 0
+    assert len(list((cache / "tmp").glob("*.partial"))) == 1
+    result = CliRunner().invoke(main, ["cache", "prune", str(cache), "--partials-older-than", "0"])
     assert "removed 1 partial files" in result.output, result.output
 
 
@@ -210,12 +221,17 @@ def test_capture_fills_the_cache_resumes_and_training_then_hits(cluster, tmp_pat
             for row, m in zip(ids, mask):
                 f.write(json.dumps({"input_ids": row[m.bool()].tolist()}) + "\n")
     cache = tmp_path / "cache"
+    with RemoteTargetModel(cluster.frontend) as probe:
+        before = {w["id"]: w["completed"] for w in probe.status()["workers"]}
     args = ["capture", "--data", str(data), "--cache", str(cache), "--broker", cluster.frontend, "--batch-tokens", "64"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert (summary["captured"], summary["skipped"], summary["workers"]) == (8, 0, 2)
     assert summary["batches"] > 2  # several requests, spread over the workers
+    with RemoteTargetModel(cluster.frontend) as probe:
+        after = {w["id"]: w["completed"] for w in probe.status()["workers"]}
+    assert all(after[w] > before[w] for w in before), (before, after)
     again = json.loads(CliRunner().invoke(main, args).output.strip().splitlines()[-1])
     assert (again["captured"], again["skipped"]) == (0, 8)  # resumed: nothing left to do
     with _client(cluster, cache, tiny_vocab_mapping) as client:

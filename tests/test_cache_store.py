@@ -172,6 +172,41 @@ def _read_only(path: Path):
                 d.chmod(0o755)
 
 
+def test_truncated_segments_and_foreign_entries_are_never_returned(tmp_path, caplog):
+    writer = Store(tmp_path)
+    writer.put(_key(1), _entry(_key(2)), 5)  # the entry of another key, filed under key 1: a foreign entry
+    writer.put(_key(3), _entry(_key(3)), 5)
+    writer.close()
+    other = Store(tmp_path)
+    other.put(_key(4), _entry(_key(4)), 5)
+    other.close()
+    first, second = sorted((tmp_path / "segments").iterdir())
+    second.write_bytes(second.read_bytes()[:-10])  # truncated: its trailer is gone
+    with caplog.at_level(logging.WARNING, logger="spec_serve.cache"):
+        reader = Store(tmp_path)
+        assert reader.get(_key(1)) is None and reader.get(_key(4)) is None
+        assert reader.get(_key(3)) is not None
+    assert reader.counts.corrupt == 2  # the foreign entry, the truncated segment
+    assert [r.message.split()[0] for r in caplog.records] == ["cache.corrupt_segment"]  # once, of either
+    bad = admin.verify(tmp_path)["bad"]
+    assert len(bad) == 2 and "another key" in bad[0] and "bad trailer" in bad[1]
+    reader.close()
+
+
+def test_capture_batches_longest_rows_first_within_the_token_budget():
+    from spec_serve.cache.capture import Progress, plan_batches
+
+    lengths = [5, 40, 12, 40, 7, 100]
+    batches = plan_batches(lengths, batch_tokens=80, max_rows=3)
+    assert batches == [[5], [1, 3], [2, 4, 0]]  # 100 alone (over the budget), 2 x 40, 3 x 12
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    import io
+
+    progress = Progress(1000, stream=io.StringIO(), every=0)
+    progress.add(250)
+    assert "250/1,000 tokens (25.0%)" in progress.stream.getvalue() and "tokens/s  ETA " in progress.line()
+
+
 def test_a_read_only_directory_reads_on_and_warns_once(tmp_path, caplog):
     writer = Store(tmp_path)
     writer.put(KEY, _entry(), 5)
