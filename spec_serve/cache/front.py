@@ -206,7 +206,7 @@ class CacheFront:
                 reply: dict[str, torch.Tensor] | None) -> None:
         """Every row in place; resolve the batch (expanded for EAGLE-3); hand the new rows to the writer."""
         out = self._place(batch, hits, missing, reply)
-        new_rows = [(key, self._row(out, batch, i)) for i in missing if (key := batch.keys[i]) is not None]
+        new_rows = self._new_rows(out, batch, missing)
         if batch.expand is not None:
             batch.expand.later({COMPACT: out}, [COMPACT], [(0, len(batch.keys))], batch.out)
         else:
@@ -239,11 +239,25 @@ class CacheFront:
             torch.cuda.current_stream(device).synchronize()
         return {name: out[name] for name in RESPONSE_TENSORS[batch.stored]}
 
-    @staticmethod
-    def _row(out: dict[str, torch.Tensor], batch: _Batch, i: int) -> dict[str, torch.Tensor]:
-        """Row ``i``'s stored tensors over its span, copied to the CPU (the caller owns ``out``)."""
-        length = batch.spans[i]
-        return {name: out[name][i, :length].to("cpu", copy=True) for name in STORED[batch.stored]}
+    def _new_rows(self, out: dict[str, torch.Tensor], batch: _Batch,
+                  missing: list[int]) -> list[tuple[bytes, dict[str, torch.Tensor]]]:
+        """The missing cacheable rows' stored tensors over their spans, on the CPU (the caller owns ``out``):
+        one copy per tensor for the whole batch, into pinned memory from a GPU."""
+        chosen = [i for i in missing if batch.keys[i] is not None]
+        if not chosen:
+            return []
+        device = self.up.device
+        where = torch.tensor(chosen, device=device)
+        host = {}
+        for name in STORED[batch.stored]:
+            rows = out[name].index_select(0, where)  # a copy: on the CPU, already the one needed
+            if device.type == "cuda":
+                rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+            host[name] = rows
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return [(key, {name: t[j, : batch.spans[i]] for name, t in host.items()})
+                for j, i in enumerate(chosen) if (key := batch.keys[i]) is not None]
 
     def _write_later(self, key: bytes, stored: dict[str, torch.Tensor], kind: Kind) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in stored.values())
