@@ -243,3 +243,24 @@ def test_capture_fills_the_cache_resumes_and_training_then_hits(cluster, tmp_pat
     assert stats["rows"] == 8 and stats["clients"]["hits"] == 8
     assert stats["kinds"]["eagle3_compact/native"]["bytes_per_token"] > 0
     assert CliRunner().invoke(main, ["cache", "verify", str(cache)]).exit_code == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_client_reads_cached_rows_through_pinned_memory(cluster, tmp_path, tiny_target_dir, tiny_vocab_mapping):
+    """A client on cuda:0 (the workers on the CPU): hits land through pinned buffers, new rows leave through
+    pinned copies; epoch 2 equals epoch 1 bit for bit, and the stored rows equal a CPU client's."""
+    batches = [sample_batch(tiny_target_dir, 4, 48, seed=s) for s in (40, 41)]
+    results = {}
+    for epoch in (1, 2):
+        with _client(cluster, tmp_path, tiny_vocab_mapping, device="cuda:0", prefetch_depth=2) as client:
+            futures = [client.generate_batch_async(*b, kind=kind) for b in batches for kind in ("eagle3", "dspark")]
+            results[epoch] = [f.result() for f in futures]
+            assert client.cache.stats.batches_all_hits == (4 if epoch == 2 else 0)
+    for first, second in zip(results[1], results[2]):
+        for name in first:
+            assert first[name].device.type == "cuda" and torch.equal(first[name], second[name]), name
+    with _client(cluster, tmp_path) as cpu:
+        for got, batch in zip(results[2][1::2], batches):
+            want = cpu.generate_batch(*batch, kind="dspark")
+            assert all(torch.equal(got[name].cpu(), want[name]) for name in want)
