@@ -97,8 +97,11 @@ def read_index(path: Path) -> list[tuple[bytes, Location]]:
         index = os.pread(f.fileno(), count * INDEX_RECORD.size, start)
     if hashlib.blake2b(index, digest_size=16).digest() != want:
         raise ValueError(f"{path.name}: index fails its digest")
-    return [(key, Location(path.name, offset, length, tokens))
-            for key, offset, length, tokens in INDEX_RECORD.iter_unpack(index)]
+    records = [(key, Location(path.name, offset, length, tokens))
+               for key, offset, length, tokens in INDEX_RECORD.iter_unpack(index)]
+    if any(loc.offset + loc.length > start for _, loc in records):  # what a read allocates stays in the file
+        raise ValueError(f"{path.name}: an index record points past the entries")
+    return records
 
 
 class Store:
