@@ -75,6 +75,8 @@ def test_cached_rows_are_bit_equal_and_all_hits_send_nothing(cluster, tmp_path, 
         again = client.generate_batch(*batch)
         assert sent == [4, 4], "a batch whose rows all hit sends no request"
         assert client.cache.stats.batches_all_hits == 2
+        # The rank's demand (docs/sizing.md): a step per call, tokens asked only for the rows missing.
+        assert client.stats.steps == 4 and client.stats.requested_tokens == 2 * int(batch[1].sum())
     for name in first:  # as first captured, bit for bit
         assert torch.equal(again[name], first[name]), name
     # The captured rows are the colocated forward of the same composition, zero past each row's span (as

@@ -14,6 +14,7 @@ Then the batch resolves, and its new rows go to the writer thread.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -77,13 +78,15 @@ class Expansion(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Upstream:
     """What the cache uses of its client: its target, its ordinary (uncached) batch path, the expansion of
-    compact EAGLE-3 with the current mapping (RuntimeError without one), its device and prefetch depth."""
+    compact EAGLE-3 with the current mapping (RuntimeError without one), its device and prefetch depth, and
+    what counts the caller's time blocked for a prefetch credit as waiting (its demand meter)."""
 
     target_info: Callable[[], TargetInfo]
     send: Callable[..., concurrent.futures.Future]
     expansion: Callable[[], Expansion]
     device: torch.device
     prefetch_depth: int
+    waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 @dataclasses.dataclass
@@ -143,7 +146,8 @@ class CacheFront:
         ids, mask, loss = (t.to("cpu", copy=True) for t in (input_ids, attention_mask, loss_mask))
         batch = _Batch(kind, stored_kind(kind), info, ids, mask, loss, row_spans(mask), self.keys(ids, mask, kind),
                        expand, concurrent.futures.Future())
-        self._credits.acquire()
+        with self.up.waiting():
+            self._credits.acquire()
         batch.out.add_done_callback(lambda _: self._credits.release())
         self._readers.submit(self._guarded, batch, self._look_up, batch)
         return batch.out

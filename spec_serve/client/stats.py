@@ -25,10 +25,28 @@ class ClientStats:
     compact_replies: int = 0  # EAGLE-3 replies that came compact (expanded here: compact=True, or "auto")
     lm_head_slices: int = 0  # draft-vocab lm_head slices fetched for that (once per vocab mapping)
     lm_head_slice_bytes: int = 0
+    # The rank's demand (demand.py): batches asked for (generate_batch calls), their real tokens, seconds the
+    # caller was blocked waiting for supervision, and seconds between its requests otherwise (its own compute).
+    steps: int = 0
+    requested_tokens: int = 0
+    wait_s: float = 0.0
+    compute_s: float = 0.0
     # Replies delivered, by the path that carried them (paths/registry.py: frames, plane, nccl, ...).
     replies: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Requests asked for again without a path that could not deliver them, by that path.
     fallbacks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def wait_fraction(self) -> float | None:
+        """Share of the step time spent waiting for supervision (None before a full step)."""
+        step = self.wait_s + self.compute_s
+        return self.wait_s / step if step > 0 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens asked for per second of step time (waiting and computing)."""
+        step = self.wait_s + self.compute_s
+        return self.requested_tokens / step if step > 0 else None
 
     @property
     def nccl_batches(self) -> int:
