@@ -71,6 +71,68 @@ def mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) 
     return None
 
 
+# A fingerprint's weights: one fixed pseudo-random odd 32-bit word per position (splitmix64 of the position),
+# kept per device and grown as larger tensors come (the same words whatever the length: a prefix never changes).
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_WEIGHT_CHUNK = 1 << 24  # positions mixed at a time (int64 temporaries of 128 MiB, not of the whole tensor)
+
+
+def _position_weights(n: int, device: torch.device) -> torch.Tensor:
+    have = _weights.get(device)
+    if have is None or have.numel() < n:
+        have = _weights[device] = torch.empty(max(n + n // 4, 1024), dtype=torch.int32, device=device)
+        for lo in range(0, have.numel(), _WEIGHT_CHUNK):
+            x = torch.arange(lo, min(lo + _WEIGHT_CHUNK, have.numel()), dtype=torch.int64, device=device)
+            x = x * _signed64(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> 30)) * _signed64(0xBF58476D1CE4E5B9)  # int64 products wrap: splitmix64's mixing
+            x = (x ^ (x >> 27)) * _signed64(0x94D049BB133111EB)
+            have[lo : lo + x.numel()] = ((x ^ (x >> 31)) | 1).to(torch.int32)  # the low 32 bits, odd
+    return have[:n]
+
+
+Fingerprint = tuple[torch.dtype, tuple[int, ...], torch.Tensor]
+
+
+def fingerprint(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
+    """Each tensor's dtype, shape and two wrapping 32-bit sums of its bytes read as words: plain, and each
+    word times its position's weight. Queued on the tensors' device, not synchronized (read with ``.tolist()``
+    once the clock stopped), so a bench can check many batches without keeping them.
+
+    Equal tensors give equal fingerprints; a difference goes unnoticed with probability about 2**-32 per
+    tensor (the weights are fixed pseudo-random odd words: any change confined to one word always shows, and
+    rows swapped or shifted change the weighted sum like a random change would)."""
+    out = {}
+    for name, t in tensors.items():
+        data = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        if data.numel() % 4:
+            padded = torch.zeros((data.numel() + 3) // 4 * 4, dtype=torch.uint8, device=data.device)
+            padded[: data.numel()] = data
+            data = padded
+        words = data.view(torch.int32)
+        weighted = (words * _position_weights(words.numel(), words.device)).sum(dtype=torch.int32)
+        out[name] = (t.dtype, tuple(t.shape), torch.stack([words.sum(dtype=torch.int32), weighted]))
+    return out
+
+
+def fingerprint_mismatch(got: Mapping[str, Fingerprint], want: Mapping[str, Fingerprint]) -> str | None:
+    """None when two fingerprints agree (names, dtypes, shapes, sums); else what differs."""
+    if sorted(got) != sorted(want):
+        return f"tensors {sorted(got)} != {sorted(want)}"
+    for name, (dtype, shape, sums) in want.items():
+        g_dtype, g_shape, g_sums = got[name]
+        if (g_dtype, g_shape) != (dtype, shape):
+            return f"{name}: {g_dtype}{list(g_shape)} != {dtype}{list(shape)}"
+        if g_sums.tolist() != sums.tolist():
+            return f"{name}: bytes differ (fingerprint {g_sums.tolist()} != {sums.tolist()})"
+    return None
+
+
 def tolerance_for(engine) -> CompositionTolerance:
     """``engine``'s derived composition tolerance: its dtype, depth and longest reduction (the MLP's
     intermediate size; 4 x hidden where the config does not say)."""
