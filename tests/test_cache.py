@@ -22,6 +22,7 @@ from cluster_util import wait_until
 from spec_serve.cache.rows import normalize_rows, row_spans
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
+from spec_serve.supervision.vocab import mask_from_selected
 from spec_serve.tools.cli import main
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
@@ -90,12 +91,19 @@ def test_cached_rows_are_bit_equal_and_all_hits_send_nothing(cluster, tmp_path, 
     dspark_want = _normalized(engine, batch, "dspark")
     for name in dspark_want:
         assert torch.equal(dspark[name], dspark_want[name]), name
+    other_ids = torch.arange(100, 228)  # another draft vocab: the mapping is not in the key
+    other = (other_ids, mask_from_selected(other_ids, 512))
     with _client(cluster, tmp_path, tiny_vocab_mapping) as reader:  # another client (process view) on the DIR
         sent = _recording(reader)
         later = reader.generate_batch(*batch)
+        reader.set_vocab_mapping(*other)
+        remapped = reader.generate_batch(*batch)
         assert sent == []
     for name in first:
         assert torch.equal(later[name], first[name]), name
+    other_weight = lm_head_slice(engine.get_output_embeddings().weight, other_ids)
+    for name, t in expand_compact(want, other_weight, other[1]).items():  # expanded with the new mapping
+        assert torch.equal(remapped[name], t), name
 
 
 @pytest.mark.parametrize("path", ["plane", "frames, 2 shards"])
