@@ -210,7 +210,7 @@ class CacheFront:
                 reply: dict[str, torch.Tensor] | None) -> None:
         """Every row in place; resolve the batch (expanded for EAGLE-3); hand the new rows to the writer."""
         out = self._place(batch, hits, missing, reply)
-        new_rows = self._new_rows(out, batch, missing)
+        new_rows = self._new_rows(out, batch, missing) if self.store.writable else []
         if batch.expand is not None:
             batch.expand.later({COMPACT: out}, [COMPACT], [(0, len(batch.keys))], batch.out)
         else:
@@ -279,6 +279,9 @@ class CacheFront:
             self.store.put(key, entries.encode_parts(key, kind.value, length, self.codec, stored), length)
             with self._lock:
                 self.stats.stored += 1
+        except Exception as e:  # a row not stored is a miss next time; training goes on
+            self.store.warn_once("encode", "cache.row_not_stored", why=f"{type(e).__name__}: {e}",
+                                 action="the row is fetched again when asked; further ones are not logged")
         finally:
             with self._pending:
                 del self._unwritten[key]

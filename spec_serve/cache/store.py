@@ -186,7 +186,7 @@ class Store:
             self._bad.add(location)
             if self._index.get(key) == location:
                 del self._index[key]
-            self._warn_once("corrupt", "cache.corrupt_entry", dir=self.root, segment=location.segment,
+            self.warn_once("corrupt", "cache.corrupt_entry", dir=self.root, segment=location.segment,
                             offset=location.offset, why=why, action="not returned, fetched again; further ones "
                             "are counted (spec-serve cache verify lists them)")
 
@@ -208,7 +208,7 @@ class Store:
                     records = read_index(self.segments / name)
                 except (OSError, ValueError) as e:
                     self.counts.corrupt += 1
-                    self._warn_once("corrupt", "cache.corrupt_segment", dir=self.root, segment=name, why=str(e),
+                    self.warn_once("corrupt", "cache.corrupt_segment", dir=self.root, segment=name, why=str(e),
                                     action="its entries are not used; further ones are counted")
                     continue
                 for key, location in records:
@@ -322,7 +322,7 @@ class Store:
                 partial.unlink()
             except OSError:
                 pass
-        self._warn_once("write", "cache.write_disabled", dir=self.root, why=f"{why.strerror or why}",
+        self.warn_once("write", "cache.write_disabled", dir=self.root, why=f"{why.strerror or why}",
                         action="training goes on without storing new rows (rows already cached are still "
                                "read); free space or fix the directory's permissions, then restart")
 
@@ -339,7 +339,7 @@ class Store:
             self._stop_writing(e)
             return False
 
-    def _warn_once(self, what: str, name: str, **fields) -> None:
+    def warn_once(self, what: str, name: str, **fields) -> None:
         if what not in self._warned:
             self._warned.add(what)
             event(log, logging.WARNING, name, **fields)
