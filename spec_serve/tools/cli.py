@@ -211,7 +211,8 @@ def _insecure_network_option(listeners: str):
                    "[env SPEC_SERVE_MAX_REQUEST_TOKENS].")
 @click.option("--max-held-bytes", default=1 << 30, type=int, envvar="SPEC_SERVE_MAX_HELD_BYTES", show_default=True,
               help="Request and vocab-mapping bytes the broker holds at once (queued, in flight, and arriving); "
-                   "past it clients are told to back off [env SPEC_SERVE_MAX_HELD_BYTES].")
+                   "past it clients are told to back off; it also caps the unfinished messages all client "
+                   "connections may hold together (384 KiB a known client) [env SPEC_SERVE_MAX_HELD_BYTES].")
 @click.option("--client-held-share", default=0.25, type=click.FloatRange(min=0, max=1, min_open=True),
               envvar="SPEC_SERVE_CLIENT_HELD_SHARE", show_default=True,
               help="The share of --max-held-bytes one client connection may hold (at least one largest "
