@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import zygote
 from cluster_util import wait_until
-from spec_serve.cache.rows import normalize_rows, row_spans
+from spec_serve.cache.rows import decode_row, encode_row, normalize_rows, row_spans
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.supervision.vocab import mask_from_selected
@@ -124,6 +124,22 @@ def test_partial_hits_send_only_the_missing_rows_within_the_composition_toleranc
     # Against a fresh forward of the mixed composition: within the tolerance docs/equality.md derives.
     fresh = _normalized(engine, mixed)
     assert tolerance_for(engine).violations(got, fresh, reference_logits(engine, mixed)) == []
+
+
+def test_fp8_storage_reads_back_the_dequantized_capture(cluster, tmp_path, tiny_target_dir):
+    batch = sample_batch(tiny_target_dir, 3, 24, seed=5)
+    with _client(cluster, tmp_path, cache_dtype="fp8") as client:
+        captured = client.generate_batch(*batch, kind="dspark")  # as the workers sent it
+        client.cache.flush()
+        sent = _recording(client)
+        again = client.generate_batch(*batch, kind="dspark")
+        assert sent == []
+    hidden = again["target_last_hidden_states"].shape[-1]
+    for name in ("target_hidden_states", "target_last_hidden_states"):
+        rows = encode_row({name: captured[name]}, "fp8", hidden)
+        assert rows[name].dtype == torch.uint8  # one byte an element on disk
+        assert torch.equal(again[name], decode_row(rows, captured[name].dtype, hidden)[name]), name
+    assert torch.equal(again["input_ids"], captured["input_ids"])
 
 
 def test_a_corrupted_entry_is_refetched_counted_and_logged_once(cluster, tmp_path, tiny_target_dir, caplog,

@@ -121,8 +121,11 @@ class CacheFront:
         self._send_lock = threading.Lock()
         self._pending = threading.Condition()
         self._pending_bytes = 0
-        # Rows handed to the writer and not yet in the store, in their stored form: hits already.
-        self._unwritten: dict[bytes, dict[str, torch.Tensor]] = {}
+        # Rows handed to the writer and not yet in the store, in their stored form (on the host once their
+        # copy's event completed): hits already.
+        self._unwritten: dict[bytes, tuple[dict[str, torch.Tensor], Any]] = {}
+        # A GPU client's new rows leave the device on a stream of their own, off the batch's critical path.
+        self._copies = torch.cuda.Stream(upstream.device) if upstream.device.type == "cuda" else None
 
     @classmethod
     def open(cls, directory: Any, upstream: Upstream, *, max_bytes: int = 0, codec: str = "native") -> CacheFront:
@@ -183,8 +186,11 @@ class CacheFront:
             return None
         dtype, hidden = model_dtype(batch.info), batch.info.hidden_size
         with self._pending:
-            stored = self._unwritten.get(key)
-        if stored is not None:
+            unwritten = self._unwritten.get(key)
+        if unwritten is not None:
+            stored, copied = unwritten
+            if copied is not None:
+                copied.synchronize()
             return decode_row(stored, dtype, hidden)
         found = self.store.get(key, self._alloc)
         if found is None or not self._fits(found, batch, batch.spans[i]):
@@ -210,15 +216,16 @@ class CacheFront:
                 reply: dict[str, torch.Tensor] | None) -> None:
         """Every row in place; resolve the batch (expanded for EAGLE-3); hand the new rows to the writer."""
         out = self._place(batch, hits, missing, reply)
-        new_rows = self._new_rows(out, batch, missing) if self.store.writable else []
+        new_rows = self._new_rows(out, batch, missing) if self.store.writable else ([], None)
         if batch.expand is not None:
             batch.expand.later({COMPACT: out}, [COMPACT], [(0, len(batch.keys))], batch.out)
         else:
             if self.up.device.type == "cuda":
                 torch.cuda.current_stream(self.up.device).synchronize()
             batch.out.set_result(out)
-        for key, row in new_rows:
-            self._write_later(key, encode_row(row, self.codec, batch.info.hidden_size), batch.stored)
+        rows, copied = new_rows
+        for key, stored in rows:
+            self._write_later(key, stored, copied, batch.stored)
 
     def _place(self, batch: _Batch, hits: dict[int, dict[str, torch.Tensor]], missing: list[int],
                reply: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -243,38 +250,48 @@ class CacheFront:
             torch.cuda.current_stream(device).synchronize()
         return {name: out[name] for name in RESPONSE_TENSORS[batch.stored]}
 
-    def _new_rows(self, out: dict[str, torch.Tensor], batch: _Batch,
-                  missing: list[int]) -> list[tuple[bytes, dict[str, torch.Tensor]]]:
-        """The missing cacheable rows' stored tensors over their spans, on the CPU (the caller owns ``out``):
-        one copy per tensor for the whole batch, into pinned memory from a GPU."""
+    def _new_rows(self, out: dict[str, torch.Tensor], batch: _Batch, missing: list[int]) -> tuple[list, Any]:
+        """The missing cacheable rows in their stored form over their spans, bound for the host, and the CUDA
+        event their copy completes at (None on a CPU client: already there).
+
+        The rows are taken out of ``out`` (which the caller owns once the batch resolves) by a copy on the
+        batch's stream, encoded there (fp8 quantized on the device), and copied to pinned host memory on a
+        stream of their own: the batch resolves without waiting for that copy."""
         chosen = [i for i in missing if batch.keys[i] is not None]
         if not chosen:
-            return []
+            return [], None
         device = self.up.device
         where = torch.tensor(chosen, device=device)
-        host = {}
-        for name in STORED[batch.stored]:
-            rows = out[name].index_select(0, where)  # a copy: on the CPU, already the one needed
-            if device.type == "cuda":
-                rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
-            host[name] = rows
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        return [(key, {name: t[j, : batch.spans[i]] for name, t in host.items()})
+        picked = {name: out[name].index_select(0, where) for name in STORED[batch.stored]}
+        stored = encode_row(picked, self.codec, batch.info.hidden_size)
+        copied = None
+        if self._copies is not None:
+            self._copies.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._copies):
+                for name, t in stored.items():
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    stored[name] = host.copy_(t, non_blocking=True)
+                    t.record_stream(self._copies)  # its memory is not reused before the copy read it
+            copied = torch.cuda.Event()
+            copied.record(self._copies)
+        rows = [(key, {name: t[j, : batch.spans[i]] for name, t in stored.items()})
                 for j, i in enumerate(chosen) if (key := batch.keys[i]) is not None]
+        return rows, copied
 
-    def _write_later(self, key: bytes, stored: dict[str, torch.Tensor], kind: Kind) -> None:
+    def _write_later(self, key: bytes, stored: dict[str, torch.Tensor], copied: Any, kind: Kind) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in stored.values())
         with self._pending:
             self._pending.wait_for(lambda: self._pending_bytes < MAX_PENDING_WRITE_BYTES)
             if key in self._unwritten:
                 return  # another batch of rows in flight at once holds it too
             self._pending_bytes += nbytes
-            self._unwritten[key] = stored
-        self._writer.submit(self._write, key, stored, kind, nbytes)
+            self._unwritten[key] = (stored, copied)
+        self._writer.submit(self._write, key, stored, copied, kind, nbytes)
 
-    def _write(self, key: bytes, stored: dict[str, torch.Tensor], kind: Kind, nbytes: int) -> None:
+    def _write(self, key: bytes, stored: dict[str, torch.Tensor], copied: Any, kind: Kind, nbytes: int) -> None:
         try:
+            if copied is not None:
+                copied.synchronize()  # the row is on the host
             length = next(iter(stored.values())).shape[0]
             self.store.put(key, entries.encode_parts(key, kind.value, length, self.codec, stored), length)
             with self._lock:

@@ -86,21 +86,22 @@ def normalize_rows(batch: Mapping[str, torch.Tensor], spans: Sequence[int | None
 
 
 def encode_row(row: Mapping[str, torch.Tensor], codec: str, hidden: int) -> dict[str, torch.Tensor]:
-    """A row's stored tensors (CPU, ``[L, ...]``) as kept on disk under ``codec``; ``hidden``: the target's
-    hidden size (fp8 takes one scale per token and layer: a ``[L, kH]`` tensor is ``k`` layers)."""
+    """A row's stored tensors (``[L, ...]``, or a batch of rows ``[n, S, ...]``; on any device) as kept on
+    disk under ``codec``; ``hidden``: the target's hidden size (fp8 takes one scale per token and layer: a
+    last dim of ``kH`` is ``k`` layers)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in row.items():
         if codec == "native" or not t.is_floating_point():
             out[name] = t.contiguous()
             continue
-        q, scale = fp8.quantize(t.reshape(t.shape[0], -1, hidden))
+        q, scale = fp8.quantize(t.unflatten(-1, (-1, hidden)))
         # Kept as uint8 (the safetensors codec has no float8 dtype); its scale's name says what it is.
-        out[name], out[name + SCALE_SUFFIX] = q.view(torch.uint8).view(t.shape), scale.view(t.shape[0], -1)
+        out[name], out[name + SCALE_SUFFIX] = q.view(torch.uint8).flatten(-2), scale.squeeze(-1)
     return out
 
 
 def decode_row(stored: Mapping[str, torch.Tensor], dtype: torch.dtype, hidden: int) -> dict[str, torch.Tensor]:
-    """The row's tensors (``[L, ...]``) from what ``encode_row`` kept: fp8 ones dequantized to ``dtype``."""
+    """The row's tensors from what ``encode_row`` kept: fp8 ones dequantized to ``dtype``."""
     out = {}
     for name, t in stored.items():
         if name.endswith(SCALE_SUFFIX):
@@ -109,8 +110,8 @@ def decode_row(stored: Mapping[str, torch.Tensor], dtype: torch.dtype, hidden: i
         if scale is None:
             out[name] = t
             continue
-        layers = t.view(fp8.FP8_DTYPE).reshape(t.shape[0], -1, hidden)
-        out[name] = fp8.dequantize(layers, scale.reshape(t.shape[0], -1, 1), dtype).view(t.shape)
+        layers = t.view(fp8.FP8_DTYPE).unflatten(-1, (-1, hidden))
+        out[name] = fp8.dequantize(layers, scale.unsqueeze(-1), dtype).flatten(-2)
     return out
 
 
