@@ -8,6 +8,10 @@ expanded on the client's device after gathering, from the lm_head slice the clie
 assembled batch equals the unsharded forward bit for bit where the kernels are batch-invariant for
 the two compositions (measured here: both are computed colocated), and lies within the target's
 derived ``CompositionTolerance`` of it elsewhere.
+
+A compact batch is also held to a reference that shares no code with the client's expansion: the
+colocated *full* EAGLE-3 forward of the same composition (``full_reference_violations``), so a bug in
+``expand_compact`` cannot cancel out of the comparison.
 """
 
 from __future__ import annotations
@@ -150,24 +154,45 @@ def reference_logits(engine, batch: tuple[torch.Tensor, ...]) -> ReferenceLogits
         return ReferenceLogits.of(engine.get_output_embeddings()(last))
 
 
+def full_reference_violations(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.Tensor, ...], *,
+                              shards: int = 1) -> list[str]:
+    """A compact client's expanded EAGLE-3 batch against ``engine``'s colocated full EAGLE-3 forward of the same
+    composition, one line per tensor outside the contract (empty: within it). Every tensor but
+    ``target_probs`` is bit-equal: the same forward's hidden states, the target's own argmax (so
+    ``position_mask`` but at a near-tie within that rounding), the request's ids and mask. ``target_probs``
+    differ by one GEMM's rounding at most: the client's draft logits come from the ``[Vd, H]`` lm_head slice
+    instead of the ``[V, H]`` lm_head, one reduction of length H in another order
+    (``CompositionTolerance.one_gemm``), scaled by 2 max|logit| as every probability bound is."""
+    full = colocated_reference(engine, batch, "eagle3", shards=shards)
+    if mismatch(got, full) is None:
+        return []
+    tolerance = CompositionTolerance.one_gemm(engine.model.dtype, engine.hidden_size)
+    return [f"{line} (against the full forward)"
+            for line in tolerance.violations(got, full, reference_logits(engine, batch))]
+
+
 @dataclasses.dataclass
 class ContractCheck:
     """One batch against the contract: ``shard_mismatch`` (None: every shard bit-equal to the colocated
     forward of its rows); ``invariant`` (the kernels gave the per-shard and the unsharded compositions the
     same bits); ``violations`` of the tolerance by the assembled batch where they did not, and its
-    ``deviation`` from the unsharded forward (per tensor that differs)."""
+    ``deviation`` from the unsharded forward (per tensor that differs); for a compact batch, ``off_full``: how it
+    lies outside the contract against the colocated full forward (``full_reference_violations``)."""
 
     shards: list[tuple[int, int]]
     shard_mismatch: str | None
     invariant: bool
     violations: list[str]
     deviation: dict[str, dict[str, float]]
+    off_full: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.shard_mismatch is None and not self.violations
+        return self.shard_mismatch is None and not self.violations and not self.off_full
 
     def describe(self) -> str:
+        if self.off_full:
+            return f"the compact batch expanded is off the colocated full forward: {'; '.join(self.off_full)}"
         if self.shard_mismatch is not None:
             return f"a shard differs from the colocated forward of its rows: {self.shard_mismatch}"
         if self.invariant:
@@ -213,4 +238,5 @@ def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.T
                                                                      device=device, selected=selected)
     part2 = composition(per_shard, whole, tolerance or tolerance_for(engine),
                         lambda: None if kind == Kind.DSPARK.value else reference_logits(engine, batch))
-    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation)
+    off_full = full_reference_violations(got, engine, batch, shards=shards) if compact else []
+    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation, off_full)
