@@ -45,6 +45,7 @@ def test_every_option_is_read_from_its_variable():
               "SPEC_SERVE_CLIENT_DEVICE": ("cpu", "cpu"), "SPEC_SERVE_TIMEOUT": ("7.5", 7.5),
               "SPEC_SERVE_MAX_RETRIES": ("0", 0), "SPEC_SERVE_PREFETCH_DEPTH": ("3", 3),
               "SPEC_SERVE_NUM_SHARDS": ("4", 4), "SPEC_SERVE_COMPACT": ("ON", True),
+              "SPEC_SERVE_WIRE_DTYPE": ("FP8", "fp8"),
               "SPEC_SERVE_ENABLE_NCCL": ("yes", True), "SPEC_SERVE_NCCL_TIMEOUT": ("5", 5.0),
               "SPEC_SERVE_NCCL_RETRY_S": ("6", 6.0), "SPEC_SERVE_SAME_HOST_PLANE": ("0", False),
               "SPEC_SERVE_INSECURE_NETWORK": ("1", True),
@@ -175,7 +176,7 @@ def _doc_table() -> str:
 def test_the_docs_show_the_table():
     text = DOC.read_text()
     assert _doc_table() in text, "docs/client-options.md: regenerate the table from tests/test_client_options.py"
-    for word in options.COMPACT_WORDS:
+    for word in [*options.COMPACT_WORDS, *options.WIRE_DTYPE_WORDS]:
         assert re.search(rf"`{word}`", text), word
     for name in options.NEMO_REFUSED_ENV:
         assert name in text
