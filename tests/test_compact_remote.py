@@ -240,3 +240,29 @@ def test_fp8_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, t
                 assert any(mismatch(shard, {k: t[rows] for k, t in want.items()}) is None for want in forms)
         stats = remote.stats
     assert stats.fp8_replies == 8 and 0 < stats.compact_replies < 8, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_replies_equal_the_colocated_round_trip(tiny_target_dir, tiny_vocab_mapping):
+    """A CUDA worker quantizes on its device, a CUDA client restores on its own (frames through its pinned
+    slabs; the plane through CUDA IPC): each batch bit-equal to the colocated CUDA forward's round trip, and
+    complete when resolved (a trainer may read it on any stream)."""
+    from spec_serve.engines.hf import HFTarget
+
+    device = torch.device("cuda:0")
+    engine = HFTarget(tiny_target_dir, device=device, dtype="bfloat16")
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    with local_cluster(tiny_target_dir, workers=1, worker_args=("--device", "cuda:0", "--dtype", "bfloat16")) as c:
+        for plane in (False, True):
+            with RemoteTargetModel(c.frontend, device=device, wire_dtype="fp8", same_host_plane=plane, num_shards=2,
+                                   timeout=60) as client:
+                client.set_vocab_mapping(*tiny_vocab_mapping)
+                for seed, kind in [(0, "eagle3"), (1, "dspark")]:
+                    batch = sample_batch(tiny_target_dir, 4, 256, seed=seed)
+                    got = client.generate_batch(*batch, kind=kind)
+                    assert torch.cuda.current_stream(device).query()
+                    _check_fp8(got, engine, tuple(t.to(device) for t in batch), kind, shards=2,
+                               compact=kind == "eagle3" and not plane, selected=tiny_vocab_mapping)
+                stats = client.stats
+            assert (stats.fp8_replies, stats.plane_replies) == (4, 4 if plane else 0), stats
