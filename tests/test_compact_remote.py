@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster_util import assert_contract
+from cluster_util import assert_contract, start_nan_worker
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
 from spec_serve.supervision.eagle3 import lm_head_slice
@@ -240,6 +240,25 @@ def test_fp8_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, t
                 assert any(mismatch(shard, {k: t[rows] for k, t in want.items()}) is None for want in forms)
         stats = remote.stats
     assert stats.fp8_replies == 8 and 0 < stats.compact_replies < 8, stats
+
+
+def test_a_reply_fp8_cannot_carry_comes_in_the_model_dtype_and_is_counted(cluster, tiny_target_dir,
+                                                                          tiny_vocab_mapping):
+    """A worker whose forward holds a NaN in a hidden state sends that reply in the model dtype (no scale
+    represents a NaN, and FP8 must not hide it); the client takes it, NaN and all, and counts it."""
+    start_nan_worker(cluster, tiny_target_dir, 7, "--service", "nan")
+    cluster.wait_workers(1, service="nan")
+    with RemoteTargetModel(cluster.frontend, service="nan", wire_dtype="fp8", same_host_plane=False,
+                           timeout=60) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        ids, attention, loss = sample_batch(tiny_target_dir, 2, 16, seed=3)
+        fine = client.generate_batch(ids, attention, loss, kind="dspark")
+        broken = client.generate_batch(torch.full_like(ids, 7), attention, loss, kind="dspark")
+        stats = client.stats
+    assert (stats.fp8_replies, stats.fp8_declined) == (1, 1)
+    assert not fine["target_hidden_states"].isnan().any()
+    assert broken["target_hidden_states"][0, 0, 0].isnan()
+    assert broken["target_hidden_states"].dtype == fine["target_hidden_states"].dtype  # the model's
 
 
 @pytest.mark.gpu
