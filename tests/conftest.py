@@ -176,7 +176,7 @@ SLOWEST_FILES = ("test_compile.py", "test_operability.py", "test_netns.py", "tes
                  "test_ordinary_use.py", "test_security.py", "test_load.py", "test_gpu_matrix.py", "test_cluster.py",
                  "test_lifecycle.py", "test_reply_memory.py", "test_samehost.py", "test_reliability.py",
                  "test_engine_sglang.py", "test_cheap_processes.py", "test_integrity.py", "test_nccl_binding.py",
-                 "test_deploy.py", "test_bench_cli.py")
+                 "test_deploy.py", "test_bench_cli.py", "test_sizing_cluster.py")
 
 
 def pytest_collection_modifyitems(config, items):

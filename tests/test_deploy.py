@@ -31,6 +31,7 @@ from spec_serve.transport.sockets import Security, free_port, keygen
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "examples" / "deploy"
 K8S_BROKER, K8S_WORKER = DEPLOY / "kubernetes" / "broker.yaml", DEPLOY / "kubernetes" / "worker.yaml"
+K8S_AUTOSCALER = DEPLOY / "kubernetes" / "worker-autoscaler.yaml"
 SBATCH = DEPLOY / "slurm" / "spec-serve.sbatch"
 BROKER_UNIT = DEPLOY / "systemd" / "spec-serve-broker.service"
 WORKER_UNIT = DEPLOY / "systemd" / "spec-serve-worker@.service"
@@ -215,6 +216,42 @@ def test_kubernetes_objects_hang_together():
     assert k8s_env(worker)["SPEC_SERVE_BROKER"] == \
         f"tcp://{service['metadata']['name']}:{service_ports['workers']['port']}"
     assert "startupProbe" in worker and "readinessProbe" in worker
+
+
+def test_the_autoscaler_scales_the_worker_deployment_on_the_brokers_advice():
+    """The HPA scales worker.yaml's Deployment to ceil(spec_serve_workers_needed) of the workers' service, a
+    metric the broker registers with that label, which the prometheus-adapter rule serves under the name the HPA
+    asks; each scale-up step waits longer than the broker's --sizing-window (its figures must see the last step)."""
+    from broker_util import SERVICE, make_router, ready
+
+    objects = {**k8s_objects(K8S_WORKER), **k8s_objects(K8S_AUTOSCALER)}
+    hpa = objects["HorizontalPodAutoscaler/spec-serve-worker"]["spec"]
+    target = hpa["scaleTargetRef"]
+    deployment = objects[f"{target['kind']}/{target['name']}"]
+    assert target["apiVersion"] == deployment["apiVersion"] == "apps/v1"
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "External" and metric["external"]["target"] == {"type": "AverageValue",
+                                                                             "averageValue": "1"}
+    selector = metric["external"]["metric"]["selector"]["matchLabels"]
+    assert selector == {"service": k8s_env(k8s_container(deployment))["SPEC_SERVE_SERVICE"]}
+    (rule,) = yaml.safe_load(objects["ConfigMap/prometheus-adapter"]["data"]["config.yaml"])["externalRules"]
+    assert rule["name"]["as"] == metric["external"]["metric"]["name"] and rule["resources"]["namespaced"] is False
+    series = re.fullmatch(r"(\w+)\{(\w+)!=\"\"\}", rule["seriesQuery"])
+    assert series is not None and series.group(2) == "service" and set(selector) == {"service"}
+    assert "by (service)" in rule["metricsQuery"]
+    # ... a series a broker exports, labelled with the service, once it has a window of figures
+    broker = make_router(sizing_window=1.0)
+    ready(broker, b"worker", 0.0)
+    for now in (0.0, 1.0):
+        broker.measure(now)
+    assert broker.metrics.registry.get_sample_value(series.group(1), {"service": SERVICE}) is not None
+    assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+    window = next(p.default for p in main.commands["broker"].params if p.name == "sizing_window")
+    broker_argv = k8s_argv(k8s_container(k8s_objects(K8S_BROKER)["Deployment/spec-serve-broker"]))
+    if "--sizing-window" in broker_argv:
+        window = float(flag_value(broker_argv, "--sizing-window"))
+    for direction in ("scaleUp", "scaleDown"):
+        assert all(p["periodSeconds"] > window for p in hpa["behavior"][direction]["policies"]), direction
 
 
 # ---------------------------------------------------------------------------- on loopback

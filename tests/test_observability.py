@@ -30,7 +30,14 @@ from cluster_util import (
 )
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.supervision.contract import RESPONSE_TENSORS, Kind
-from spec_serve.telemetry.metrics import CLIENT_INTEGRITY_FAILURES, WORKER_STATES, BrokerMetrics, WorkerMetrics
+from spec_serve.telemetry.metrics import (
+    CLIENT_COMPUTE_SECONDS,
+    CLIENT_INTEGRITY_FAILURES,
+    CLIENT_WAIT_SECONDS,
+    WORKER_STATES,
+    BrokerMetrics,
+    WorkerMetrics,
+)
 from spec_serve.tools.launch import Cluster, free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -143,11 +150,18 @@ def registered_series() -> dict[str, set[str]]:
     """Every series name the code can expose (broker, worker, client) and the labels each carries."""
     series: dict[str, set[str]] = {}
     instruments = [m for m in vars(BrokerMetrics()).values() if isinstance(m, MetricWrapperBase)]
-    for metric in [*instruments, CLIENT_INTEGRITY_FAILURES]:
+    for metric in [*instruments, CLIENT_INTEGRITY_FAILURES, CLIENT_WAIT_SECONDS, CLIENT_COMPUTE_SECONDS]:
         name, labels, kind = metric._name, set(metric._labelnames), metric._type
         suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}[kind]
         for suffix in suffixes:
             series[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    sizing = BrokerMetrics().sizing  # the broker's supply-and-demand gauges, read when scraped
+    entry = {"demand_tps": 1.0, "ranks": 1, "supply_tps": 1.0, "delivered_tps": 1.0, "trainer_wait": 0.1, "busy": 0.5,
+             "queue_wait_p50_s": 0.1, "queue_wait_p95_s": 0.2, "advice": {"workers_needed": 1}}
+    sizing.read = lambda: ({"s": entry}, [{"id": "w", "service": "s", "busy": 0.5, "supply_tps": 1.0}])
+    for family in sizing.collect():
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
     figures = {"info": {"worker": "w", "service": "s", "engine": "hf", "model": "m"}, "requests": {"ok": 1},
                "tokens": 1, "reply_bytes": {"frames": 1}, "digests": 1, "queue_depth": 0, "in_forward": 0,
                "device_memory": {("cpu", "resident"): 1}, "state": "serving"}
@@ -241,7 +255,7 @@ def test_alerts_and_dashboard_name_only_registered_metrics():
     assert problems == []
     alerts = " ".join(expr for where, expr in _alert_expressions())
     for needed in ("spec_serve_workers", "spec_serve_client_integrity_failures_total", "spec_serve_redispatched_total",
-                   "spec_serve_worker_state"):
+                   "spec_serve_worker_state", "spec_serve_trainer_wait_fraction", "spec_serve_workers_needed"):
         assert needed in alerts, f"no alert on {needed}"
     assert set(WORKER_STATES) >= {"serving", "draining", "disconnected", "engine_dead"}
 
@@ -261,6 +275,12 @@ def test_the_dashboard_loads_as_grafana_json():
         assert panel["title"] and set(panel["gridPos"]) == {"h", "w", "x", "y"}, panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
         assert all(t["expr"] and t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
+    # Supply and demand (docs/sizing.md): the panel and the alert an operator sizes the pool with.
+    (supply,) = [p for p in graphs if p["title"] == "Supply vs demand"]
+    exprs = " ".join(t["expr"] for t in supply["targets"])
+    assert "spec_serve_demand_tokens_per_second" in exprs and "spec_serve_supply_tokens_per_second" in exprs
+    starved = [expr for where, expr in _alert_expressions() if where == "alert SpecServeTrainersStarved"]
+    assert starved and "spec_serve_trainer_wait_fraction" in starved[0] and "spec_serve_workers_needed" in starved[0]
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) is not installed here")

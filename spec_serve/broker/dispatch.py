@@ -20,6 +20,7 @@ from spec_serve.broker.context import BrokerContext
 from spec_serve.broker.poison import PoisonPolicy
 from spec_serve.broker.services import DONE_STATUSES, ServiceQueues
 from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
+from spec_serve.broker.supply import SupplyDemand, settle_busy
 from spec_serve.broker.vocab_registry import VocabRegistry
 from spec_serve.broker.workers import WorkerRegistry
 from spec_serve.protocol.commands import WORKER_TAG, ErrorCode, Message, WorkerCommand, control
@@ -41,7 +42,7 @@ class Dispatcher:
     come back here through ``orphan``)."""
 
     def __init__(self, ctx: BrokerContext, services: ServiceQueues, workers: WorkerRegistry, clients: ClientTable,
-                 requests: RequestTable, vocab: VocabRegistry, *, max_request_deaths: int,
+                 requests: RequestTable, vocab: VocabRegistry, supply: SupplyDemand, *, max_request_deaths: int,
                  unreachable: Callable[[WorkerState], None]):
         self.ctx = ctx
         self.services = services
@@ -49,6 +50,7 @@ class Dispatcher:
         self.clients = clients
         self.requests = requests
         self.vocab = vocab
+        self.supply = supply
         self.poison = PoisonPolicy(ctx, max_request_deaths)
         self.unreachable = unreachable
         # request id -> (its worker, when it was enqueued): see MAX_DETACHED_IDS
@@ -142,6 +144,7 @@ class Dispatcher:
         request.dispatches += 1
         request.dispatched_at = time.monotonic()
         worker.inflight.add(request.request_id)
+        self.supply.dispatched(service, worker, request, request.dispatched_at)
 
     # ------------------------------------------------------------------ answers and losses
 
@@ -149,6 +152,7 @@ class Dispatcher:
         """DONE: the worker answered a request (or failed to deliver it); its slot is free again."""
         worker.inflight.discard(request_id)
         worker.idle_since = now
+        settle_busy(worker, now)
         worker.leaving = worker.leaving or done.status == "engine_dead"
         request = self.requests.get(request_id)
         if done.status == "returned" and request is not None and request.worker == worker.identity:
@@ -186,6 +190,7 @@ class Dispatcher:
         metrics.completed.labels(service=worker.service, status=status).inc()
         if status == "ok":
             worker.completed += 1
+            worker.tokens += done.tokens or 0
             metrics.tokens.labels(service=worker.service).inc(done.tokens or 0)
             metrics.reply_bytes.labels(service=worker.service).inc(done.nbytes or 0)
             metrics.latency.labels(service=worker.service).observe(now - enqueued_at)

@@ -20,6 +20,7 @@ from spec_serve.broker.context import BrokerContext, Send
 from spec_serve.broker.dispatch import Dispatcher
 from spec_serve.broker.services import ServiceQueues
 from spec_serve.broker.state import ClientState, Request, RequestTable, WorkerState
+from spec_serve.broker.supply import SupplyDemand, settle_busy
 from spec_serve.broker.vocab_registry import VocabRegistry
 from spec_serve.broker.workers import WorkerRegistry
 from spec_serve.protocol.commands import (
@@ -31,11 +32,14 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
 )
-from spec_serve.protocol.messages import BrokerHeartbeat, Done, Leave, SupervisionRequest
+from spec_serve.protocol.messages import BrokerHeartbeat, ClientHeartbeat, Done, Leave, SupervisionRequest
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import BrokerMetrics
 
 log = logging.getLogger("spec_serve.broker")
+
+# Seconds of history the supply-and-demand figures and the advice cover (--sizing-window).
+DEFAULT_SIZING_WINDOW = 60.0
 
 
 class Router:
@@ -53,12 +57,14 @@ class Router:
         client_held_share: float = DEFAULT_CLIENT_HELD_SHARE,
         metrics: BrokerMetrics | None = None,
         bind_refusal: str | None = None,
+        sizing_window: float = DEFAULT_SIZING_WINDOW,
     ):
         self.ctx = BrokerContext(send, heartbeat_interval=heartbeat_interval, liveness=liveness, metrics=metrics)
         self.metrics = self.ctx.metrics
         # A request must fit what the broker may hold.
         self.max_message_bytes = min(max_message_bytes, max_held_bytes)
         self.requests = RequestTable()
+        self.supply = SupplyDemand(self.ctx, sizing_window)
         self.vocab = VocabRegistry(self.max_message_bytes)
         self.queues = ServiceQueues(self.ctx, self.requests)
         self.registry = WorkerRegistry(self.ctx, self.queues)
@@ -66,7 +72,8 @@ class Router:
                                         max_message_bytes=self.max_message_bytes, max_held_bytes=max_held_bytes,
                                         client_held_share=client_held_share)
         self.dispatcher = Dispatcher(self.ctx, self.queues, self.registry, self.client_table, self.requests,
-                                     self.vocab, max_request_deaths=max_request_deaths, unreachable=self._unreachable)
+                                     self.vocab, self.supply, max_request_deaths=max_request_deaths,
+                                     unreachable=self._unreachable)
         self.bindings = Bindings(self.ctx, self.queues, self.registry, self.client_table, self.dispatcher,
                                  refusal=bind_refusal)
         # What status.py reads, by name.
@@ -111,7 +118,18 @@ class Router:
                 return
         request = Request(msg.request_id, client.identity, msg.service, header, msg.payload,
                           now + float(header.timeout), now, size)
+        if header.is_generate:
+            self.supply.asked(self.queues.service(msg.service, now), client.identity, header.tokens or 0, now)
         self.dispatcher.accept(client, request, bound, now)
+
+    def client_heartbeat(self, client: ClientState, msg: Message, now: float) -> None:
+        """HEARTBEAT: receiving it extended the client's expiry; its header may report its rank's demand."""
+        try:
+            beat = ClientHeartbeat.from_json(msg.header)
+        except ProtocolError:
+            self.supply.rejected()
+            return
+        self.supply.reported(client, msg.service, beat, now)
 
     def register_mapping(self, client: ClientState, msg: Message, now: float) -> None:
         """SET_VOCAB."""
@@ -137,6 +155,7 @@ class Router:
                 worker = self.registry.get(request.worker)
                 if worker is not None:
                     worker.inflight.discard(request_id)
+                    settle_busy(worker, time.monotonic())
                     freed.add(worker.service)
         self.queues.drop_client(identity)
         event(log, logging.INFO, "broker.client_gone", client=identity.hex()[:12])
@@ -206,6 +225,10 @@ class Router:
         for identity in list(self.clients):
             if not self.ctx.to_client(identity, beat):
                 self.delete_client(identity)
+
+    def measure(self, now: float) -> None:
+        """Once a tick: supply and demand per service, and the advice (supply.py)."""
+        self.supply.sample(self.services, self.workers, self.clients, now)
 
     def purge(self, now: float) -> None:
         """Expire silent workers and clients, and requests past their deadline."""

@@ -24,7 +24,7 @@ import zmq
 from spec_serve.broker.clients import DEFAULT_CLIENT_HELD_SHARE, DEFAULT_MAX_HELD_BYTES
 from spec_serve.broker.context import Peer
 from spec_serve.broker.parts import Parts
-from spec_serve.broker.routing import Router
+from spec_serve.broker.routing import DEFAULT_SIZING_WINDOW, Router
 from spec_serve.broker.state import ClientState, WorkerState
 from spec_serve.broker.status import Snapshot, status_page
 from spec_serve.protocol.commands import (
@@ -153,13 +153,14 @@ class Broker:
         max_request_deaths: int = 2,
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         client_held_share: float = DEFAULT_CLIENT_HELD_SHARE,
+        sizing_window: float = DEFAULT_SIZING_WINDOW,
         context: zmq.Context | None = None,
     ):
         # A request holds at most what max_request_tokens tokens need, whatever max_message_bytes allows.
         self.router = Router(self._send_to, heartbeat_interval=heartbeat_interval, liveness=liveness,
                              max_message_bytes=min(max_message_bytes, request_bytes(max_request_tokens)),
                              max_request_deaths=max_request_deaths, max_held_bytes=max_held_bytes,
-                             client_held_share=client_held_share,
+                             client_held_share=client_held_share, sizing_window=sizing_window,
                              bind_refusal=CURVE_BIND_REFUSAL if security is not None else None)
         self.parts = Parts(self.router.max_message_bytes, self.router.client_table.room, self.router.ctx.send_error)
         self.router.client_table.reserved = self.parts.reserved_by
@@ -177,7 +178,7 @@ class Broker:
             ClientCommand.DISCONNECT: self.router.disconnect,
             ClientCommand.BIND: self.router.bindings.bind,
             ClientCommand.RELEASE: self.router.bindings.release,
-            ClientCommand.HEARTBEAT: _ignore,
+            ClientCommand.HEARTBEAT: self.router.client_heartbeat,
         }
         # READY is served before this table: it is the one command an unregistered worker may send.
         self._worker_handlers: dict[WorkerCommand, WorkerHandler] = {
@@ -284,6 +285,7 @@ class Broker:
             self.parts.expire(now, self.router.clients.__contains__)
             self.router.purge(now)
         self.router.heartbeat(now)
+        self.router.measure(now)
         self.router.status_stale = True
 
     def stop(self) -> None:

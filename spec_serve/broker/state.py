@@ -9,6 +9,7 @@ import collections
 import dataclasses
 from typing import Any
 
+from spec_serve.broker.sizing import Window
 from spec_serve.protocol.messages import SupervisionRequest
 
 
@@ -34,6 +35,15 @@ class WorkerState:
     completed: int = 0
     leaving: bool = False  # its engine died, or it drains: no more requests; LEAVE follows its last answers
     draining: bool = False  # it was told to stop (LEAVE with drain): its final LEAVE is no death
+    # Supply (supply.py): tokens of its ok DONEs; seconds it held a request, and since when it holds one now.
+    tokens: int = 0
+    busy_s: float = 0.0
+    busy_since: float | None = None
+    window: Window | None = None  # (tokens, busy seconds), sampled each tick
+
+    def busy_until(self, now: float) -> float:
+        """Seconds it held at least one request, up to ``now``."""
+        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
 
     @property
     def name(self) -> str:
@@ -101,6 +111,13 @@ class ClientState:
         default_factory=collections.OrderedDict)
     # the services its admitted requests and mappings named, least recent first (ClientTable.uses bounds it)
     services: collections.OrderedDict[str, None] = dataclasses.field(default_factory=collections.OrderedDict)
+    # Demand (supply.py): the service its heartbeats report for, its last report (broker time, wait, compute as
+    # sent), and the seconds it waited and computed as the broker accepted them (clamped, never decreasing).
+    report_service: str | None = None
+    last_report: tuple[float, float, float] | None = None
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    window: Window | None = None  # (wait, compute), sampled each tick
 
 
 @dataclasses.dataclass
@@ -115,6 +132,12 @@ class ServiceState:
     # digest -> payload frames as bytes; only live mappings (see VocabRegistry.trim)
     mappings: dict = dataclasses.field(default_factory=dict)
     vocab_size: int | None = None
+    # Demand and queueing (supply.py): tokens asked in admitted generate REQUESTs; when each client last
+    # asked; (when, seconds) each dispatch waited in the queue, the window's only.
+    asked: int = 0
+    askers: dict = dataclasses.field(default_factory=dict)
+    queue_waits: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=4096))
+    window: Window | None = None  # (asked,), sampled each tick
 
     def queue_depth(self) -> int:
         return sum(len(q) for q in self.queues.values())

@@ -93,6 +93,7 @@ def _service_entry(router: Router, service: ServiceState, in_use: set[str]) -> d
         "vocab_mappings": len(service.mappings),
         "ever_had_workers": service.name in router.served,
         "in_use": service.name in in_use,
+        "sizing": router.supply.services.get(service.name),  # supply, demand, advice (None before a tick)
     }
 
 
@@ -105,6 +106,7 @@ def _worker_entry(router: Router, w: WorkerState, now: float) -> dict[str, Any]:
         "inflight": len(w.inflight),
         "capacity": w.capacity,
         "completed": w.completed,
+        **router.supply.workers.get(w.identity, {"busy": None, "supply_tps": None}),
         "last_seen_s": round(max(0.0, router.expiry_window - (w.expiry - now)), 3),
         "registered_at": w.registered_at,
         "max_message_bytes": w.max_message_bytes,

@@ -19,6 +19,7 @@ import torch
 from spec_serve.client import options
 from spec_serve.client.assembly import assemble, shard_bounds
 from spec_serve.client.compact import Expansion, SliceCache, expander_thread
+from spec_serve.client.demand import DemandMeter, metered
 from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteError, TargetChangedError
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
@@ -157,6 +158,9 @@ class RemoteTargetModel:
             "same_host_plane": same_host_plane, "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout,
             "nccl_retry_s": nccl_retry_s}))
         self._io.use_paths(self._paths)
+        # What this rank waits and computes (demand.py), reported with every heartbeat.
+        self._demand = DemandMeter(self._io.stats, self.service)
+        self._io.heartbeat_header = self._demand.report
         nccl = self._paths.named("nccl")
         self._binding = nccl.binding if isinstance(nccl, NcclClient) else None
 
@@ -189,7 +193,8 @@ class RemoteTargetModel:
 
     def generate_batch_async(self, input_ids, attention_mask, loss_mask,
                              kind: str = "eagle3") -> concurrent.futures.Future:
-        """Submit a batch; blocks while ``prefetch_depth`` batches are already in flight."""
+        """Submit a batch; blocks while ``prefetch_depth`` batches are already in flight. Each call starts a step
+        of this rank's demand (``stats``: the time blocked here or in the future's ``result()`` is its wait)."""
         kind = Kind.parse(kind)
         info = self.target_info()
         validate_request(input_ids, attention_mask, loss_mask, info.vocab_size)
@@ -203,13 +208,16 @@ class RemoteTargetModel:
             # ahead of the request, as compact=True does: fetched on the first reply instead, its request queues
             # behind the batches in flight and the pipeline drains once. Cached: a lookup from the second batch.
             self.lm_head_slice()
-        self._credits.acquire()
+        self._demand.step()
+        with self._demand.waiting():  # all prefetch_depth batches in flight: the caller waits for supervision
+            self._credits.acquire()
         try:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
             # The digest check may replace a shard's request with its retry (integrity.py).
             requests: list[tuple[SupervisionRequest, Sequence]] = [
                 self._shard_request(input_ids, attention_mask, loss_mask, lo, hi, wire_kind, offers, auto)
                 for lo, hi in bounds]
+            self._demand.requested(sum(header.tokens or 0 for header, _ in requests))
             expects = [self._expected(wire_kind, auto, info, hi - lo, input_ids.shape[1], loss_mask.dtype)
                        for lo, hi in bounds]
             shards = [self._submit(header, payload, expect) for (header, payload), expect in zip(requests, expects)]
@@ -221,7 +229,7 @@ class RemoteTargetModel:
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
                           self._digest_check(requests, expects), wire_kind.value, expand, self._staging, restore)
         result.add_done_callback(lambda _: self._credits.release())
-        return result
+        return metered(result, self._demand)  # the time a caller blocks in its result() is its step's wait
 
     def _expected(self, wire_kind: Kind, auto: bool, info: TargetInfo, rows: int, seq: int,
                   loss_dtype: torch.dtype) -> Expected:

@@ -125,6 +125,8 @@ class ClientIO(threading.Thread):
         self._readers: dict[zmq.Socket, BoundedReader] = {}
         self._refusal_log = Throttle(60.0)
         self.paths: ClientPaths | None = None  # set by use_paths before any request
+        # The service and header each heartbeat carries (the rank's demand: client/demand.py), set by its owner.
+        self.heartbeat_header: Callable[[], tuple[str, WireMessage | None]] = lambda: ("", None)
         self.replies = WorkerReplies(self.requests, self.stats, max_message_bytes, self.call,
                                      self._send_new)
         self._wake_r, self._wake_w = os.pipe()
@@ -320,7 +322,8 @@ class ClientIO(threading.Thread):
     def _keep_alive(self, now: float) -> None:
         """Heartbeat the broker; a fresh socket when it stayed silent past its liveness window."""
         if now >= self._next_beat and not self._misdirected:
-            self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value))
+            service, header = self.heartbeat_header()
+            self._send(control(CLIENT_TAG, ClientCommand.HEARTBEAT.value, service, header=header))
             self._next_beat = now + self.heartbeat_interval
             if self.paths is not None:
                 self.paths.tick()

@@ -28,10 +28,28 @@ class ClientStats:
     fp8_replies: int = 0  # replies whose hidden states came as FP8 (wire_dtype="fp8"), restored here
     fp8_declined: int = 0  # replies to wire_dtype="fp8" requests that came in the model dtype (a worker or path
     # that cannot send FP8: the NCCL pair group, an older worker, a hidden state holding NaN or infinity)
+    # The rank's demand (demand.py): batches asked for (generate_batch calls), their real tokens, seconds the
+    # caller was blocked waiting for supervision, and seconds between its requests otherwise (its own compute).
+    steps: int = 0
+    requested_tokens: int = 0
+    wait_s: float = 0.0
+    compute_s: float = 0.0
     # Replies delivered, by the path that carried them (paths/registry.py: frames, plane, nccl, ...).
     replies: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Requests asked for again without a path that could not deliver them, by that path.
     fallbacks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def wait_fraction(self) -> float | None:
+        """Share of the step time spent waiting for supervision (None before a full step)."""
+        step = self.wait_s + self.compute_s
+        return self.wait_s / step if step > 0 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens asked for per second of step time (waiting and computing)."""
+        step = self.wait_s + self.compute_s
+        return self.requested_tokens / step if step > 0 else None
 
     @property
     def nccl_batches(self) -> int:

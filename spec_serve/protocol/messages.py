@@ -287,6 +287,29 @@ class BrokerHeartbeat(WireMessage):
 
 
 @dataclasses.dataclass(frozen=True)
+class ClientHeartbeat(WireMessage):
+    """HEARTBEAT, client -> broker: with a rank's demand, for the service its control frame names (docs/sizing.md).
+    ``wait_s``: seconds it was blocked waiting for supervision; ``compute_s``: seconds between its requests
+    otherwise (its own compute); ``steps``: batches it asked for. Cumulative since the client started, counted
+    up to the moment of sending (a step in progress included). An older client's empty header reports nothing."""
+
+    COMMAND: ClassVar[str] = "HEARTBEAT (client)"
+
+    steps: int | None = None
+    wait_s: float | None = None
+    compute_s: float | None = None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ClientHeartbeat:
+        r = _Reader(cls.COMMAND, raw)
+        seconds = "a number of seconds >= 0"
+        wait_s, compute_s = r.number("wait_s", expected=seconds), r.number("compute_s", expected=seconds)
+        if (wait_s is not None and wait_s < 0) or (compute_s is not None and compute_s < 0):
+            raise ProtocolError(f"{cls.COMMAND} header 'wait_s' and 'compute_s' must be {seconds}")
+        return cls(steps=r.integer("steps", minimum=0), wait_s=wait_s, compute_s=compute_s)
+
+
+@dataclasses.dataclass(frozen=True)
 class SetVocab(WireMessage):
     """SET_VOCAB, client -> broker: register the mapping in the payload; drop the ``release`` ones."""
 
@@ -678,7 +701,7 @@ class ErrorReply(WireMessage):
 
 # Every typed header, in the order docs/protocol.md lists them (its table is checked against these).
 MESSAGES: tuple[type[WireMessage], ...] = (
-    SupervisionRequest, BrokerHeartbeat, SetVocab, VocabOk, BrokerError, StatusQuery, StatusPage, BindRequest,
-    Bound, Release, Ready, Refused, WorkerSetVocab, WorkerBind, Done, Leave, Disconnect, Reply, Rendezvous,
+    SupervisionRequest, BrokerHeartbeat, ClientHeartbeat, SetVocab, VocabOk, BrokerError, StatusQuery, StatusPage,
+    BindRequest, Bound, Release, Ready, Refused, WorkerSetVocab, WorkerBind, Done, Leave, Disconnect, Reply, Rendezvous,
     BindGrant, ErrorReply,
 )

@@ -4,7 +4,7 @@ including its compiled engine's (``CompileCollector``); the client's, process-lo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import prometheus_client
@@ -28,6 +28,16 @@ CLIENT_LM_HEAD_SLICES = Counter("spec_serve_client_lm_head_slices",
                                 ["service"])
 CLIENT_LM_HEAD_SLICE_BYTES = Counter("spec_serve_client_lm_head_slice_bytes",
                                      "Bytes of the draft-vocab lm_head slices a client fetched", ["service"])
+
+# A rank's demand (client/demand.py; docs/sizing.md): its wait share is rate(wait) / (rate(wait) + rate(compute)).
+CLIENT_WAIT_SECONDS = Counter("spec_serve_client_wait_seconds",
+                              "Seconds the trainer was blocked waiting for supervision", ["service"])
+CLIENT_COMPUTE_SECONDS = Counter("spec_serve_client_compute_seconds",
+                                 "Seconds between the trainer's requests it did not wait (its own compute)",
+                                 ["service"])
+CLIENT_STEPS = Counter("spec_serve_client_steps", "Batches the trainer asked for", ["service"])
+CLIENT_REQUESTED_TOKENS = Counter("spec_serve_client_requested_tokens", "Real tokens of the batches asked for",
+                                  ["service"])
 
 
 class BrokerMetrics:
@@ -68,6 +78,12 @@ class BrokerMetrics:
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)
+        self.client_reports = Counter("spec_serve_client_reports", "Clients' demand reports (heartbeats), by what "
+                                      "became of them: accepted, first (a baseline), clamped (more seconds than "
+                                      "passed), reset (counters went back), rejected (negative, NaN, not a number), "
+                                      "foreign_service (a service its requests never named)", ["outcome"], registry=r)
+        self.sizing = SizingCollector()
+        r.register(self.sizing)
 
     def forget_service(self, service: str, statuses: tuple[str, ...]) -> None:
         """Drop a forgotten service's series, so label sets do not grow with every name ever used.
@@ -84,6 +100,63 @@ class BrokerMetrics:
         self.worker_state.clear()
         for w in workers:
             self.worker_state.labels(worker=w["id"], service=w["service"], state=w["state"]).set(w["inflight"])
+
+
+# Supply and demand per service (broker/supply.py, docs/sizing.md): (metric, help, key of the service's
+# ``sizing`` entry). Read when scraped (``SizingCollector``).
+SIZING_SERIES = (
+    ("spec_serve_demand_tokens_per_second", "Tokens/s trainers asked for", "demand_tps"),
+    ("spec_serve_demand_ranks", "Clients that asked for supervision", "ranks"),
+    ("spec_serve_supply_tokens_per_second", "Tokens/s the workers deliver while busy, summed: the service's capacity",
+     "supply_tps"),
+    ("spec_serve_delivered_tokens_per_second", "Tokens/s the workers delivered", "delivered_tps"),
+    ("spec_serve_trainer_wait_fraction", "Share of the trainers' step time spent waiting for supervision",
+     "trainer_wait"),
+    ("spec_serve_busy_fraction", "Share of the time the workers held a request, their mean", "busy"),
+)
+# The queue-wait quantiles exported (label values) and the keys of the service's entry they come from.
+QUEUE_WAIT_QUANTILES = (("0.5", "queue_wait_p50_s"), ("0.95", "queue_wait_p95_s"))
+
+
+class SizingCollector(Collector):
+    """The broker's supply-and-demand figures as gauges, read when scraped: ``read`` returns the latest
+    ``{service: sizing entry}`` and ``[worker entries]`` (set by broker/supply.py; replaced whole each tick, so a
+    scrape from the HTTP shim's thread sees one tick's). A figure not measured yet leaves no sample (a gap, not a
+    made-up zero); ``spec_serve_workers_needed`` is the advice's count, what an autoscaler should run."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[Mapping[str, Mapping[str, Any]], Sequence[Mapping[str, Any]]]] = lambda: ({}, [])
+
+    def collect(self) -> Iterator[Metric]:
+        services, workers = self.read()
+        for name, text, key in SIZING_SERIES:
+            yield _gauge(name, text, ["service"], ((s, f[key]) for s, f in services.items()))
+        yield _gauge("spec_serve_workers_needed", "Workers the advice names (spec-serve status): what an autoscaler "
+                     "should run", ["service"], ((s, f["advice"]["workers_needed"]) for s, f in services.items()))
+        wait = GaugeMetricFamily("spec_serve_queue_wait_seconds", "Time requests waited for a worker",
+                                 labels=["service", "quantile"])
+        for service, f in services.items():
+            for quantile, key in QUEUE_WAIT_QUANTILES:
+                if f[key] is not None:
+                    wait.add_metric([service, quantile], f[key])
+        yield wait
+        for name, text, key in (("spec_serve_worker_busy_fraction", "Share of the time a worker held a request",
+                                 "busy"),
+                                ("spec_serve_worker_supply_tokens_per_second", "Tokens/s a worker delivers while busy",
+                                 "supply_tps")):
+            family = GaugeMetricFamily(name, text, labels=["worker", "service"])
+            for w in workers:
+                if w[key] is not None:
+                    family.add_metric([w["id"], w["service"]], w[key])
+            yield family
+
+
+def _gauge(name: str, text: str, labels: list[str], values: Iterator[tuple[str, float | None]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, text, labels=labels)
+    for label, value in values:
+        if value is not None:
+            family.add_metric([label], value)
+    return family
 
 
 # A forward's wall time, from a few milliseconds (a tiny request on a GPU) to minutes (a long one on a CPU).

@@ -215,6 +215,10 @@ def _insecure_network_option(listeners: str):
               envvar="SPEC_SERVE_CLIENT_HELD_SHARE", show_default=True,
               help="The share of --max-held-bytes one client connection may hold (at least one largest "
                    "request); past it that client is told to back off [env SPEC_SERVE_CLIENT_HELD_SHARE].")
+@click.option("--sizing-window", default=60.0, type=click.FloatRange(min=1), envvar="SPEC_SERVE_SIZING_WINDOW",
+              show_default=True,
+              help="Seconds of history behind the supply-and-demand figures and the advice of spec-serve status "
+                   "and /metrics (docs/sizing.md) [env SPEC_SERVE_SIZING_WINDOW].")
 @click.option("--curve-secret-key", envvar="SPEC_SERVE_CURVE_SECRET_KEY",
               help="Broker's CURVE secret key file (from keygen): turns authentication on "
                    "[env SPEC_SERVE_CURVE_SECRET_KEY].")
@@ -228,8 +232,8 @@ def _insecure_network_option(listeners: str):
 @_insecure_network_option("the broker's ports and its HTTP shim")
 @log_level_option
 def broker(frontend, backend, http_host, http_port, max_message_bytes, max_request_deaths, max_request_tokens,
-           max_held_bytes, client_held_share, curve_secret_key, curve_client_keys_dir, curve_worker_keys_dir,
-           curve_authorized_dir, insecure_network, log_level):
+           max_held_bytes, client_held_share, sizing_window, curve_secret_key, curve_client_keys_dir,
+           curve_worker_keys_dir, curve_authorized_dir, insecure_network, log_level):
     """Run the broker: clients on --frontend, workers on --backend.
 
     Protected mode: without CURVE keys the broker listens on loopback only (one host: the broker, its
@@ -264,7 +268,7 @@ def broker(frontend, backend, http_host, http_port, max_message_bytes, max_reque
                    security=security, insecure_network=insecure_network,
                    max_message_bytes=max_message_bytes, max_request_tokens=max_request_tokens,
                    max_request_deaths=max_request_deaths, max_held_bytes=max_held_bytes,
-                   client_held_share=client_held_share)
+                   client_held_share=client_held_share, sizing_window=sizing_window)
     except ExposureError as e:
         raise click.UsageError(str(e)) from None
     except BindError as e:
@@ -692,7 +696,11 @@ def _memory_in_use(device: str) -> str:
 @click.option("--curve-server-key", envvar="SPEC_SERVE_CURVE_SERVER_KEY",
               help="The broker's CURVE public key file [env SPEC_SERVE_CURVE_SERVER_KEY].")
 def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
-    """Print the broker's workers, services and queues.
+    """Print the broker's workers, services and queues, and per service its supply, demand and advice.
+
+    Per service: ranks asking, tokens/s they ask, tokens/s its workers deliver while busy, the trainers' wait
+    share of each step, the workers' busy share, queue wait p50/p95, then one line of advice: add workers,
+    fewer would do, or balanced, with the numbers (the rule: docs/sizing.md).
 
     \b
     Examples:
@@ -719,13 +727,34 @@ def status(broker_url, as_json, timeout, curve_secret_key, curve_server_key):
         return
     click.echo(f"broker {snap['broker'][:12]}  up {snap['uptime_s']:.0f}s  clients {snap['clients']}  "
                f"in flight {snap['inflight']}  queued {snap['queued']}")
-    click.echo(f"{'service':<16}{'workers':>8}{'ready':>8}{'queued':>8}")
+    click.echo(f"{'service':<16}{'workers':>8}{'ready':>8}{'queued':>8}{'ranks':>7}{'asked tok/s':>13}"
+               f"{'supply tok/s':>14}{'wait':>6}{'busy':>6}{'queue p50/p95':>15}")
     for name, s in snap["services"].items():
-        click.echo(f"{name:<16}{s['workers']:>8}{s['ready_workers']:>8}{s['queue_depth']:>8}")
-    click.echo(f"{'worker':<14}{'service':<16}{'engine':<8}{'state':<8}{'inflight':>9}{'done':>8}")
+        z = s.get("sizing") or {}
+        click.echo(f"{name:<16}{s['workers']:>8}{s['ready_workers']:>8}{s['queue_depth']:>8}{z.get('ranks', 0):>7}"
+                   f"{_number(z.get('demand_tps')):>13}{_number(z.get('supply_tps')):>14}"
+                   f"{_share(z.get('trainer_wait')):>6}{_share(z.get('busy')):>6}"
+                   f"{_seconds(z.get('queue_wait_p50_s')) + '/' + _seconds(z.get('queue_wait_p95_s')):>15}")
+        if z:
+            click.echo(f"  advice: {z['advice']['line']}")
+    click.echo(f"{'worker':<14}{'service':<16}{'engine':<8}{'state':<8}{'inflight':>9}{'done':>8}{'busy':>6}"
+               f"{'supply tok/s':>14}")
     for w in snap["workers"]:
         click.echo(f"{w['id']:<14}{w['service']:<16}{w['target_info'].get('engine', '?'):<8}{w['state']:<8}"
-                   f"{w['inflight']:>4}/{w['capacity']:<4}{w['completed']:>8}")
+                   f"{w['inflight']:>4}/{w['capacity']:<4}{w['completed']:>8}{_share(w.get('busy')):>6}"
+                   f"{_number(w.get('supply_tps')):>14}")
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
 
 
 @main.command("make-tiny-target")
