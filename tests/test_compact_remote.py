@@ -220,6 +220,9 @@ def test_fp8_replies_equal_the_colocated_round_trip(cluster, tiny_target_dir, ti
         stats = client.stats
     assert (stats.fp8_replies, stats.fp8_declined) == (6, 0)
     assert stats.plane_replies == (6 if plane else 0)
+    # verify="all": each reply's FP8 bytes and scales, as landed, against the worker's digests of what it sent
+    # (and, over frames, the lm_head slice's reply too)
+    assert stats.digest_checks == (6 if plane else 7) and stats.digest_mismatches == 0
 
 
 def test_fp8_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, tiny_vocab_mapping, colocated_target):
