@@ -115,10 +115,11 @@ class _Batch:
 
     def _finish(self) -> None:
         """Every shard landed: the batch, restored (FP8 shards) and expanded (compact shards), resolves ``out``."""
-        if self.restore is not None and any(wire is not None for _, wire in self.forms):
-            self.restore.later(self.parts, self.forms, list(zip(self.starts, self.rows)), self._resolve, self.out)
+        landed = {form: self.parts[form] for form in dict.fromkeys(self.forms)}  # not a form a retry replaced
+        if self.restore is not None and any(wire is not None for _, wire in landed):
+            self.restore.later(landed, self.forms, list(zip(self.starts, self.rows)), self._resolve, self.out)
         else:  # every shard in the model dtype: one form per kind
-            self._resolve({kind: part for (kind, _), part in self.parts.items()})
+            self._resolve({kind: part for (kind, _), part in landed.items()})
 
     def _resolve(self, parts: dict[str | None, dict[str, torch.Tensor]]) -> None:
         """``out`` from the batch's rows per kind (any thread): as they are, or expanded."""
