@@ -1,5 +1,6 @@
 """FP8 (float8_e4m3fn) for hidden states, with one float32 scale per token: the one codec that the wire's
-``wire_dtype="fp8"`` and the supervision cache's FP8 storage share.
+``wire_dtype="fp8"`` and the supervision cache's FP8 storage share. A reply's hidden states concatenate
+captured layers, so they get one scale per token and layer (``quantize_blocks``, ``quantize_reply``).
 
 A token's scale is its largest magnitude over the last dimension divided by e4m3's largest finite value
 (448), so every element of a finite row maps into e4m3's range and no element saturates. A row of zeros
