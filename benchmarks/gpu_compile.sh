@@ -65,7 +65,7 @@ step() {  # step NAME CAP COMMAND...: run COMMAND under min(CAP, time left), log
 
 read -r -a TARGET_ARGS <<< "${BENCH_ARGS:---gpu-8b --devices cuda:0}"
 BENCH=(python3 -m spec_serve.tools.bench "${TARGET_ARGS[@]}")
-step bench_full 200 "${BENCH[@]}" --repeat 3 --log-dir "$OUT/logs-full" --json "$OUT/bench_full.json" \
+step bench_full 200 "${BENCH[@]}" --repeat 3 --lengths full --log-dir "$OUT/logs-full" --json "$OUT/bench_full.json" \
   --only "${FULL_ONLY:-colocated,colocated_compiled,samehost_1w_compiled}"
 step bench_packed 150 "${BENCH[@]}" --repeat 3 --lengths lognormal --log-dir "$OUT/logs-packed" \
   --json "$OUT/bench_packed.json" --only "${PACKED_ONLY:-colocated,samehost_1w_packed,samehost_1w_packed_compiled}"

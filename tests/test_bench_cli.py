@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from spec_serve.tools.bench import bytes_per_token
@@ -189,19 +190,14 @@ def test_verify_packed_flags_a_wrong_batch(tiny_target_dir, colocated_target):
 def test_a_wrong_batch_voids_its_ratios(tmp_path, monkeypatch, tiny_target_dir):
     """One timed batch unequal to the colocated forward: the scenario reports verified=1/2 and every
     ratio it is part of prints INVALID instead of a value."""
-    import spec_serve.tools.verify as verify
+    from spec_serve.tools.bench import Context
 
-    reference = verify.colocated_reference
-    calls = []
+    keep = Context.keep_reference
 
-    def one_wrong(*args, **kwargs):
-        out = reference(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == 1:  # the first timed batch of remote_1w
-            out = dict(out, aux_hidden_states=out["aux_hidden_states"] + 1)
-        return out
+    def one_wrong(self, i, out, **kwargs):  # the colocated answer remote_1w's first timed batch is checked against
+        keep(self, i, dict(out, aux_hidden_states=out["aux_hidden_states"] + 1) if i == 1 else out, **kwargs)
 
-    monkeypatch.setattr(verify, "colocated_reference", one_wrong)
+    monkeypatch.setattr(Context, "keep_reference", one_wrong)
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(main, ["bench", "--only", "colocated,remote_1w", "--steps", "2", "--warmup", "1",
                                        "--batch", "2", "--seq", "32", "--json", str(out),
@@ -234,3 +230,22 @@ def test_remote_faster_than_colocated_is_flagged():
     assert "IMPLAUSIBLE" in format_table(report)
     rounds = [{"colocated": figure("colocated", 1000.0), "remote_1w": figure("remote_1w", 1050.0)}]
     assert _ratio("r", "remote_1w", "colocated", None, rounds[0], rounds)["status"] == "ok"
+
+
+def test_fingerprint_tells_equal_tensors_from_changed_ones():
+    """The bench's check of batches it does not keep: equal tensors agree; one flipped bit, two rows swapped,
+    another shape or dtype are told apart (``verify.fingerprint``)."""
+    from spec_serve.tools.verify import fingerprint, fingerprint_mismatch
+
+    gen = torch.Generator().manual_seed(0)
+    batch = {"aux": torch.randn(4, 33, 8, generator=gen).to(torch.bfloat16),
+             "mask": torch.rand(4, 33, generator=gen) > 0.5}
+    assert fingerprint_mismatch(fingerprint({k: v.clone() for k, v in batch.items()}), fingerprint(batch)) is None
+    flipped = batch["mask"].clone()
+    flipped[3, 32] = ~flipped[3, 32]
+    swapped = batch["aux"][[1, 0, 2, 3]]
+    for changed, why in ((dict(batch, mask=flipped), "mask: bytes differ"),
+                         (dict(batch, aux=swapped), "aux: bytes differ"),
+                         (dict(batch, aux=batch["aux"][:, :32]), "aux: torch.bfloat16[4, 32, 8]"),
+                         (dict(batch, aux=batch["aux"].float()), "aux: torch.float32")):
+        assert fingerprint_mismatch(fingerprint(changed), fingerprint(batch)).startswith(why)

@@ -412,7 +412,7 @@ def test_bench_compiled_scenario_verifies_every_batch(inductor_engine, inductor_
            compiled.CACHE_ENV: str(inductor_cache)}
     proc = zygote.run(["-m", "spec_serve.tools.bench", "--target", str(tiny_target_dir), "--only",
                        "samehost_1w_compiled", "--steps", "2", "--warmup", "1", "--batch", "1", "--seq", "32",
-                       "--repeat", "2", "--json", str(out)], env, timeout=600, nested=True)
+                       "--lengths", "full", "--repeat", "2", "--json", str(out)], env, timeout=600, nested=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figure = json.loads(out.read_text())["figures"]["samehost_1w_compiled"]
     # Two rounds of 2 timed batches: the counts cover both rounds.

@@ -79,6 +79,7 @@ def _check_figures(figures: dict[tuple[str, tuple], float], tokens: int) -> None
     assert figures[("spec_serve_worker_reply_bytes_total", (("plane", "nccl"),))] == 0
     assert figures[("spec_serve_worker_forward_seconds_count", ())] == 2  # the load-time probe is not served
     assert figures[("spec_serve_worker_digests_total", ())] == 2 * len(RESPONSE_TENSORS[Kind.DSPARK])  # verify=all
+    assert figures[("spec_serve_worker_host_slabs_total", ())] == 0  # replies through the plane: no host slab
     assert figures[("spec_serve_worker_queue_depth", ())] == 0
     assert figures[("spec_serve_worker_device_memory_bytes", (("device", "cpu"), ("kind", "resident")))] > 0
     assert figures[("spec_serve_worker_state", (("state", "serving"),))] == 1
@@ -163,8 +164,8 @@ def registered_series() -> dict[str, set[str]]:
         for sample in family.samples:
             series.setdefault(sample.name, set()).update(sample.labels)
     figures = {"info": {"worker": "w", "service": "s", "engine": "hf", "model": "m"}, "requests": {"ok": 1},
-               "tokens": 1, "reply_bytes": {"frames": 1}, "digests": 1, "queue_depth": 0, "in_forward": 0,
-               "device_memory": {("cpu", "resident"): 1}, "state": "serving"}
+               "tokens": 1, "reply_bytes": {"frames": 1}, "digests": 1, "host_slabs": 1, "host_slab_seconds": 0.1,
+               "queue_depth": 0, "in_forward": 0, "device_memory": {("cpu", "resident"): 1}, "state": "serving"}
     worker = WorkerMetrics(lambda: figures)
     worker.forward_seconds.observe(0.1)
     for family in worker.registry.collect():

@@ -17,6 +17,7 @@ class ClientStats:
     unknown: int = 0  # replies to request ids this client never sent (or answered too long ago to remember)
     contract_violations: int = 0  # replies whose tensors broke the contract (retried)
     broker_reconnects: int = 0
+    link_resends: int = 0  # times the broker connection ended and every pending request went again (uncounted)
     batched: int = 0  # replies computed in a forward shared with other requests (worker batching)
     digest_checks: int = 0  # replies whose landed bytes were checked against the worker's digests (verify=)
     digest_mismatches: int = 0  # of those, replies that differed: never returned, retried once on another worker

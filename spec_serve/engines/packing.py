@@ -237,7 +237,16 @@ class Tolerance:
 # attending to another row gives (rel_norm ~1). float16 rounds finer than bfloat16: the same bounds.
 _HALF = Tolerance(hidden_max_error=0.25, hidden_rel_norm=0.1, probs_max_error=0.05, probs_rel_norm=0.15,
                   flip_rate=0.05)
+# float64: a packed row differs from its padded forward only by summation order. A sum of K terms in
+# float64 is off by at most K * 2^-53 of the sum of their magnitudes; K stays below 2^13 in every dot
+# product and reduction of a forward here (hidden size, sequence length), so 2^-40 (about 1e-12) bounds
+# it with room (CPU measures 0: the same kernels). transformers computes the rotary angles in float32
+# whatever the model's dtype, so a row given other positions than 0..n-1 (RoPE is relative, so a shift is
+# invisible but for that rounding) is off by float32's 2^-24 (about 1e-7): 5 orders above the bound.
+_FP64_BOUND = 2.0 ** -40
 TOLERANCE = {
+    torch.float64: Tolerance(hidden_max_error=_FP64_BOUND, hidden_rel_norm=_FP64_BOUND, probs_max_error=_FP64_BOUND,
+                             probs_rel_norm=_FP64_BOUND, flip_rate=0.0),
     torch.float32: Tolerance(hidden_max_error=1e-5, hidden_rel_norm=1e-5, probs_max_error=1e-5, probs_rel_norm=1e-5,
                              flip_rate=0.0),
     torch.bfloat16: _HALF,

@@ -75,7 +75,7 @@ class ClientCommand(bytes, enum.Enum):
     REQUEST = b"\x01"  # client -> broker: a supervision (or embeddings) request
     ERROR = b"\x02"  # broker -> client: a request the broker could not serve
     HEARTBEAT = b"\x03"  # both ways; the broker's carries its instance id
-    DISCONNECT = b"\x04"  # client -> broker: forget me and what I queued
+    DISCONNECT = b"\x04"  # client -> broker: forget me and what I queued; broker -> client: I forgot you
     STATUS = b"\x05"  # client -> broker and back: workers, services, queues
     SET_VOCAB = b"\x06"  # client -> broker: register a draft-vocab mapping
     VOCAB_OK = b"\x07"  # broker -> client: mapping stored, header names its digest

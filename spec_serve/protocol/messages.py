@@ -597,7 +597,8 @@ class Leave(WireMessage):
 @dataclasses.dataclass(frozen=True)
 class Disconnect(WireMessage):
     """DISCONNECT, broker -> worker: register again (READY). ``stopping``: the broker was told to stop; the
-    READY reaches its successor."""
+    READY reaches its successor. Broker -> client: you were silent past your liveness window and are
+    forgotten: register your mappings and send what is pending again (never ``stopping``)."""
 
     COMMAND: ClassVar[str] = "DISCONNECT"
 

@@ -180,7 +180,8 @@ class WorkerMetrics:
 
 class _WorkerCollector(Collector):
     """The figures a worker keeps, as metric families: ``requests`` {DONE status: n}, ``tokens``,
-    ``reply_bytes`` {data plane: bytes}, ``digests`` (tensors digested), ``queue_depth``, ``in_forward``,
+    ``reply_bytes`` {data plane: bytes}, ``digests`` (tensors digested), ``host_slabs`` and ``host_slab_seconds``
+    (frames' host slabs made, and the time it took), ``queue_depth``, ``in_forward``,
     ``device_memory`` {(device, kind): bytes}, ``state`` (serving, draining, ...), ``info`` {label: value}."""
 
     def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
@@ -205,6 +206,10 @@ class _WorkerCollector(Collector):
         yield plane
         yield CounterMetricFamily("spec_serve_worker_digests", "Reply tensors digested on the device (verify)",
                                   value=f["digests"])
+        yield CounterMetricFamily("spec_serve_worker_host_slabs", "Host slabs made for replies as frames (pinned on "
+                                  "a GPU): flat once the longest rows came by", value=f["host_slabs"])
+        yield CounterMetricFamily("spec_serve_worker_host_slab_seconds", "Seconds spent making them, on the compute "
+                                  "thread (the next forward waits)", value=f["host_slab_seconds"])
         yield GaugeMetricFamily("spec_serve_worker_queue_depth", "Requests held and not started",
                                 value=f["queue_depth"])
         yield GaugeMetricFamily("spec_serve_worker_in_forward", "1 while a forward runs", value=f["in_forward"])

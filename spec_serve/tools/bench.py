@@ -73,20 +73,25 @@ run of thousands of steps never drains the pipeline; an 8-batch run that counted
 charge one reply transfer, about 5%, to every figure). ``--repeat N`` runs N rounds in alternating
 order and reports medians of per-round ratios.
 
-Row lengths (``--lengths``): ``full`` (default) fills every row to ``--seq``. ``lognormal`` draws each
-row's length from a log-normal distribution with median ``0.293 * seq`` (600 tokens at ``--seq 2048``)
-and sigma 0.8, rounded and clipped to ``[2, seq]``, seeded per batch; or ``PATH.jsonl`` replays a
+Row lengths (``--lengths``): ``lognormal`` (default: training rows vary, and each batch is padded to its
+longest) draws each row's length from a log-normal distribution with median ``0.293 * seq`` (600 tokens at
+``--seq 2048``) and sigma 0.8, rounded and clipped to ``[2, seq]``, seeded per batch; ``full`` fills every
+row to ``--seq`` (a figure measured only on full rows is no claim about training); or ``PATH.jsonl`` replays a
 dataset's lengths: one JSON object a line, ``{"length": N}`` or ``{"input_ids": [...]}`` (its length
 counts), truncated to ``--seq``, rows drawn uniformly with replacement (seeded). Either way each batch
 is right-padded to its longest row, as a trainer's collator pads: with 4 rows, log-normal batches are
 about 58% real tokens. Figures report useful (non-pad) tokens/s, which the ratios compare, next to
 padded tokens/s (rows x padded length).
 
-Every remote scenario verifies what it timed: each timed batch is compared with the colocated forward
-of the same input, computed as the client received it (``spec_serve.tools.verify``: per shard; compact
-against colocated compact, expanded on the client's device), with ``torch.equal``; a packing worker's
-replies within ``packing.TOLERANCE`` instead (``verify_packed``). The results are kept during the run
-(the futures hold them anyway) and compared after the clock stops: the check adds no timed work.
+Every remote scenario verifies what it timed: each timed batch is compared bit for bit with the colocated
+forward of the same input, computed as the client received it (``spec_serve.tools.verify``: per shard;
+compact against colocated compact, expanded on the client's device); a packing worker's replies within
+``packing.TOLERANCE`` instead (``verify_packed``). Each scenario consumes its batches in order as a trainer
+does, so at most ``prefetch + 1`` are held whatever ``--steps``: a bit-equal check takes the batch's
+fingerprint as it is consumed (``verify.fingerprint``: two 32-bit sums of its words, a few milliseconds of
+device work a batch on both sides, colocated ones too), compared after the clock with the fingerprint of the
+colocated scenario's answer to the same batch (or of the colocated forward computed then, once for every
+round). Packed and compiled answers, compared within a tolerance, are kept whole instead.
 Figures show ``verified=N/M``; a ratio with a wrong batch on either side prints INVALID instead of
 its value, and a remote/colocated ratio above 1.10 is flagged IMPLAUSIBLE (remote runs the same
 forward plus transport). On CPU the colocated forward runs with the math threads one worker gets
@@ -98,6 +103,7 @@ computed analytically at the Llama-3.1-8B shape.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -168,7 +174,7 @@ class BenchConfig:
     only: tuple[str, ...] = ()
     log_dir: str | None = None
     repeat: int = 1  # rounds over the scenarios, alternating their order; figures are per-round medians
-    lengths: str = "full"  # row lengths: "full", "lognormal" or a JSONL file (see the module doc)
+    lengths: str = "lognormal"  # row lengths: "lognormal", "full" or a JSONL file (see the module doc)
 
 
 def bytes_per_token(hidden: int, draft_vocab: int, dtype_bytes: int = 2, mask_bytes: int = 8) -> dict[str, int]:
@@ -378,6 +384,8 @@ def _run_colocated(ctx: Context, compact: bool, packed: bool = False, dspark: bo
             out = engine.generate_batch(*b, kind="eagle3")
         if packed or compiled:
             outputs.append(out)
+        else:  # consumed as a remote scenario consumes its batches, and the reference remote ones are checked against
+            ctx.keep_reference(i, out, kind="dspark" if dspark else "eagle3", compact=compact)
         nbytes += _nbytes(out)
     _sync(device)
     seconds = time.perf_counter() - start
@@ -402,15 +410,16 @@ def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, nam
                own_device: bool = False, packed: bool = False, plane: bool = False,
                dspark: bool = False, compiled: bool = False) -> dict[str, Any]:
     """Steady-state throughput: batches are submitted back to back (prefetch keeps ``prefetch`` in
-    flight) and the clock runs from the completion of the last warm-up batch to that of the last
-    batch, so the figure excludes filling and draining the pipeline, as a long training run would.
-    Every timed batch is verified once the clock has stopped: bit for bit against the colocated
-    forward of the same input, or (``packed``: the service's worker packs) within packing.TOLERANCE.
+    flight) and consumed in order as a trainer does, and the clock runs from the completion of the last
+    warm-up batch to that of the last batch, so the figure excludes filling and draining the pipeline, as
+    a long training run would. Every timed batch is verified once the clock has stopped: bit for bit against
+    the colocated forward of the same input (by fingerprint, ``Context.check``: no batch is kept, so a run
+    of any length fits the device), or (``packed``: the service's worker packs) within packing.TOLERANCE.
     ``plane``: replies through the same-host plane, else frames; ``dspark``: the DSpark kind; ``compiled``: the
     service's worker compiles its layers (within compiled.TOLERANCE, bit-equality to the colocated compiled
     forward counted); ``compact``: True, False or "auto" (the client's default: over frames the worker
     answers compact, so it is verified as compact, and how many batches also equal the full forward bit for
-    bit is reported)."""
+    bit is reported). ``landing`` counts what the client's landing path did over the run (``_landing``)."""
     from spec_serve.client.api import RemoteTargetModel
 
     # The client sits on the last device when asked to (a trainer has a GPU of its own) and for
@@ -418,27 +427,18 @@ def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, nam
     device = torch.device(ctx.cfg.devices[-1]) if nccl or own_device else ctx.device
     warmup = max(ctx.cfg.warmup, 1)
     batches = ctx.batches[: warmup + ctx.cfg.steps]
+    kind = "dspark" if dspark else "eagle3"
     # wire_dtype pinned to the model dtype: every batch is checked bit for bit against the colocated forward
     # (an SPEC_SERVE_WIRE_DTYPE=fp8 in the environment would make each one differ by FP8's rounding).
     with RemoteTargetModel(ctx.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl,
                            same_host_plane=plane, wire_dtype="auto") as client:
         client.set_vocab_mapping(*ctx.mapping)
-        done_at: dict[int, float] = {}
-        futures = []
-        for i, b in enumerate(batches):
-            future = client.generate_batch_async(*b, kind="dspark" if dspark else "eagle3")
-            future.add_done_callback(functools.partial(_mark_done, done_at, i))
-            futures.append(future)
-        nbytes, outputs = 0, []  # the timed results, kept (the futures hold them anyway) and verified after
-        for i, f in enumerate(futures):
-            out = f.result()
-            _mark_done(done_at, i, f)  # result() may return before the done callback has run
-            if i >= warmup:
-                nbytes += _nbytes(out)
-                outputs.append(out)
+        before = _landing(client, device)
+        # Compared within a tolerance after the clock: kept whole (short runs); else fingerprinted as consumed.
+        seconds, nbytes, outputs = _consume(client, batches, kind, warmup, ctx.cfg.prefetch, keep=packed or compiled)
         _sync(device)
-        seconds = done_at[len(futures) - 1] - done_at[warmup - 1]
+        landing = {k: v - before.get(k, 0) for k, v in _landing(client, device).items()}
         stats = client.stats
     tokens, padded = _tokens(batches[warmup:])
     compact_wire = compact is True or compact == "auto" and not (plane or nccl)  # what auto sends here
@@ -449,17 +449,60 @@ def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, nam
         checked = verify_packed(ctx.engine(), batches[warmup:], outputs, ctx.mapping[1] if compact_wire else None,
                                 flip_bounds=ctx.flip_bounds)
     else:
-        checked = verified(sum(ctx.verify(b, out, shards=shards, compact=compact_wire, device=device,
-                                          kind="dspark" if dspark else "eagle3")
-                               for b, out in zip(batches[warmup:], outputs)), len(outputs))
+        timed = list(zip(range(warmup, len(batches)), outputs))
+        checked = verified(sum(ctx.check(i, got, shards=shards, compact=compact_wire, device=device, kind=kind)
+                               for i, got in timed), len(timed))
         if compact == "auto" and compact_wire and not dspark:
-            checked["equal_to_full"] = sum(ctx.verify(b, out, shards=shards, device=device, quiet=True)
-                                           for b, out in zip(batches[warmup:], outputs))
+            checked["equal_to_full"] = sum(ctx.check(i, got, shards=shards, quiet=True) for i, got in timed)
     extra = {"wire_bytes_per_token": ctx.reply_bytes_per_token[wire_kind]} if not dspark else {}
     return _figure(name, tokens, nbytes, seconds, padded, **extra, retried=stats.retried,
                    nccl_batches=stats.nccl_batches, nccl_fallbacks=stats.nccl_fallbacks,
                    plane_replies=stats.plane_replies, plane_fallbacks=stats.plane_fallbacks, batched=stats.batched,
-                   compact_replies=stats.compact_replies, lm_head_slices=stats.lm_head_slices, **checked)
+                   compact_replies=stats.compact_replies, lm_head_slices=stats.lm_head_slices, landing=landing,
+                   **checked)
+
+
+def _consume(client, batches: list, kind: str, warmup: int, prefetch: int, keep: bool) -> tuple[float, int, list]:
+    """Submit ``batches`` back to back and take each answer in order once ``prefetch`` later ones are in flight,
+    as a training loop does. Returns the seconds from the last warm-up answer to the last answer, the timed
+    answers' bytes, and the timed answers (``keep``) or their fingerprints (``verify.fingerprint``)."""
+    from spec_serve.tools.verify import fingerprint
+
+    done_at: dict[int, float] = {}
+    in_flight: collections.deque = collections.deque()
+    nbytes, timed = 0, []
+
+    def take(i: int, future) -> None:
+        nonlocal nbytes
+        out = future.result()
+        _mark_done(done_at, i, future)  # result() may return before the done callback has run
+        if i >= warmup:
+            nbytes += _nbytes(out)
+            timed.append(out if keep else fingerprint(out))
+
+    for i, b in enumerate(batches):
+        future = client.generate_batch_async(*b, kind=kind)
+        future.add_done_callback(functools.partial(_mark_done, done_at, i))
+        in_flight.append((i, future))
+        if len(in_flight) > prefetch:
+            take(*in_flight.popleft())
+    while in_flight:
+        take(*in_flight.popleft())
+    return done_at[len(batches) - 1] - done_at[warmup - 1], nbytes, timed
+
+
+def _landing(client, device: torch.device) -> dict[str, int]:
+    """Counters of what landing replies cost the client, for a run's deltas: pinned slabs made and waits for
+    a slab's copy (staging.py), receive buffers allocated (CPU), device memory the caching allocator had to
+    ask the driver for (cudaMalloc) and allocations retried after freeing its cache (both stall the device)."""
+    staging = client._staging  # read for its counters only
+    counts = {"staging_slabs": staging.allocations if staging else 0, "staging_waits": staging.waits if staging else 0,
+              "receive_buffers": client._io.recv_alloc.allocations}
+    if device.type == "cuda":
+        memory = torch.cuda.memory_stats(device)
+        counts.update(device_mallocs=int(memory.get("num_device_alloc", 0)),
+                      alloc_retries=int(memory.get("num_alloc_retries", 0)))
+    return counts
 
 
 def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
@@ -860,6 +903,7 @@ class Context:
         self._compiled = None
         self._noise: dict[int, dict[str, float]] = {}  # batch -> the eager forward's batch-composition noise
         self._flip_bounds: dict[int, dict[str, float]] = {}  # batch -> its derived flip bound
+        self._references: dict[tuple, dict] = {}  # (batch, how it was received) -> its colocated fingerprint
         self.recycle = True
         self.cluster: Cluster | None = None  # started by start_cluster
         self.extra_figures: dict[str, dict] = {}  # figures a scenario measured besides its own (compile_*)
@@ -935,6 +979,35 @@ class Context:
         if wrong is not None and not quiet:
             print(f"[bench] a batch differs from the colocated forward: {wrong}", file=sys.stderr, flush=True)
         return wrong is None
+
+    def keep_reference(self, i: int, out: dict[str, torch.Tensor], *, kind: str, compact: bool) -> None:
+        """The colocated forward's answer to batch ``i`` (unsharded, compact ones expanded on this device),
+        fingerprinted (``verify.fingerprint``) as the reference remote answers to it are checked against."""
+        from spec_serve.tools.verify import fingerprint
+
+        self._references.setdefault(self._reference_key(i, kind, 1, compact, self.device), fingerprint(out))
+
+    def check(self, i: int, got, *, shards: int = 1, compact: bool = False, device: torch.device | None = None,
+              kind: str = "eagle3", quiet: bool = False) -> bool:
+        """Whether the fingerprint ``got`` of a remote answer to batch ``i`` equals that of the colocated
+        forward as a client with ``shards`` shards (and ``compact``, expanded on ``device``) receives it: the
+        colocated scenario's own answer where it ran, else computed once and kept for every round."""
+        from spec_serve.tools.verify import colocated_reference, fingerprint, fingerprint_mismatch
+
+        key = self._reference_key(i, kind, shards, compact, device or self.device)
+        if key not in self._references:
+            with worker_threads(self.device):
+                want = colocated_reference(self.engine(), self.batches[i], kind, shards=shards, compact=compact,
+                                           device=device, selected=self.mapping)
+            self._references[key] = fingerprint(want)
+        wrong = fingerprint_mismatch(got, self._references[key])
+        if wrong is not None and not quiet:
+            print(f"[bench] batch {i} differs from the colocated forward: {wrong}", file=sys.stderr, flush=True)
+        return wrong is None
+
+    @staticmethod
+    def _reference_key(i: int, kind: str, shards: int, compact: bool, device: torch.device) -> tuple:
+        return i, kind, shards, compact, str(device) if compact else None  # only an expansion depends on the device
 
     def _aux_ids(self):
         return [int(i) for i in LLAMA_8B_AUX_LAYERS.split(",")] if self.cfg.gpu_8b else None
@@ -1089,12 +1162,14 @@ RATIOS = [
     ("remote 1 worker compact / colocated compact", "remote_1w_compact", "colocated_compact", 0.95),
     # Issue 25: full EAGLE-3 with the defaults, from another host (the plane off), against the colocated forward.
     ("remote 1 worker, defaults (compact=auto) / colocated", "remote_1w_auto", "colocated", 0.95),
+    # Issue 40: the same across hosts with compact=True, against the forward a trainer would otherwise run.
+    ("remote 1 worker compact / colocated", "remote_1w_compact", "colocated", 0.97),
     ("remote 1 worker, client on its own GPU / colocated", "remote_1w_own_gpu", "colocated", 0.95),
     ("remote 1 worker compact, client on its own GPU / colocated compact", "remote_1w_compact_own_gpu",
      "colocated_compact", 0.95),
     ("compact / full, remote 1 worker", "remote_1w_compact", "remote_1w", None),
-    ("remote 1 worker DSpark / colocated DSpark", "remote_1w_dspark", "colocated_dspark", None),
-    ("same-host plane 1 worker / colocated", "samehost_1w", "colocated", 0.95),
+    ("remote 1 worker DSpark / colocated DSpark", "remote_1w_dspark", "colocated_dspark", 0.95),
+    ("same-host plane 1 worker / colocated", "samehost_1w", "colocated", 0.98),
     ("same-host plane 1 worker compact / colocated compact", "samehost_1w_compact", "colocated_compact", 0.95),
     ("same-host plane 1 worker DSpark / colocated DSpark", "samehost_1w_dspark", "colocated_dspark", 0.95),
     ("same-host plane, client on its own GPU / colocated", "samehost_1w_own_gpu", "colocated", 0.95),
@@ -1288,7 +1363,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, draft_vocab, small_ranks,
                 small_requests, small_seq, max_batch_tokens, transport_messages, only, log_dir,
-                transport_seq=None, repeat=1, lengths="full") -> BenchConfig:
+                transport_seq=None, repeat=1, lengths="lognormal") -> BenchConfig:
     """Defaults per mode: the tiny target on CPU, or the 8B shape on the GPUs (4 x 2048, Vd 32000)."""
     if gpu_8b:
         n = torch.cuda.device_count()

@@ -210,7 +210,8 @@ def _insecure_network_option(listeners: str):
                    "[env SPEC_SERVE_MAX_REQUEST_TOKENS].")
 @click.option("--max-held-bytes", default=1 << 30, type=int, envvar="SPEC_SERVE_MAX_HELD_BYTES", show_default=True,
               help="Request and vocab-mapping bytes the broker holds at once (queued, in flight, and arriving); "
-                   "past it clients are told to back off [env SPEC_SERVE_MAX_HELD_BYTES].")
+                   "past it clients are told to back off; it also caps the unfinished messages all client "
+                   "connections may hold together (384 KiB a known client) [env SPEC_SERVE_MAX_HELD_BYTES].")
 @click.option("--client-held-share", default=0.25, type=click.FloatRange(min=0, max=1, min_open=True),
               envvar="SPEC_SERVE_CLIENT_HELD_SHARE", show_default=True,
               help="The share of --max-held-bytes one client connection may hold (at least one largest "
@@ -901,9 +902,9 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
 @click.option("--small-seq", default=None, type=int, help="Tokens per small request [64; 512 with --gpu-8b].")
 @click.option("--max-batch-tokens", default=None, type=int,
               help="Token budget of the small_batched scenario's packing worker [4096; 8192].")
-@click.option("--lengths", default="full", show_default=True,
-              help="Row lengths: full (every row --seq), lognormal (median 0.293 x --seq, i.e. 600 at 2048, "
-                   "sigma 0.8, capped at --seq; each batch padded to its longest row), or a JSONL file of "
+@click.option("--lengths", default="lognormal", show_default=True,
+              help="Row lengths: lognormal (training rows: median 0.293 x --seq, i.e. 600 at 2048, sigma 0.8, "
+                   "capped at --seq; each batch padded to its longest row), full (every row --seq), or a JSONL file of "
                    "{\"length\": N} or {\"input_ids\": [...]} lines to replay a dataset's lengths.")
 @click.option("--transport-seq", default=None, type=int,
               help="Tokens per transport-only message (8B-shaped replies, 149 KiB a token) [256; 1024].")
@@ -946,9 +947,9 @@ def bench(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefetch, d
       spec-serve bench --only zmq_raw,frames,broker_null,direct_null --transport-seq 512
       spec-serve bench --gpu-8b --devices cuda:0,cuda:1 --json h200.json
       spec-serve bench --only colocated,remote_1w --repeat 3 --plot ratios.png  # 3 alternating rounds
-      spec-serve bench --only colocated,colocated_packed,remote_1w_packed --lengths lognormal
-      spec-serve bench --gpu-8b --devices cuda:0 --lengths lognormal \
-          --only colocated,colocated_packed,remote_1w_compact_packed,remote_1w_packed
+      spec-serve bench --only colocated,colocated_packed,remote_1w_packed --lengths full   # every row --seq
+      spec-serve bench --gpu-8b --devices cuda:0 --repeat 3 --steps 100 \
+          --only colocated,colocated_dspark,remote_1w_auto,remote_1w_compact,remote_1w_dspark,samehost_1w
       spec-serve bench --gpu-8b --devices cuda:0 --repeat 3 \
           --only colocated,colocated_compiled,samehost_1w,samehost_1w_compiled
       spec-serve bench --gpu-8b --devices cuda:0 --only compile_cold      # cold / warm compile seconds

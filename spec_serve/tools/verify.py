@@ -8,6 +8,10 @@ expanded on the client's device after gathering, from the lm_head slice the clie
 assembled batch equals the unsharded forward bit for bit where the kernels are batch-invariant for
 the two compositions (measured here: both are computed colocated), and lies within the target's
 derived ``CompositionTolerance`` of it elsewhere.
+
+A compact batch is also held to a reference that shares no code with the client's expansion: the
+colocated *full* EAGLE-3 forward of the same composition (``full_reference_violations``), so a bug in
+``expand_compact`` cannot cancel out of the comparison.
 """
 
 from __future__ import annotations
@@ -84,6 +88,68 @@ def mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) 
     return None
 
 
+# A fingerprint's weights: one fixed pseudo-random odd 32-bit word per position (splitmix64 of the position),
+# kept per device and grown as larger tensors come (the same words whatever the length: a prefix never changes).
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_WEIGHT_CHUNK = 1 << 24  # positions mixed at a time (int64 temporaries of 128 MiB, not of the whole tensor)
+
+
+def _position_weights(n: int, device: torch.device) -> torch.Tensor:
+    have = _weights.get(device)
+    if have is None or have.numel() < n:
+        have = _weights[device] = torch.empty(max(n + n // 4, 1024), dtype=torch.int32, device=device)
+        for lo in range(0, have.numel(), _WEIGHT_CHUNK):
+            x = torch.arange(lo, min(lo + _WEIGHT_CHUNK, have.numel()), dtype=torch.int64, device=device)
+            x = x * _signed64(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> 30)) * _signed64(0xBF58476D1CE4E5B9)  # int64 products wrap: splitmix64's mixing
+            x = (x ^ (x >> 27)) * _signed64(0x94D049BB133111EB)
+            have[lo : lo + x.numel()] = ((x ^ (x >> 31)) | 1).to(torch.int32)  # the low 32 bits, odd
+    return have[:n]
+
+
+Fingerprint = tuple[torch.dtype, tuple[int, ...], torch.Tensor]
+
+
+def fingerprint(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
+    """Each tensor's dtype, shape and two wrapping 32-bit sums of its bytes read as words: plain, and each
+    word times its position's weight. Queued on the tensors' device, not synchronized (read with ``.tolist()``
+    once the clock stopped), so a bench can check many batches without keeping them.
+
+    Equal tensors give equal fingerprints; a difference goes unnoticed with probability about 2**-32 per
+    tensor (the weights are fixed pseudo-random odd words: any change confined to one word always shows, and
+    rows swapped or shifted change the weighted sum like a random change would)."""
+    out = {}
+    for name, t in tensors.items():
+        data = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        if data.numel() % 4:
+            padded = torch.zeros((data.numel() + 3) // 4 * 4, dtype=torch.uint8, device=data.device)
+            padded[: data.numel()] = data
+            data = padded
+        words = data.view(torch.int32)
+        weighted = (words * _position_weights(words.numel(), words.device)).sum(dtype=torch.int32)
+        out[name] = (t.dtype, tuple(t.shape), torch.stack([words.sum(dtype=torch.int32), weighted]))
+    return out
+
+
+def fingerprint_mismatch(got: Mapping[str, Fingerprint], want: Mapping[str, Fingerprint]) -> str | None:
+    """None when two fingerprints agree (names, dtypes, shapes, sums); else what differs."""
+    if sorted(got) != sorted(want):
+        return f"tensors {sorted(got)} != {sorted(want)}"
+    for name, (dtype, shape, sums) in want.items():
+        g_dtype, g_shape, g_sums = got[name]
+        if (g_dtype, g_shape) != (dtype, shape):
+            return f"{name}: {g_dtype}{list(g_shape)} != {dtype}{list(shape)}"
+        if g_sums.tolist() != sums.tolist():
+            return f"{name}: bytes differ (fingerprint {g_sums.tolist()} != {sums.tolist()})"
+    return None
+
+
 def tolerance_for(engine) -> CompositionTolerance:
     """``engine``'s derived composition tolerance: its dtype, depth and longest reduction (the MLP's
     intermediate size; 4 x hidden where the config does not say)."""
@@ -101,24 +167,45 @@ def reference_logits(engine, batch: tuple[torch.Tensor, ...]) -> ReferenceLogits
         return ReferenceLogits.of(engine.get_output_embeddings()(last))
 
 
+def full_reference_violations(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.Tensor, ...], *,
+                              shards: int = 1) -> list[str]:
+    """A compact client's expanded EAGLE-3 batch against ``engine``'s colocated full EAGLE-3 forward of the same
+    composition, one line per tensor outside the contract (empty: within it). Every tensor but
+    ``target_probs`` is bit-equal: the same forward's hidden states, the target's own argmax (so
+    ``position_mask`` but at a near-tie within that rounding), the request's ids and mask. ``target_probs``
+    differ by one GEMM's rounding at most: the client's draft logits come from the ``[Vd, H]`` lm_head slice
+    instead of the ``[V, H]`` lm_head, one reduction of length H in another order
+    (``CompositionTolerance.one_gemm``), scaled by 2 max|logit| as every probability bound is."""
+    full = colocated_reference(engine, batch, "eagle3", shards=shards)
+    if mismatch(got, full) is None:
+        return []
+    tolerance = CompositionTolerance.one_gemm(engine.model.dtype, engine.hidden_size)
+    return [f"{line} (against the full forward)"
+            for line in tolerance.violations(got, full, reference_logits(engine, batch))]
+
+
 @dataclasses.dataclass
 class ContractCheck:
     """One batch against the contract: ``shard_mismatch`` (None: every shard bit-equal to the colocated
     forward of its rows); ``invariant`` (the kernels gave the per-shard and the unsharded compositions the
     same bits); ``violations`` of the tolerance by the assembled batch where they did not, and its
-    ``deviation`` from the unsharded forward (per tensor that differs)."""
+    ``deviation`` from the unsharded forward (per tensor that differs); for a compact batch, ``off_full``: how it
+    lies outside the contract against the colocated full forward (``full_reference_violations``)."""
 
     shards: list[tuple[int, int]]
     shard_mismatch: str | None
     invariant: bool
     violations: list[str]
     deviation: dict[str, dict[str, float]]
+    off_full: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.shard_mismatch is None and not self.violations
+        return self.shard_mismatch is None and not self.violations and not self.off_full
 
     def describe(self) -> str:
+        if self.off_full:
+            return f"the compact batch expanded is off the colocated full forward: {'; '.join(self.off_full)}"
         if self.shard_mismatch is not None:
             return f"a shard differs from the colocated forward of its rows: {self.shard_mismatch}"
         if self.invariant:
@@ -164,4 +251,5 @@ def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.T
                                                                      device=device, selected=selected)
     part2 = composition(per_shard, whole, tolerance or tolerance_for(engine),
                         lambda: None if kind == Kind.DSPARK.value else reference_logits(engine, batch))
-    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation)
+    off_full = full_reference_violations(got, engine, batch, shards=shards) if compact else []
+    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation, off_full)

@@ -113,9 +113,10 @@ class ComputeLoop:
 
         try:
             backlog: collections.deque[Job] = collections.deque()
+            ending = False  # the end mark was taken from the queue: the loop ends once the backlog is served
             while self.executor.engine_error is None:
                 if not backlog:
-                    job = self._jobs.get()
+                    job = None if ending else self._jobs.get()
                     if job is None:
                         return
                     backlog.append(job)
@@ -124,24 +125,26 @@ class ComputeLoop:
                 if backlog[0].control is not None:  # e.g. NCCL bind/release, in order with the jobs before it
                     self._control(backlog.popleft(), post)
                     continue
-                results = self._forward(backlog)
-                if results is None:
-                    return
-                self._post(results, post)
+                if self._packs and not ending:
+                    ending = not self._take_queued(backlog)
+                self._post(self._forward(backlog), post)
                 self.forwarding = False
         finally:
             self.forwarding = False
             wake.close(0)
 
-    def _forward(self, backlog: collections.deque[Job]) -> list[Result] | None:
-        """Serve the oldest job (with the queued ones that share its packed forward); None: the loop ends."""
+    @property
+    def _packs(self) -> bool:
+        """Queued requests may share a packed forward."""
+        return self.packing and self.max_batch_tokens > 0
+
+    def _forward(self, backlog: collections.deque[Job]) -> list[Result]:
+        """Serve the oldest job (with those of the backlog that share its packed forward)."""
         self.forwarding, started = True, time.perf_counter()
-        if not self.packing or self.max_batch_tokens <= 0:
-            results = [self.executor.serve(backlog.popleft())]
-        elif not self._take_queued(backlog):
-            return None
-        else:
+        if self._packs:
             results = self.executor.serve_group(self.take_group(backlog))
+        else:
+            results = [self.executor.serve(backlog.popleft())]
         if self.on_forward is not None:
             self.on_forward(time.perf_counter() - started)
         return results
@@ -160,7 +163,8 @@ class ComputeLoop:
         self.paths.control(job.control, job.message, lambda status, header: post(Result(job, status, header, [])))
 
     def _take_queued(self, backlog: collections.deque[Job]) -> bool:
-        """Move every job queued now into ``backlog`` (it may share the packed forward); False at the end."""
+        """Move every job queued now into ``backlog`` (it may share the packed forward); False once the end
+        mark was taken (the jobs before it are in ``backlog``: the loop serves them, then ends)."""
         while True:
             try:
                 job = self._jobs.get_nowait()

@@ -284,6 +284,8 @@ class Worker:
         return {"info": {"worker": self.name, "service": self.service, "engine": info.engine, "model": info.model_name},
                 "requests": requests, "tokens": counts.get("tokens", 0), "reply_bytes": reply_bytes,
                 "digests": self.executor.digests, "queue_depth": self.compute.queued,
+                "host_slabs": self.host_pool.allocations if self.host_pool else 0,
+                "host_slab_seconds": self.host_pool.allocation_seconds if self.host_pool else 0.0,
                 "in_forward": int(self.compute.forwarding), "device_memory": device_memory(self.device),
                 "state": self.state}
 

@@ -10,22 +10,49 @@ alone); a batched forward's slab is shared by several replies and is released af
 holds at most ``max_buffers`` slabs, so a client that stops reading bounds the worker's memory:
 ``acquire`` waits. A pool made with ``copy_host_tensors`` takes CPU outputs too (a CPU worker with
 ``--host-pool``), so the same lending and reuse runs in CPU tests.
+
+Replies change size from batch to batch (a trainer pads each batch to its longest row), and a new pinned
+slab is expensive: pinning hundreds of MB takes a significant fraction of a forward, on the worker's
+compute thread. So slabs come in sizes of a ladder (``slab_bytes``: four steps per doubling) and every
+new slab is made for the largest reply this pool has seen: once the longest rows came by and the pool
+holds its slabs, no reply of any length makes another (BENCHMARKS.md, issue 40).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
 import torch
 
+from spec_serve.telemetry.logs import event
+
+log = logging.getLogger("spec_serve.worker")
+
 _ALIGN = 64
+# The smallest slab or receive buffer either pool makes; the ladder below starts here.
+MIN_SLAB_BYTES = 4096
+# Steps of the size ladder per doubling: a buffer is at most 1/LADDER_STEPS of its next power of two
+# larger than what it was made for.
+LADDER_STEPS = 4
 
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def slab_bytes(nbytes: int) -> int:
+    """The buffer size made for ``nbytes``: the next step of a ladder of ``LADDER_STEPS`` steps per power of
+    two (at least ``MIN_SLAB_BYTES``), so buffers made for one length fit the lengths near it."""
+    if nbytes <= MIN_SLAB_BYTES:
+        return MIN_SLAB_BYTES
+    base = 1 << ((nbytes - 1).bit_length() - 1)  # base < nbytes <= 2 * base
+    step = base // LADDER_STEPS
+    return base + -(-(nbytes - base) // step) * step
 
 
 class Lease:
@@ -66,7 +93,9 @@ class HostBufferPool:
         self._free: list[torch.Tensor] = []
         self._lent = 0
         self._cond = threading.Condition()
-        self.allocations = 0  # fresh slabs ever made: flat after warm-up on a steady workload
+        self.largest = 0  # the largest request seen: every new slab fits it
+        self.allocations = 0  # fresh slabs ever made: flat once the workload's longest rows came by
+        self.allocation_seconds = 0.0  # spent making (pinning) them, on the caller's thread
         self.acquisitions = 0
 
     def acquire(self, nbytes: int, timeout: float | None = None) -> Lease:
@@ -76,6 +105,7 @@ class HostBufferPool:
                                        timeout):
                 raise TimeoutError(f"no host buffer came back within {timeout}s")
             self.acquisitions += 1
+            self.largest = max(self.largest, nbytes)
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
@@ -84,17 +114,30 @@ class HostBufferPool:
                 if self._lent + len(self._free) >= self.max_buffers:
                     _remove(self._free, min(self._free, key=lambda b: b.numel()))  # too small: replace it
                 buf = None
+                size = slab_bytes(self.largest)
             self._lent += 1
         if buf is None:
-            try:
-                buf = torch.empty(_aligned(max(nbytes, 1)), dtype=torch.uint8, pin_memory=self.pin)
-            except BaseException:
-                with self._cond:
-                    self._lent -= 1
-                    self._cond.notify()
-                raise
-            self.allocations += 1
+            buf = self._make(size)
         return Lease(self, buf)
+
+    def _make(self, size: int) -> torch.Tensor:
+        """A fresh slab of ``size`` bytes (one lent place already counted); said at INFO with its cost."""
+        start = time.perf_counter()
+        try:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        except BaseException:
+            with self._cond:
+                self._lent -= 1
+                self._cond.notify()
+            raise
+        seconds = time.perf_counter() - start
+        with self._cond:
+            self.allocations += 1
+            self.allocation_seconds += seconds
+            made = self.allocations
+        event(log, logging.INFO, "worker.host_slab_made", bytes=size, pinned=self.pin, seconds=round(seconds, 4),
+              slabs_made=made, max_slabs=self.max_buffers)
+        return buf
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         with self._cond:
@@ -172,14 +215,24 @@ def _storage_refs(t: torch.Tensor) -> int | None:
     return refs
 
 
+# Receive buffers a client keeps: EAGLE-3's five tensors for each batch alive at once with prefetch 2 (the one
+# the trainer uses, one landed, one landing), and one to spare.
+RECEIVE_BUFFERS = 16
+# A new receive buffer is made for the largest request seen of up to this many times its size: one tensor's
+# longest rows (a batch's tensors differ in size by more: EAGLE-3's probs are 5x its aux states at the 8B shape).
+RECEIVE_BAND = 4
+
+
 class RecyclingAllocator:
     """``alloc=`` hook for ``wire.decode`` on a receiver: reuse a buffer once nobody holds its tensors.
 
     A tensor spanning several 16 MiB frames is assembled with one copy into memory from ``alloc``.
     Fresh buffers over 32 MiB come straight from mmap and fault on every 4 KiB page, so that copy, not
     the socket, would dominate the codec path (BENCHMARKS.md, "frames_fresh"). This keeps up to ``max_buffers`` buffers
-    and hands one out again, same size, when its storage has no user left (the trainer dropped the
-    batch), so a steady workload allocates nothing after warm-up.
+    and hands out the first ``nbytes`` of the smallest idle one that fits (its storage has no user left: the
+    trainer dropped the batch). Tensors change size from batch to batch (rows padded to each batch's longest),
+    so a new buffer is made for the largest request of its band seen so far (``RECEIVE_BAND``), on
+    ``slab_bytes``'s ladder: once a tensor's longest rows came by, no length allocates again.
 
     The buffers are pageable, never pinned: a ``non_blocking`` host->device copy the trainer starts
     from one has read it when the call returns (CUDA stages pageable memory), so dropping the batch
@@ -187,26 +240,34 @@ class RecyclingAllocator:
     event per copy before reuse.
     """
 
-    def __init__(self, max_buffers: int = 8):
+    def __init__(self, max_buffers: int = RECEIVE_BUFFERS):
         self.max_buffers = max_buffers
         self._buffers: list[torch.Tensor] = []
+        self._largest: dict[int, int] = {}  # a request's bit length -> the largest request of that length seen
         self._lock = threading.Lock()
         self.allocations = 0
         self.reuses = 0
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            for buf in self._buffers:
-                if buf.numel() == nbytes and _storage_refs(buf) == 1:  # only our list holds it
-                    self.reuses += 1
-                    return buf
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._largest[nbytes.bit_length()] = max(self._largest.get(nbytes.bit_length(), 0), nbytes)
+            idle = [b for b in self._buffers if _storage_refs(b) == 1]  # only our list holds it
+            fits = [b for b in idle if b.numel() >= nbytes]
+            if fits:
+                self.reuses += 1
+                return min(fits, key=lambda b: b.numel())[:nbytes]
+            buf = torch.empty(slab_bytes(self._band_largest(nbytes)), dtype=torch.uint8)
             self.allocations += 1
             if _storage_refs(buf) is not None:
                 if len(self._buffers) >= self.max_buffers:
-                    idle = [b for b in self._buffers if _storage_refs(b) == 1]
                     if not idle:
-                        return buf  # all in use: this one is not pooled
-                    _remove(self._buffers, idle[0])
+                        return buf[:nbytes]  # all in use: this one is not pooled
+                    _remove(self._buffers, min(idle, key=lambda b: b.numel()))
                 self._buffers.append(buf)
-            return buf
+            return buf[:nbytes]
+
+    def _band_largest(self, nbytes: int) -> int:
+        """The largest request seen from ``nbytes`` to ``RECEIVE_BAND`` times it."""
+        bits = nbytes.bit_length()
+        return max(n for b in range(bits, bits + RECEIVE_BAND.bit_length())
+                   if nbytes <= (n := self._largest.get(b, 0)) <= RECEIVE_BAND * nbytes)
