@@ -51,7 +51,9 @@ def test_every_option_is_read_from_its_variable():
               "SPEC_SERVE_INSECURE_NETWORK": ("1", True),
               "SPEC_SERVE_VERIFY": ("sampled", "sampled"), "SPEC_SERVE_CONNECT_TIMEOUT": ("2", 2.0),
               "SPEC_SERVE_HEARTBEAT_INTERVAL": ("0.5", 0.5), "SPEC_SERVE_HEARTBEAT_LIVENESS": ("9", 9),
-              "SPEC_SERVE_MAX_MESSAGE_BYTES": ("1024", 1024), "SPEC_SERVE_ADVERTISE_HOST": ("10.0.0.7", "10.0.0.7")}
+              "SPEC_SERVE_MAX_MESSAGE_BYTES": ("1024", 1024), "SPEC_SERVE_ADVERTISE_HOST": ("10.0.0.7", "10.0.0.7"),
+              "SPEC_SERVE_CACHE": ("/data/cache", Path("/data/cache")), "SPEC_SERVE_CACHE_MAX_BYTES": ("5", 5),
+              "SPEC_SERVE_CACHE_DTYPE": ("FP8", "fp8")}
     curve = {o.env for o in options.TABLE if o.name.startswith("curve")}  # test_curve_from_the_environment
     assert {o.env for o in options.TABLE} - curve == set(values)
     got = options.resolve({}, environ={k: raw for k, (raw, _) in values.items()})

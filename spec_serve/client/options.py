@@ -191,6 +191,13 @@ TABLE: tuple[Option, ...] = (
            "largest reply taken"),
     Option("advertise_host", "SPEC_SERVE_ADVERTISE_HOST", TEXT, None, _section("advertise_host"),
            "address workers reach this client's data socket at (default: the route to the broker)"),
+    Option("cache", "SPEC_SERVE_CACHE", Parser(lambda v: Path(_text(str(v))), "a directory path"), None,
+           _section("cache"), "a supervision cache directory, local or shared by many ranks: rows are read "
+           "from it, and what misses is fetched and stored (docs/cache.md)"),
+    Option("cache_max_bytes", "SPEC_SERVE_CACHE_MAX_BYTES", _whole(0), 0, _section("cache_max_bytes"),
+           "the cache's size bound, oldest segments evicted first (0: none)"),
+    Option("cache_dtype", "SPEC_SERVE_CACHE_DTYPE", _words({"native": "native", "fp8": "fp8"}), "native",
+           _section("cache_dtype"), "how the cache stores hidden states: native (bit-equal) or fp8 (half the bytes)"),
     Option("curve_secret_key", "SPEC_SERVE_CURVE_SECRET_KEY", _existing("file"), None, _section("curve_secret_key"),
            "CURVE: this client's secret key file (security=)"),
     Option("curve_server_key", "SPEC_SERVE_CURVE_SERVER_KEY", _existing("file"), None, _section("curve_server_key"),

@@ -1,4 +1,4 @@
-"""The ``spec-serve`` command line: broker, worker, status, demo, bench, and tools.
+"""The ``spec-serve`` command line: broker, worker, status, demo, bench, capture, cache, and tools.
 
 Every flag can also be set through the ``SPEC_SERVE_*`` environment variable
 named in its help, or in a YAML file given with ``--config`` (see cli_config.py).
@@ -29,6 +29,7 @@ from spec_serve.protocol.commands import (
     WORKER_PORT_HINT,
 )
 from spec_serve.telemetry import logs
+from spec_serve.tools import cache_cli
 from spec_serve.tools.cli_config import ConfigGroup
 
 log = logging.getLogger("spec_serve.worker")
@@ -1013,6 +1014,10 @@ def _bench_progress(total: int):
         yield advance
         bar.update(1, "done")
 
+
+# The supervision cache's commands (docs/cache.md): their flags and bodies live apart from this file.
+main.add_command(cache_cli.capture)
+main.add_command(cache_cli.cache)
 
 if __name__ == "__main__":
     main()
