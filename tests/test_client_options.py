@@ -140,6 +140,16 @@ def test_nemo_eagle_variables_are_honoured_or_refused_under_nemo(tmp_path):
         _resolve(environ={**curve, "NEMO_EAGLE_ENABLE_NCCL": "1"}, nemo=True)
 
 
+def test_a_cache_of_native_rows_refuses_an_fp8_wire(tmp_path):
+    """Rows restored from FP8 are not the target's bits: a native cache would store them as if they were."""
+    with pytest.raises(ValueError, match=r"^wire_dtype='fp8' \(from SPEC_SERVE_WIRE_DTYPE\) rounds the hidden states "
+                                         r"the cache \(from cache\) would store as native rows.*set cache_dtype='fp8' "
+                                         r"too, or wire_dtype='auto'$"):
+        _resolve({"cache": str(tmp_path)}, environ={"SPEC_SERVE_WIRE_DTYPE": "fp8"})
+    got = _resolve({"cache": str(tmp_path), "cache_dtype": "fp8"}, environ={"SPEC_SERVE_WIRE_DTYPE": "fp8"})
+    assert (got["wire_dtype"], got["cache_dtype"]) == ("fp8", "fp8")
+
+
 def test_an_unknown_yaml_key_is_refused():
     with pytest.raises(ValueError, match=r"recipe_args.spec_serve has unknown keys \['num_shard'\]; known: "):
         _resolve(yaml={"spec_serve": {"num_shard": 2}}, nemo=True)

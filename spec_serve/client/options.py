@@ -346,6 +346,10 @@ def _check_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]) -> N
         raise ValueError(f"enable_nccl (from {_shown(sources['enable_nccl'])}) cannot be combined with CURVE security "
                          f"(from {_shown(sources['security'])}): the NCCL rendezvous (TCPStore, gloo/NCCL "
                          "connections) is not authenticated; turn NCCL off and frames travel over CURVE")
+    if values["cache"] is not None and values["wire_dtype"] == WireDtype.FP8.value and values["cache_dtype"] != "fp8":
+        raise ValueError(f"wire_dtype='fp8' (from {_shown(sources['wire_dtype'])}) rounds the hidden states the "
+                         f"cache (from {_shown(sources['cache'])}) would store as {values['cache_dtype']} rows, which "
+                         "promise the target's bits: set cache_dtype='fp8' too, or wire_dtype='auto'")
 
 
 def _shown(source: str) -> str:
