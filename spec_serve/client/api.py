@@ -25,18 +25,20 @@ from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteEr
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.path_port import PathPort
+from spec_serve.client.restore import Restoration
 from spec_serve.client.staging import Staging
 from spec_serve.client.stats import ClientStats
 from spec_serve.paths.base import ClientSetup
 from spec_serve.paths.nccl.client import NcclClient
 from spec_serve.paths.registry import ClientPaths
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat
+from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat, WireDtype
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
 from spec_serve.supervision.contract import (
     Expected,
     Kind,
     TargetInfo,
+    model_dtype,
     reply_specs,
     validate_request,
     validate_vocab_mapping,
@@ -77,6 +79,7 @@ class RemoteTargetModel:
         liveness: int | None = None,
         max_message_bytes: int | None = None,
         compact: bool | str | None = None,
+        wire_dtype: str | None = None,
         enable_nccl: bool | None = None,
         nccl_timeout: float | None = None,
         nccl_retry_s: float | None = None,
@@ -95,7 +98,8 @@ class RemoteTargetModel:
             "max_retries": max_retries, "prefetch_depth": prefetch_depth, "num_shards": num_shards,
             "security": security, "advertise_host": advertise_host, "heartbeat_interval": heartbeat_interval,
             "liveness": liveness, "max_message_bytes": max_message_bytes, "compact": compact,
-            "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout, "nccl_retry_s": nccl_retry_s,
+            "wire_dtype": wire_dtype, "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout,
+            "nccl_retry_s": nccl_retry_s,
             "same_host_plane": same_host_plane, "verify": verify, "connect_timeout": connect_timeout,
             "insecure_network": insecure_network, "cache": cache, "cache_max_bytes": cache_max_bytes,
             "cache_dtype": cache_dtype})
@@ -106,6 +110,10 @@ class RemoteTargetModel:
         self.timeout = o["timeout"]
         self.num_shards = o["num_shards"]
         self.prefetch_depth = o["prefetch_depth"]
+        # How replies' hidden states travel: "auto", the model dtype; "fp8" (opt-in), float8_e4m3 with a scale
+        # per token, restored to the model dtype on our device (restore.py); a worker or path that cannot
+        # send FP8 answers in the model dtype (stats.fp8_declined).
+        self.wire_dtype = o["wire_dtype"]
         self._credits = threading.BoundedSemaphore(self.prefetch_depth)
         self._io = ClientIO(o["broker_url"], security=o["security"], advertise_host=o["advertise_host"],
                             max_retries=o["max_retries"], heartbeat_interval=o["heartbeat_interval"],
@@ -242,8 +250,9 @@ class RemoteTargetModel:
             self._credits.release()
             raise
         expand = self._expansion() if auto or wire_kind is Kind.EAGLE3_COMPACT and kind is Kind.EAGLE3 else None
+        restore = Restoration(model_dtype(info), self.device, self._expander) if self._fp8 else None
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
-                          self._digest_check(requests, expects), wire_kind.value, expand, self._staging)
+                          self._digest_check(requests, expects), wire_kind.value, expand, self._staging, restore)
         result.add_done_callback(lambda _: self._credits.release())
         # The time a caller blocks in its result() is its step's wait.
         return metered(result, self._demand) if caller else result
@@ -252,7 +261,12 @@ class RemoteTargetModel:
                   loss_dtype: torch.dtype) -> Expected:
         """What a shard's reply may hold: ``wire_kind``'s tensors or, when the worker picks (auto), compact ones."""
         specs = reply_specs(wire_kind, info, rows, seq, loss_dtype, self._draft_vocab)
-        return Expected(specs, reply_specs(Kind.EAGLE3_COMPACT, info, rows, seq, loss_dtype, None) if auto else None)
+        return Expected(specs, reply_specs(Kind.EAGLE3_COMPACT, info, rows, seq, loss_dtype, None) if auto else None,
+                        fp8_block=info.hidden_size if self._fp8 else None)
+
+    @property
+    def _fp8(self) -> bool:
+        return self.wire_dtype == WireDtype.FP8.value
 
     def _expansion(self) -> Expansion:
         """How this batch's compact shards become EAGLE-3 tensors: the current mapping's slice and mask."""
@@ -278,6 +292,8 @@ class RemoteTargetModel:
         header.update(offers)  # what the first path that offers needs (our bound worker; the plane's offer)
         if auto:
             header["format"] = ReplyFormat.AUTO.value
+        if self._fp8:
+            header["wire_dtype"] = self.wire_dtype
         return SupervisionRequest.from_json(self._prepare(header)), payload
 
     def lm_head_slice(self) -> torch.Tensor:
