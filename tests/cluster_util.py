@@ -228,6 +228,12 @@ def start_slow_worker(cluster, target, delay: float, *extra: str, env: dict | No
     return _start_test_worker(cluster, target, "--delay", str(delay), *extra, env=env)
 
 
+def start_nan_worker(cluster, target, token: int, *extra: str) -> subprocess.Popen:
+    """A worker whose forward on input ids all ``token`` answers a NaN in its first hidden state (as a broken
+    target would), and every other forward as the engine computes it."""
+    return _start_test_worker(cluster, target, "--delay", "0", "--nan-on-token", str(token), *extra)
+
+
 def start_crashing_worker(cluster, target, token: int, *extra: str) -> subprocess.Popen:
     """A worker whose process dies at once on a forward whose input ids are all ``token``."""
     return _start_test_worker(cluster, target, "--delay", "0", "--crash-on-token", str(token), *extra)
@@ -398,6 +404,7 @@ def _slow_worker_main(argv: list[str]) -> None:
     p.add_argument("--broker", required=True)
     p.add_argument("--service", default="default")
     p.add_argument("--crash-on-token", type=int, default=None)
+    p.add_argument("--nan-on-token", type=int, default=None)
     p.add_argument("--capacity", type=int, default=2)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--device", default="cpu")
@@ -412,7 +419,13 @@ def _slow_worker_main(argv: list[str]) -> None:
             os._exit(70)  # as a segfault or an OOM kill would: no reply, no DONE, no goodbye
         log.info("test.forward_started rows=%d", input_ids.shape[0])
         time.sleep(args.delay)  # holds the compute thread only; heartbeats run on the I/O thread
-        return inner(input_ids, *a, **kw)
+        out = inner(input_ids, *a, **kw)
+        if args.nan_on_token is not None and bool((input_ids == args.nan_on_token).all()):
+            out = dict(out)
+            name = next(n for n in out if n.endswith("hidden_states"))
+            out[name] = out[name].clone()
+            out[name][0, 0, 0] = float("nan")
+        return out
 
     engine.generate_batch = slow_generate_batch
     worker = Worker(engine, args.broker, service=args.service, capacity=args.capacity,

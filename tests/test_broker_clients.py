@@ -9,9 +9,18 @@ import torch
 
 from broker_util import SERVICE, TARGET_INFO, make_router, message, ready
 from spec_serve.broker.clients import MAX_REQUESTS_PER_CLIENT
+from spec_serve.broker.parts import Parts
 from spec_serve.broker.state import Request
 from spec_serve.protocol import wire
-from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ErrorCode, new_request_id
+from spec_serve.protocol.commands import (
+    CLIENT_TAG,
+    ClientCommand,
+    ErrorCode,
+    control,
+    in_parts,
+    new_request_id,
+    parse_control,
+)
 from spec_serve.protocol.messages import SupervisionRequest
 
 
@@ -117,3 +126,60 @@ def test_a_bad_mapping_is_refused():
                                                          payload=mapping_payload(vocab_size=64)), now)
     assert error_codes(router, b"client") == [ErrorCode.BAD_REQUEST.value]
     assert not router.services[SERVICE].mappings
+
+
+def test_a_client_forgotten_for_silence_is_told_and_one_that_said_goodbye_is_not():
+    """Past its liveness window a client is forgotten (its mappings with it) and told so: DISCONNECT, so a
+    client that was only late registers its mappings again before its next request. A client that sent
+    DISCONNECT itself hears nothing back."""
+    router = make_router()
+    now = time.monotonic()
+    ready(router, b"worker", now)
+    for client in (b"late-client", b"leaving-client"):
+        router.client_seen(client, now)
+    router.disconnect(router.client_seen(b"leaving-client", now), message(CLIENT_TAG, ClientCommand.DISCONNECT), now)
+    router.recorder.take()
+    later = now + router.expiry_window + 0.1
+    router.worker_seen(b"worker", later)
+    router.purge(later)
+    assert b"late-client" not in router.clients
+    assert [m.header for m in router.recorder.to_client(b"late-client", ClientCommand.DISCONNECT)] == [{}]
+    assert router.recorder.to_client(b"leaving-client", ClientCommand.DISCONNECT) == []
+
+
+def test_a_request_sent_again_after_its_link_dropped_is_held_once_and_whole():
+    """A client whose connection ended mid-request sends every pending request again with the same id. The
+    broker sees what of the old attempt still came (its first two parts, its last, never the third, lost
+    with the connection), then the new attempt: the new first part replaces the unfinished old one, so the
+    request is joined from the new parts only, whole, and held once; sent yet again (another drop), it is
+    still held once and its worker does not get it a second time."""
+    router = make_router(max_message_bytes=8 << 20)
+    parts = Parts(router.max_message_bytes, router.client_table.room, router.ctx.send_error)
+    now = time.monotonic()
+    ready(router, b"worker", now)
+    request_id = new_request_id()
+    header = {"reply_to": "tcp://127.0.0.1:9", "timeout": 30}
+    payload = [bytes(range(256)) * 4096]  # 1 MiB in four parts, each part's bytes different from the others'
+    sent = [parse_control(frames, CLIENT_TAG, ClientCommand)
+            for frames in in_parts(control(CLIENT_TAG, ClientCommand.REQUEST.value, SERVICE, request_id, header,
+                                           payload))]
+    assert len(sent) == 4
+
+    def deliver(messages):
+        client = router.client_seen(b"client", now)
+        for msg in messages:
+            whole = parts.take(b"client", msg, now)
+            if whole is not None:
+                router.enqueue(client, whole, now)
+
+    deliver([sent[0], sent[1], sent[3]])  # the old attempt: the third part was lost with the connection
+    assert request_id not in router.requests
+    deliver(sent)  # the new attempt
+    held = router.requests[request_id]
+    assert held.size == 1 << 20 and b"".join(bytes(f) for f in held.payload) == payload[0]
+    assert router.recorder.requests_to(b"worker") == [request_id]
+    router.recorder.take()
+    deliver(sent)  # sent again once more: a duplicate of a request the broker holds
+    assert list(router.requests) == [request_id] and router.recorder.requests_to(b"worker") == []
+    assert router.metrics.duplicate_requests._value.get() == 1
+    assert parts.reserved == 0  # nothing of the old attempt is still reserved

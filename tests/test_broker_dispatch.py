@@ -3,14 +3,16 @@ fails after ``max_request_deaths``, ``avoid``, retries kept once, and an unreach
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
 import torch
 
-from broker_util import SERVICE, done, make_router, message, ready, submit
+from broker_util import SERVICE, done, keep_alive, make_router, message, ready, submit
+from spec_serve.broker.context import Peer
 from spec_serve.protocol import wire
-from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ErrorCode
+from spec_serve.protocol.commands import CLIENT_TAG, WORKER_TAG, ClientCommand, ErrorCode, WorkerCommand
 
 
 @pytest.fixture
@@ -147,3 +149,61 @@ def test_a_done_that_comes_after_its_client_left_is_counted(router):
 
 def _sample(router, name: str, **labels: str) -> float:
     return router.metrics.registry.get_sample_value(name, {"service": SERVICE, **labels}) or 0.0
+
+
+def _every_request_sent(router) -> list[bytes]:
+    """The ids of every REQUEST the broker sent any worker so far (the recorder keeps them all)."""
+    return [m.request_id for peer, _, m in router.recorder.sent
+            if peer is Peer.WORKER and m.command == WorkerCommand.REQUEST.value]
+
+
+@pytest.mark.parametrize("death", ["heartbeat", "leave", "unreachable", "deadline"])
+def test_a_dying_worker_never_gets_its_answered_requests_sent_again(router, death):
+    """A worker answers two of the three requests it holds (DONE ok), then goes: silent past its expiry, its
+    engine dead (LEAVE), unreachable at the next send, or past a request's deadline. Only the unanswered one
+    is sent again, once, to the other worker; each answered one was sent exactly once in all (a broker that
+    re-sent them would make the client receive each twice)."""
+    now = time.monotonic()
+    ready(router, b"A-worker", now, capacity=3)
+    held = [submit(router, b"client", now, timeout=5) for _ in range(3)]
+    assert router.recorder.requests_to(b"A-worker") == held
+    for request_id in held[:2]:
+        done(router, b"A-worker", request_id, now + 0.1)
+    later = now + 0.3
+    if death == "unreachable":  # found so by the send of a new request, before another worker came
+        router.recorder.unreachable.add(b"A-worker")
+        submit(router, b"other-client", later)
+    ready(router, b"B-worker", now + 0.2, capacity=4)
+    ready(router, b"C-worker", now + 0.2)  # a request on a dying worker then runs alone, on an idle one
+    if death == "heartbeat":
+        expire(router, b"A-worker", later, b"B-worker", b"C-worker", b"client", b"other-client")
+    elif death == "leave":
+        router.worker_left(router.workers[b"A-worker"], message(WORKER_TAG, WorkerCommand.LEAVE,
+                                                                header={"reason": "engine died"}), later)
+    elif death == "deadline":
+        router.dispatcher.expire(now + 6)
+    sent = collections.Counter(_every_request_sent(router))
+    assert [sent[r] for r in held] == [1, 1, 2], death
+    assert router.metrics.redispatched._value.get() >= 1
+
+
+def test_a_request_a_forgotten_client_sends_again_while_its_worker_runs_it_is_not_run_twice(router):
+    """The broker forgets a client that was only late (DISCONNECT), with a request on A-worker; the client sends
+    it again. A-worker still runs it, so it is held as A-worker's again, not sent to anyone (B-worker is idle):
+    the client gets one reply. Its DONE completes it; had A-worker died instead, it would go to B-worker."""
+    now = time.monotonic()
+    ready(router, b"A-worker", now)
+    request_id = submit(router, b"client", now)
+    assert router.recorder.requests_to(b"A-worker") == [request_id]
+    ready(router, b"B-worker", now)
+    later = now + router.expiry_window + 0.1
+    keep_alive(router, later, b"A-worker", b"B-worker")
+    router.purge(later)
+    assert b"client" not in router.clients and request_id not in router.requests
+    router.recorder.take()
+    router.enqueue(router.client_seen(b"client", later), _retry(request_id), later)
+    assert router.recorder.take() == [] and router.requests[request_id].worker == b"A-worker"
+    assert router.workers[b"A-worker"].free == 0
+    dying = router.requests[request_id]
+    expire(router, b"A-worker", later, b"B-worker", b"client")
+    assert router.recorder.requests_to(b"B-worker") == [request_id] and dying.killed

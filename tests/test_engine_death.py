@@ -89,6 +89,7 @@ def test_dead_engine_fails_its_request_and_its_others_go_elsewhere(cluster, refe
         for seed, future in enumerate(futures[1:], start=1):
             assert_equal_batches(future.result(timeout=120), reference.expected(seed, kind="dspark"))
         assert client.stats.retried == 0
+        assert client.stats.duplicates == 0  # nothing answered was sent again
 
 
 def test_errors_the_engine_survives_keep_the_worker_and_end_in_remote_error(cluster, reference, tiny_target_dir):

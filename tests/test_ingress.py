@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -303,3 +304,156 @@ def test_unfinished_messages_together_are_cut_largest_first(frontend, dropped):
     assert ingress.dropped == 2 and all("together" in line for line in dropped)
     cut = {port for port in ports if any(f"peer={port} " in line for line in dropped)}
     assert cut == set(ports[1:])  # the two largest; the smallest fits and stays
+
+
+# ------------------------------------------------------------------ many honest clients, a real broker
+
+SLOW_CLIENTS = 100
+
+
+@pytest.fixture
+def broker():
+    """A real broker in a thread on loopback, with a liveness window long enough that a client mid-part (it
+    cannot heartbeat behind its unfinished message) stays known for the test."""
+    from spec_serve.broker.server import Broker
+
+    made = Broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_interval=2.0, liveness=10,
+                  context=zmq.Context())
+    loop = threading.Thread(target=made.run, daemon=True)
+    loop.start()
+    yield made
+    made.stop()
+    loop.join(10)
+    made.ctx.destroy(0)
+
+
+def _wire(peer: RawZmtpPeer, message: list) -> bytes:
+    return b"".join(peer.frame(bytes(f), more=i < len(message) - 1) for i, f in enumerate(message))
+
+
+def _request_in_two_parts(request_id: bytes) -> list[list]:
+    header = {"reply_to": "tcp://127.0.0.1:9", "timeout": 60}
+    payload = [bytes(32 << 10)] * 16  # 512 KiB: two parts of 256 KiB
+    return in_parts(control(CLIENT_TAG, ClientCommand.REQUEST.value, "svc", request_id, header, payload))
+
+
+def test_many_slow_honest_clients_caught_mid_part_are_never_cut(broker, dropped):
+    """About a hundred clients, each known to the broker (a heartbeat), are caught mid-part at once, as over a
+    shared slow link: each has all but the last KiB of its request's first 256 KiB part sent, and waits until
+    the broker's watcher has proven those bytes unfinished. Together that is far past the frontend's fixed
+    16 MiB (the old bound cut the largest); the bound grows with the clients the broker knows, so none is cut,
+    and every request arrives whole once the clients finish."""
+    from spec_serve.broker.server import FRONTEND_TOTAL_BYTES
+
+    ingress = broker.ingress[broker.frontend]
+    peers = [RawZmtpPeer(broker.frontend_endpoint) for _ in range(SLOW_CLIENTS)]
+    ids = [uuid.uuid4().bytes for _ in peers]
+    tails: list[bytes] = []
+    try:
+        for peer in peers:
+            peer.sock.sendall(_wire(peer, control(CLIENT_TAG, ClientCommand.HEARTBEAT.value)))
+        wait_until(lambda: len(broker.router.clients) == SLOW_CLIENTS, 10, interval=0.01, what="every client known")
+        for peer, request_id in zip(peers, ids):
+            first, second = (_wire(peer, part) for part in _request_in_two_parts(request_id))
+            peer.sock.sendall(first[:-1024])
+            tails.append(first[-1024:] + second)
+        wait_until(lambda: ingress.dropped or sum(c.unfinished for c in _conns(ingress)) > FRONTEND_TOTAL_BYTES, 30,
+                   interval=0.01, what="the watcher proving the clients' parts unfinished")
+        held = sum(c.unfinished for c in _conns(ingress))
+        for peer, tail in zip(peers, tails):
+            peer.sock.sendall(tail)
+        wait_until(lambda: ingress.dropped or all(r in broker.router.requests for r in ids), 30, interval=0.01,
+                   what="every request whole at the broker")
+    finally:
+        for peer in peers:
+            peer.close()
+    print(f"\n{SLOW_CLIENTS} clients held {held >> 20} MiB unfinished together (fixed bound "
+          f"{FRONTEND_TOTAL_BYTES >> 20} MiB, now {ingress.limit(ingress.total) >> 20} MiB); cut: {len(dropped)}")
+    assert ingress.dropped == 0 and not dropped
+    assert held > FRONTEND_TOTAL_BYTES
+    assert all(broker.router.requests[r].size == 512 << 10 for r in ids)
+
+
+class CuttingLink(threading.Thread):
+    """A TCP relay between a client and the broker, as a link that drops: its first connection is closed once
+    ``cut_after`` bytes went from the client to the broker (mid-message); later ones relay everything."""
+
+    def __init__(self, target: str, cut_after: int):
+        super().__init__(daemon=True)
+        host, port = target[len("tcp://"):].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.cut_after = cut_after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+
+    def run(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(self.target)
+            limit = self.cut_after if self.connections == 0 else None
+            self.connections += 1
+            for src, dst, cap in ((client, upstream, limit), (upstream, client, None)):
+                threading.Thread(target=self._relay, args=(src, dst, cap, (client, upstream)), daemon=True).start()
+
+    @staticmethod
+    def _relay(src: socket.socket, dst: socket.socket, cap: int | None, both: tuple) -> None:
+        moved = 0
+        try:
+            while cap is None or moved < cap:
+                data = src.recv(min(65536, cap - moved) if cap is not None else 65536)
+                if not data:
+                    break
+                dst.sendall(data)
+                moved += len(data)
+        except OSError:
+            pass
+        for s in both:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_client_whose_link_drops_mid_request_sends_it_again_at_once(broker):
+    """The client's connection ends halfway through a request sent in parts (the broker cut it, or the link
+    dropped): libzmq reconnects, but the request is lost with its unfinished part. The client sends every
+    pending request again as soon as its socket reports the disconnect, not after its 120 s timeout; the
+    broker joins the new copy (the old parts that still came are replaced by it) and holds it once, whole."""
+    import torch
+
+    from spec_serve.client.io_thread import ClientIO
+    from spec_serve.protocol.messages import StatusQuery, SupervisionRequest
+
+    link = CuttingLink(broker.frontend_endpoint, cut_after=600 << 10)
+    link.start()
+    io = ClientIO(link.endpoint, security=None, advertise_host="127.0.0.1", max_retries=0, heartbeat_interval=0.2,
+                  liveness=50, max_message_bytes=64 << 20, device=torch.device("cpu"))
+    io.start()
+    try:
+        io.submit(ClientCommand.STATUS, "svc", StatusQuery(), (), timeout=30).result(timeout=30)  # reached it
+        payload = [bytes(64 << 10)] * 16  # 1 MiB in four parts: the link drops in the third
+        header = SupervisionRequest(reply_to=io.data_endpoint, timeout=120)
+        request_id = uuid.uuid4().bytes
+        future = io.submit(ClientCommand.REQUEST, "svc", header, payload, timeout=120, request_id=request_id)
+        wait_until(lambda: request_id in broker.router.requests, 15, interval=0.01,
+                   what="the request whole at the broker, sent again after the drop")
+        assert link.connections == 2 and io.stats.link_resends >= 1
+        assert broker.router.requests[request_id].size == 1 << 20 and len(broker.router.requests) == 1
+        assert not future.done() and io.stats.retried >= 1 and io.stats.sent == 2
+    finally:
+        io.close()
+        link.close()
+
+
+def test_the_frontend_total_grows_with_known_clients_up_to_the_held_limit():
+    from spec_serve.broker.server import FRONTEND_CONNECTION_BYTES, FRONTEND_TOTAL_BYTES, frontend_total
+
+    assert frontend_total(0, 1 << 30) == FRONTEND_TOTAL_BYTES  # never below the fixed bound
+    assert frontend_total(99, 1 << 30) == 100 * FRONTEND_CONNECTION_BYTES > FRONTEND_TOTAL_BYTES
+    assert frontend_total(10_000, 1 << 30) == 1 << 30  # capped by --max-held-bytes
+    assert frontend_total(10_000, 1 << 20) == FRONTEND_TOTAL_BYTES

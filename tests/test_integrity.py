@@ -32,7 +32,7 @@ from cluster_util import (
 from spec_serve.client.api import IntegrityError, RemoteTargetModel, TargetChangedError
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import make_tiny_target, sample_batch
-from spec_serve.tools.verify import colocated_reference
+from spec_serve.tools.verify import colocated_reference, full_reference_violations
 
 ENV = FORGIVING_ENV
 CLIENT_KW = FORGIVING_CLIENT_KW
@@ -214,9 +214,12 @@ def test_corrupted_nccl_reply_is_caught_and_resent_as_frames(cluster, tiny_targe
         # Received over the group, mismatched, binding dropped, re-sent as frames to the (now sound) worker;
         # frames leave the pair group's host-local rule, so compact="auto" has the retry answered compact
         # (one more digest check: the lm_head slice it fetched to expand it), bit-equal to the colocated
-        # compact batch expanded (to the full one only within one GEMM's rounding: docs/equality.md).
-        assert_equal_batches(client.generate_batch(*x),
-                             colocated_reference(reference, x, "eagle3", compact=True, selected=tiny_vocab_mapping))
+        # compact batch expanded, and to the full one within one GEMM's rounding (docs/equality.md): a reference
+        # the client's expansion has no part in.
+        got = client.generate_batch(*x)
+        want = colocated_reference(reference, x, "eagle3", compact=True, selected=tiny_vocab_mapping)
+        assert_equal_batches(got, want)
+        assert full_reference_violations(got, reference, x) == []
         stats = client.stats
         assert (stats.nccl_batches, stats.digest_mismatches, stats.digest_checks) == (1, 1, 3), stats
         assert (stats.compact_replies, stats.lm_head_slices) == (1, 1), stats

@@ -159,6 +159,7 @@ def test_a_second_signal_stops_a_worker_mid_forward_and_another_serves_its_reque
         assert proc.wait(60) == 0  # its forward never ends: it did not wait for it
         for seed, future in zip((10, 11), futures):
             assert_equal_batches(future.result(timeout=60), reference.expected(seed, kind="dspark"))
+        assert client.stats.duplicates == 0  # nothing answered was sent again
     stop = _line(log, r"worker\.stop ")
     assert "abandoned_forward=1" in stop and "served=0 " in stop and "outcome='stopped at once'" in stop, stop
     _line(log, r"worker\.exit_mid_forward")

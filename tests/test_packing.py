@@ -98,6 +98,21 @@ def test_positions_restart_at_zero_for_every_row(tiny_target_dir, colocated_targ
     assert len(given) == 1 and torch.equal(given[0].cpu(), want)
 
 
+def test_packed_rows_match_to_float64_rounding(tiny_target_dir, colocated_target):
+    """The numeric side of the test above: in float64 each packed row matches its padded forward within
+    TOLERANCE[float64] (2^-40, derived in packing.py from the summation order alone). Rotary angles are
+    computed in float32 whatever the model's dtype, so a row whose positions do not start at 0 (RoPE is
+    relative: only that rounding shows) is off by about 1e-7, 5 orders above the bound; in float32 it hides
+    under the kernels' own rounding."""
+    engine = colocated_target(dtype=torch.float64)
+    requests = [sample_batch(tiny_target_dir, 3, 24, seed=4), sample_batch(tiny_target_dir, 2, 40, seed=5),
+                _edge_batch(tiny_target_dir)]
+    for kind in KINDS:
+        for request, packed in zip(requests, engine.generate_packed(requests, kind)):
+            _assert_close(packed, engine.generate_batch(*request, kind=kind), request[1],
+                          packing.TOLERANCE[torch.float64])
+
+
 def test_rows_never_attend_across_rows(tiny_target_dir, colocated_target):
     """The document mask is the whole point: with one segment spanning all rows instead (what
     position_ids alone gave under SDPA, issue 16) every row after the first is far off."""

@@ -25,6 +25,8 @@ from cluster_util import (
     HEARTBEAT_LIVENESS,
     Reference,
     Tally,
+    assert_contract,
+    assert_equal_batches,
     kill,
     rss_kib,
     run_requests,
@@ -34,6 +36,7 @@ from cluster_util import (
 )
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.launch import local_cluster
+from spec_serve.tools.tiny import sample_batch
 
 SLOW_DELAY = 2.0  # 10 heartbeat intervals, twice the liveness window
 LIVENESS_WINDOW = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
@@ -61,6 +64,57 @@ def _client(cluster, mapping, **kw):
     client = RemoteTargetModel(cluster.frontend, **args)
     client.set_vocab_mapping(*mapping)
     return client
+
+
+def test_a_client_the_broker_forgot_registers_its_mapping_again_before_its_next_request(cluster, reference,
+                                                                                       tiny_vocab_mapping):
+    """A client whose heartbeats come past the broker's liveness window (a loaded host) is forgotten, its
+    mapping with it. Retries off: its next EAGLE-3 request is still served, bit-equal, because it registers
+    the mapping again before that request reaches the broker (told so by the broker; or, crossing that
+    word, sent again behind the registration at no cost to its retries)."""
+    with _client(cluster, tiny_vocab_mapping, max_retries=0) as client:
+        assert_equal_batches(client.generate_batch(*reference.batch(40)), reference.expected(40))
+        io, late = client._io, threading.Event()
+        keep_alive = io._keep_alive
+        io._keep_alive = lambda now: None if late.is_set() else keep_alive(now)
+        late.set()
+        gone = f"broker.client_gone client={io.identity.hex()[:12]}"
+        wait_until(lambda: gone in cluster.log_path("broker").read_text(), timeout=30, interval=0.05,
+                   what="the broker forgetting the silent client")
+        late.clear()
+        for seed in (41, 42):
+            assert_equal_batches(client.generate_batch(*reference.batch(seed)), reference.expected(seed))
+
+
+def test_compact_replies_out_of_order_and_across_a_mapping_switch_each_get_their_own_values(
+        cluster, tiny_target_dir, tiny_vocab_mapping, colocated_target):
+    """Values, not counters. A compact client with prefetch: its requests spread over the slow worker and the
+    other one, so replies arrive out of order; the first half name one mapping, the second another (switched
+    while the first are in flight; the same draft vocab size, another order). Each batch meets the contract
+    with the colocated forward of its own mapping (and, compact, against the full forward: assert_contract).
+    A reply handed to another pending request, or an lm_head slice cached under a key both mappings share,
+    gives wrong values here, whatever the counters say."""
+    other = (tiny_vocab_mapping[0].flip(0), tiny_vocab_mapping[1])
+    mappings = (tiny_vocab_mapping, other)
+    engines = (colocated_target(), colocated_target(vocab_mapping=other))
+    arrived: list[int] = []
+    sent = []
+    with _client(cluster, tiny_vocab_mapping, compact=True, prefetch_depth=8) as client:
+        for which, seeds in enumerate((range(50, 53), range(53, 56))):
+            if which:
+                client.set_vocab_mapping(*other)
+            for seed in seeds:
+                batch = sample_batch(tiny_target_dir, 2, 16, seed=seed)
+                future = client.generate_batch_async(*batch, kind="eagle3")
+                future.add_done_callback(lambda _, seed=seed: arrived.append(seed))
+                sent.append((seed, which, batch, future))
+        for _, which, batch, future in sent:
+            assert_contract(future.result(timeout=120), engines[which], batch, "eagle3", compact=True,
+                            selected=mappings[which])
+        stats = client.stats
+    print(f"\nsent {[s for s, *_ in sent]}, arrived {arrived}")
+    assert arrived != sorted(arrived), "every reply came in order: the scenario did not happen"
+    assert (stats.compact_replies, stats.lm_head_slices) == (6, 2), stats
 
 
 def test_slow_worker_is_not_declared_dead(cluster, reference, tiny_vocab_mapping):
@@ -150,9 +204,10 @@ def _redispatched(cluster) -> float:
 
 
 def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_vocab_mapping):
-    """SIGKILL the slow worker while it holds requests: the broker re-dispatches them (counted), and every
-    result arrives once and is correct. The client's own retries are off, so only the broker can have
-    recovered them (a broker that dropped them would leave the client to time out)."""
+    """SIGKILL the slow worker while it holds requests, after it answered one: the broker re-dispatches what it
+    held (counted) and never what it answered, and every result arrives once (no duplicates) and is correct.
+    The client's own retries are off, so only the broker can have recovered them (a broker that dropped them
+    would leave the client to time out)."""
     victim = cluster.slow_worker
     tally = Tally()
     redispatched_before = _redispatched(cluster)
@@ -160,9 +215,11 @@ def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_voc
         box = {}
         runner = threading.Thread(target=lambda: run_requests(client, reference, range(200, 216), tally))
         runner.start()
-        # The slow worker holds requests for 2 s each: kill it once it has some.
-        wait_until(lambda: sorted(workers(cluster), key=lambda w: w["registered_at"])[-1]["inflight"] > 0,
-                   timeout=30, interval=0.02, what="slow worker holding requests")
+        # The slow worker holds requests for 2 s each: kill it once it has answered one (a broker that sent
+        # that one again would show in the client's duplicates) and holds more.
+        wait_until(lambda: [(w["completed"] > 0, w["inflight"] > 0) for w in
+                            sorted(workers(cluster), key=lambda w: w["registered_at"])][-1] == (True, True),
+                   timeout=60, interval=0.02, what="slow worker having answered a request and holding more")
         held = sorted(workers(cluster), key=lambda w: w["registered_at"])[-1]["inflight"]
         killed_at = time.monotonic()
         kill(victim)
@@ -180,6 +237,7 @@ def test_worker_death_redispatches(cluster, reference, tiny_target_dir, tiny_voc
     assert tally.sent == tally.completed == tally.verified == 16, tally.errors
     assert tally.wrong == 0
     assert stats.retried == 0
+    assert stats.duplicates == 0, "a request answered before the death was sent again"
     assert redispatched >= 1, "the broker re-dispatched nothing: the dead worker held no request"
 
 

@@ -76,10 +76,13 @@ class Dispatcher:
         return True
 
     def accept(self, client: ClientState, request: Request, bound: WorkerState | None, now: float) -> None:
-        """Hold ``request``: straight to the client's ``bound`` worker, or queued for the service's pool."""
+        """Hold ``request``: straight to the client's ``bound`` worker, or queued for the service's pool; or,
+        sent again by a client the broker forgot while a worker ran it, back on that worker (``reattach``)."""
         self.requests[request.request_id] = request
         client.requests.add(request.request_id)
         service = self.services.service(request.service, now)
+        if self.reattach(request, now):
+            return
         self.ctx.metrics.requests.labels(service=request.service).inc()
         if bound is not None:
             self.send_request(service, bound, request)
@@ -175,6 +178,21 @@ class Dispatcher:
             if done.status != "returned":  # handed back unrun: nobody waits for it any more
                 self._count_done(worker, done, enqueued_at, now)
         self.dispatch(self.services[worker.service])
+
+    def reattach(self, request: Request, now: float) -> bool:
+        """``request`` is one the broker detached when it forgot its client (the client was only late, and sent
+        it again) and its worker still runs it: held again as that worker's, not sent a second time (its reply
+        goes to the client as it would have; if the worker dies, it is re-dispatched as any other). True if so."""
+        held_by = self.detached.get(request.request_id, (None,))[0]
+        worker = self.workers.get(held_by) if held_by is not None else None
+        if worker is None or request.header.bound is not None:
+            return False
+        _, request.enqueued_at = self.detached.pop(request.request_id)
+        request.worker = worker.identity
+        request.dispatched_at = now
+        request.dispatches += 1
+        worker.inflight.add(request.request_id)
+        return True
 
     def detach(self, request: Request) -> None:
         """``request`` is on a worker and its client left: it is forgotten, but its DONE is still counted."""

@@ -32,7 +32,14 @@ from spec_serve.protocol.commands import (
     WorkerCommand,
     control,
 )
-from spec_serve.protocol.messages import BrokerHeartbeat, ClientHeartbeat, Done, Leave, SupervisionRequest
+from spec_serve.protocol.messages import (
+    BrokerHeartbeat,
+    ClientHeartbeat,
+    Disconnect,
+    Done,
+    Leave,
+    SupervisionRequest,
+)
 from spec_serve.telemetry.logs import event
 from spec_serve.telemetry.metrics import BrokerMetrics
 
@@ -139,6 +146,13 @@ class Router:
         """DISCONNECT: the client asks to be forgotten."""
         self.delete_client(client.identity)
 
+    def forget_silent_client(self, identity: bytes) -> None:
+        """A client silent past its liveness window: forgotten, and told so (DISCONNECT). One that is only late
+        (a loaded host) hears it, and registers its mappings and sends what it has pending again before its
+        next request, rather than finding its mappings gone."""
+        self.ctx.to_client(identity, control(CLIENT_TAG, ClientCommand.DISCONNECT.value, header=Disconnect()))
+        self.delete_client(identity)
+
     def delete_client(self, identity: bytes) -> None:
         """Forget a client: drop what it queued; what runs finishes and is discarded."""
         client = self.client_table.pop(identity)
@@ -236,7 +250,7 @@ class Router:
             self.metrics.worker_deaths.inc()
             self.delete_worker(worker, now, reason="heartbeat expired", died=True)
         for identity in [c.identity for c in self.clients.values() if c.expiry < now]:
-            self.delete_client(identity)
+            self.forget_silent_client(identity)
         self.dispatcher.expire(now)
         self.bindings.expire(now)
         for service in self.queues:

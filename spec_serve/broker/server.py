@@ -77,6 +77,8 @@ BACKEND_TOTAL_BYTES = 8 << 20
 BACKEND_READ_AHEAD = 16
 BACKEND_BACKLOG_BYTES = (BACKEND_READ_AHEAD + 2) * BACKEND_CONNECTION_BYTES
 # Clients send payloads in parts (protocol.commands.in_parts): no message above a part and a header.
+# All together: at least FRONTEND_TOTAL_BYTES, and a connection's bound for every client the broker knows
+# (each may be caught mid-part on a slow link), up to --max-held-bytes (frontend_total).
 FRONTEND_FRAME_BYTES = max(PART_BYTES, MAX_HEADER_BYTES) + 4096
 FRONTEND_CONNECTION_BYTES = PART_BYTES + 2 * MAX_HEADER_BYTES
 FRONTEND_TOTAL_BYTES = 16 << 20
@@ -215,7 +217,7 @@ class Broker:
         try:
             with _binding("frontend", frontend):
                 front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
-                                per_connection=FRONTEND_CONNECTION_BYTES, total=FRONTEND_TOTAL_BYTES,
+                                per_connection=FRONTEND_CONNECTION_BYTES, total=self._frontend_total,
                                 backlog=FRONTEND_BACKLOG_BYTES)
             with _binding("backend", backend):
                 back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
@@ -231,6 +233,11 @@ class Broker:
         # A reconnecting peer keeps its identity and takes over its old route.
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+
+    def _frontend_total(self) -> int:
+        """The bytes of unfinished messages all client connections together may hold (read by the ingress
+        watcher thread: ``len`` of the client table is one atomic read)."""
+        return frontend_total(len(self.router.clients), self.router.client_table.max_held_bytes)
 
     # ------------------------------------------------------------------ loop
 
@@ -428,6 +435,14 @@ class Broker:
     def snapshot(self) -> dict[str, Any]:
         """The latest status, safe to read from another thread (the HTTP shim): status.Snapshot.read."""
         return self._snapshot.read()
+
+
+def frontend_total(known_clients: int, max_held_bytes: int) -> int:
+    """The frontend's bound on unfinished messages of all connections together: a connection's bound for each
+    client the broker knows (and one not known yet), capped by --max-held-bytes, never below
+    FRONTEND_TOTAL_BYTES. A stranger who never finished a message is known to nobody, so connections cannot
+    grow it; honest clients caught mid-part over a shared slow link are not cut for being many."""
+    return max(FRONTEND_TOTAL_BYTES, min(max_held_bytes, (known_clients + 1) * FRONTEND_CONNECTION_BYTES))
 
 
 def _wrong_port_answer(on_backend: bool, tag: bytes, frontend: str, backend: str) -> tuple[str, list] | None:

@@ -2,7 +2,8 @@
 
 Requests go to the broker over a DEALER socket; replies come straight from the worker to a PULL
 socket the client binds (its address travels in the request). The thread heartbeats the broker,
-sends every request again with the same id when the broker is lost or restarted, and hands what
+sends every request again with the same id when the broker is lost or restarted or its connection
+ends (a message cut off midway is lost with it), and hands what
 arrives to the pending requests (pending.py, worker_replies.py). User threads talk to it through a
 queue and a wake-up pipe.
 """
@@ -52,6 +53,7 @@ from spec_serve.protocol.messages import (
     Bound,
     BrokerError,
     BrokerHeartbeat,
+    Disconnect,
     SetVocab,
     StatusPage,
     VocabOk,
@@ -76,7 +78,7 @@ log = logging.getLogger("spec_serve.client")
 # The typed header of each command the broker sends clients.
 _BROKER_MESSAGES: dict[ClientCommand, type[WireMessage]] = {
     ClientCommand.ERROR: BrokerError, ClientCommand.HEARTBEAT: BrokerHeartbeat, ClientCommand.STATUS: StatusPage,
-    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound,
+    ClientCommand.VOCAB_OK: VocabOk, ClientCommand.BOUND: Bound, ClientCommand.DISCONNECT: Disconnect,
 }
 
 
@@ -183,11 +185,8 @@ class ClientIO(threading.Thread):
         # Only the broker sends here, control messages only.
         self._readers = {s: r for s, r in self._readers.items() if s is self.data}
         self._readers[sock] = BoundedReader(sock, lambda head: frame_limit(head, 0))
-        if self._heard:  # reached once: what went wrong since is a lost broker, not a wrong address
-            sock.connect(self.broker_url)
-            self._watch = None
-        else:
-            self._watch = connect_watched(sock, self.broker_url)
+        # Watched while it lives: before a broker answers, why none does; after, each connection that ends.
+        self._watch = connect_watched(sock, self.broker_url)
         return sock
 
     def _reply_room(self) -> int:
@@ -292,6 +291,7 @@ class ClientIO(threading.Thread):
                 self._read_sockets(events, now)
                 self._keep_alive(now)
                 self._check_reached(now)
+                self._check_link()
                 self.requests.check_timers(now)
         finally:
             self._shut_down()
@@ -397,8 +397,9 @@ class ClientIO(threading.Thread):
             self._lost_since = now
             event(log, logging.WARNING, "client.broker_lost", broker=self.broker_url,
                   silent_s=round(self.heartbeat_interval * self.liveness, 1))
-        assert self.dealer is not None  # opened in __init__
+        assert self.dealer is not None and self._watch is not None  # opened in __init__
         self._poller.unregister(self.dealer)
+        self._watch.close()
         self.dealer.close(0)
         self.dealer = self._connect()
         self._poller.register(self.dealer, zmq.POLLIN)
@@ -420,21 +421,29 @@ class ClientIO(threading.Thread):
         if self._unreachable is not None:
             event(log, logging.WARNING, "client.broker_reached", broker=self.broker_url)
             self._unreachable = None
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
         self._heard = True
 
     def _check_reached(self, now: float) -> None:
         """Fail fast, naming the address and the likely cause, when no broker ever answered."""
         if self._heard or self._unreachable is not None:
             return
-        assert self._watch is not None  # _connect watches every socket until a broker is heard
+        assert self._watch is not None  # _connect watches every socket
         self._watch.read()  # keep the monitor's queue short; cause() needs only what it saw
         if now - self._created_at > self.connect_timeout:
             self._fail_all(BrokerUnreachable(
                 f"no spec-serve broker answered at {self.broker_url} within {self.connect_timeout:g}s: "
                 f"{self._watch.cause()}. Clients connect to {CLIENT_PORT_HINT}"))
+
+    def _check_link(self) -> None:
+        """The connection to the broker ended (the broker cut it, a slow link dropped it): libzmq reconnects,
+        but a message cut off midway is lost. Every pending request and our mappings go again at once, at no
+        cost to retries (request ids make that idempotent at the broker), not after a request timeout."""
+        if self._watch is None or not self._watch.read_disconnects() or not self._heard or self._misdirected:
+            return
+        event(log, logging.WARNING, "client.broker_link_lost", broker=self.broker_url,
+              pending=len(self.requests.table))
+        self.stats.link_resends += 1
+        self._resend_all()
 
     def _fail_all(self, error: BrokerUnreachable) -> None:
         """Requests cannot reach a broker: fail those pending, and every new one at once, with ``error``."""
@@ -460,6 +469,9 @@ class ClientIO(threading.Thread):
             if header.stopping:
                 self._broker_stopping()
             return
+        if isinstance(header, Disconnect):
+            self._forgotten()
+            return
         if self.paths is not None and header is not None:
             self.paths.on_broker(header)  # e.g. BOUND lost: our bound worker died (a pending BIND resolves below)
         pending = self.requests.table.get(msg.request_id)
@@ -478,6 +490,13 @@ class ClientIO(threading.Thread):
             event(log, logging.WARNING, "client.broker_stopping", broker=self.broker_url,
                   pending=len(self.requests.table))
 
+    def _forgotten(self) -> None:
+        """The broker forgot us (our heartbeats came too late): our mappings and every pending request again,
+        the mappings first, so that no request reaches it before the mapping it names."""
+        event(log, logging.WARNING, "client.forgotten_by_broker", broker=self.broker_url,
+              pending=len(self.requests.table))
+        self._resend_all()
+
     def _on_heartbeat(self, instance: str | None) -> None:
         if self._broker_instance is not None and instance != self._broker_instance:
             event(log, logging.WARNING, "client.broker_restarted", broker=self.broker_url)
@@ -490,9 +509,9 @@ class ClientIO(threading.Thread):
         code, error = refusal.code, refusal.error
         now = time.monotonic()
         registration = self.vocab.registration(pending.vocab) if refusal.unknown_vocab else None
-        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it)
+        if registration is not None:  # we hold the mapping it names (a restarted broker lacks it, or forgot us)
             self._send(registration)
-            self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S)
+            self.requests.behind_registration(pending, now, error)
         elif code in (ErrorCode.TIMEOUT.value, ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value):
             self.requests.retry(pending, now, error, delay=RETRY_BACKOFF_S,
                                 exhausted=TimeoutError if code == ErrorCode.TIMEOUT.value else RemoteError)

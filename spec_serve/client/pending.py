@@ -27,6 +27,10 @@ log = logging.getLogger("spec_serve.client")
 # Delay before retrying a request the broker or a worker could not serve (e.g. its queue for us was
 # full): short, so a transient condition costs little.
 RETRY_BACKOFF_S = 0.2
+# Times a request is sent again at no cost behind its mapping's registration, when the broker answers that it
+# lacks the mapping (it restarted, or forgot us): more means the registration itself fails, and the request
+# then retries as any other (counted).
+MAX_REREGISTRATIONS = 2
 # Answered request ids remembered, so that a late second reply counts as a duplicate, not unknown.
 RECENT_IDS = 4096
 
@@ -46,6 +50,7 @@ class Pending:
     expect: Expected | None = None  # what the reply may hold (contract.reply_specs); None: no tensors
     expect_bytes: int = 0
     attempts: int = 0
+    reregistrations: int = 0  # sends behind its mapping's registration (Requests.behind_registration)
     sent_at: float = 0.0
     resend_at: float | None = None  # backing off until then; None: in flight
 
@@ -187,6 +192,17 @@ class Requests:
             pending.back_off(now + delay)
         else:
             self.send_counted(pending, now)
+
+    def behind_registration(self, pending: Pending, now: float, reason: str) -> None:
+        """The broker lacked the mapping ``pending`` names and we just registered it again (on the same
+        connection, so it arrives first): send ``pending`` after it at no cost to its retries, whatever the
+        retry setting (not the request's fault); past MAX_REREGISTRATIONS, as a counted retry."""
+        if pending.reregistrations >= MAX_REREGISTRATIONS:
+            self.retry(pending, now, reason, delay=RETRY_BACKOFF_S, exhausted=RemoteError)
+            return
+        pending.reregistrations += 1
+        self._stats.retried += 1
+        self.send_uncounted(pending, now, restart_clock=False)
 
     def check_timers(self, now: float) -> None:
         """Send those whose back-off ended; retry those that timed out."""

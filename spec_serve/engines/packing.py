@@ -186,7 +186,6 @@ def row_attention(model) -> Iterator[None]:
     The attention implementation is a config field read at every forward, so the caller must hold
     the model for the whole block (HFTarget's forward lock does).
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _row_attention)  # idempotent
@@ -194,13 +193,21 @@ def row_attention(model) -> Iterator[None]:
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION
     try:
-        # Every packed row has a length of its own, so no cuDNN attention: it builds an execution plan
-        # for each new sequence length, so rows of new lengths would make a packed forward slower than the
-        # padded one (BENCHMARKS.md, "Packed forwards"). Flash and memory-efficient kernels take any length as it comes.
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        with any_length_attention():  # every packed row has a length of its own
             yield
     finally:
         config._attn_implementation = previous
+
+
+def any_length_attention() -> contextlib.AbstractContextManager[None]:
+    """SDPA without cuDNN's kernels for the block (process-wide flags, restored after). cuDNN builds an execution
+    plan for each new sequence length, so batches of new lengths run slower than the same lengths seen before
+    (rows of new lengths made a packed forward 0.81x the padded one, 1.80x once they repeated: BENCHMARKS.md,
+    "Packed forwards"). Flash and memory-efficient kernels take any length as it comes. Packed rows and compiled
+    layers run under it; where cuDNN is not available (CPU) it changes no kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 # -- how close a packed answer is to the padded forward's ----------------------------------------
@@ -237,7 +244,16 @@ class Tolerance:
 # attending to another row gives (rel_norm ~1). float16 rounds finer than bfloat16: the same bounds.
 _HALF = Tolerance(hidden_max_error=0.25, hidden_rel_norm=0.1, probs_max_error=0.05, probs_rel_norm=0.15,
                   flip_rate=0.05)
+# float64: a packed row differs from its padded forward only by summation order. A sum of K terms in
+# float64 is off by at most K * 2^-53 of the sum of their magnitudes; K stays below 2^13 in every dot
+# product and reduction of a forward here (hidden size, sequence length), so 2^-40 (about 1e-12) bounds
+# it with room (CPU measures 0: the same kernels). transformers computes the rotary angles in float32
+# whatever the model's dtype, so a row given other positions than 0..n-1 (RoPE is relative, so a shift is
+# invisible but for that rounding) is off by float32's 2^-24 (about 1e-7): 5 orders above the bound.
+_FP64_BOUND = 2.0 ** -40
 TOLERANCE = {
+    torch.float64: Tolerance(hidden_max_error=_FP64_BOUND, hidden_rel_norm=_FP64_BOUND, probs_max_error=_FP64_BOUND,
+                             probs_rel_norm=_FP64_BOUND, flip_rate=0.0),
     torch.float32: Tolerance(hidden_max_error=1e-5, hidden_rel_norm=1e-5, probs_max_error=1e-5, probs_rel_norm=1e-5,
                              flip_rate=0.0),
     torch.bfloat16: _HALF,

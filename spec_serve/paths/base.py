@@ -98,6 +98,9 @@ class WorkerSide:
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {}
     # True: some reply bytes travel outside the data messages, counted by ``sent_apart`` (NCCL's tensors).
     sends_apart: ClassVar[bool] = False
+    # Whether this path carries float8 hidden states (a request's wire_dtype="fp8"); False: the worker sends
+    # them in the model dtype and the client counts that (ClientStats.fp8_declined).
+    sends_fp8: ClassVar[bool] = True
 
     def takes(self, request: SupervisionRequest) -> bool:
         """Whether this path may carry the reply to ``request``; ``PathUnavailable`` if the request

@@ -75,7 +75,7 @@ class ClientCommand(bytes, enum.Enum):
     REQUEST = b"\x01"  # client -> broker: a supervision (or embeddings) request
     ERROR = b"\x02"  # broker -> client: a request the broker could not serve
     HEARTBEAT = b"\x03"  # both ways; the broker's carries its instance id
-    DISCONNECT = b"\x04"  # client -> broker: forget me and what I queued
+    DISCONNECT = b"\x04"  # client -> broker: forget me and what I queued; broker -> client: I forgot you
     STATUS = b"\x05"  # client -> broker and back: workers, services, queues
     SET_VOCAB = b"\x06"  # client -> broker: register a draft-vocab mapping
     VOCAB_OK = b"\x07"  # broker -> client: mapping stored, header names its digest
@@ -135,6 +135,15 @@ class ReplyFormat(str, enum.Enum):
     # EAGLE-3: the worker picks, per reply, from the path that carries it: full when the reply stays on its
     # host (the same-host plane, NCCL to a client of its host), compact otherwise (paths/registry.py).
     AUTO = "auto"
+
+
+class WireDtype(str, enum.Enum):
+    """How a GENERATE reply's hidden states travel (a REQUEST's and a DATA header's ``wire_dtype``; absent:
+    in the model's dtype)."""
+
+    # float8_e4m3fn with a float32 scale per token and captured layer (supervision/fp8.py); the client
+    # restores the model dtype. Opt-in: RemoteTargetModel(wire_dtype="fp8").
+    FP8 = "fp8"
 
 
 class ProtocolError(ValueError):

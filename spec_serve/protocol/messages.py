@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from spec_serve.protocol.commands import Op, ProtocolError, ReplyFormat
+from spec_serve.protocol.commands import Op, ProtocolError, ReplyFormat, WireDtype
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -33,6 +33,7 @@ T = TypeVar("T")
 # A request's timeout when its header names none (seconds), and the largest one accepted.
 DEFAULT_REQUEST_TIMEOUT = 120
 _FORMATS = {f.value for f in ReplyFormat}
+_WIRE_DTYPES = {d.value for d in WireDtype}
 DEFAULT_KIND = "eagle3"  # supervision.contract.Kind.EAGLE3: what a REQUEST naming no kind asks for
 MAX_REQUEST_TIMEOUT = 1e7
 MAX_FINGERPRINT_CHARS = 128
@@ -189,6 +190,7 @@ class SupervisionRequest(WireMessage):
     which: str | None = None
     kind: str | None = None
     format: str | None = None
+    wire_dtype: str | None = None  # a WireDtype: how the reply's hidden states travel (absent: model dtype)
     timeout: float = DEFAULT_REQUEST_TIMEOUT
     tokens: int | None = None
     bound: str | None = None
@@ -214,6 +216,7 @@ class SupervisionRequest(WireMessage):
             op=r.text("op"), which=r.text("which"), kind=r.text("kind"),
             format=r.text("format", ok=lambda v: v in _FORMATS, error=(
                 f"REQUEST header 'format' must be one of {sorted(_FORMATS)}")),
+            wire_dtype=_wire_dtype(r),
             timeout=_timeout(r),
             tokens=r.integer("tokens", minimum=0),
             bound=r.text("bound", nullable=True),
@@ -247,6 +250,11 @@ class SupervisionRequest(WireMessage):
     def unbound(self) -> SupervisionRequest:
         """The request as plain frames through the shared pool: no bound worker, no pair group."""
         return dataclasses.replace(self, bound=None, nccl=False, host=None)
+
+
+def _wire_dtype(r: _Reader) -> str | None:
+    return r.text("wire_dtype", ok=lambda v: v in _WIRE_DTYPES,
+                  error=f"{r.command} header 'wire_dtype' must be one of {sorted(_WIRE_DTYPES)}")
 
 
 def _timeout(r: _Reader) -> float:
@@ -589,7 +597,8 @@ class Leave(WireMessage):
 @dataclasses.dataclass(frozen=True)
 class Disconnect(WireMessage):
     """DISCONNECT, broker -> worker: register again (READY). ``stopping``: the broker was told to stop; the
-    READY reaches its successor."""
+    READY reaches its successor. Broker -> client: you were silent past your liveness window and are
+    forgotten: register your mappings and send what is pending again (never ``stopping``)."""
 
     COMMAND: ClassVar[str] = "DISCONNECT"
 
@@ -608,7 +617,8 @@ class Reply(WireMessage):
     """DATA ok, worker -> client: a reply's header. Its tensors are the payload frames, or lie in a same-host
     slot (``plane``), or follow on the pair group (``nccl``: ``pair`` names the group, ``specs`` the
     tensors). ``digests`` when the request asked ``verify``; ``batched`` when it shared a packed forward;
-    ``kind`` when the worker chose the reply's format (a request's ``format: auto``)."""
+    ``kind`` when the worker chose the reply's format (a request's ``format: auto``); ``wire_dtype`` when its
+    hidden states travel in another dtype than the model's (``fp8``: each with its ``NAME_scale``)."""
 
     COMMAND: ClassVar[str] = "DATA"
 
@@ -616,6 +626,7 @@ class Reply(WireMessage):
     compute_s: float | None = None
     batched: int | None = None
     kind: str | None = None
+    wire_dtype: str | None = None
     nccl: bool = False
     pair: str | None = None
     specs: list[Any] | None = None
@@ -631,7 +642,8 @@ class Reply(WireMessage):
         if digests is not None and not all(_is_int(v) for v in digests.values()):
             raise ProtocolError("DATA header 'digests' must map tensor names to integers")
         return cls(worker=r.required_text("worker"), compute_s=r.number("compute_s"),
-                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), nccl=r.flag("nccl"),
+                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), wire_dtype=_wire_dtype(r),
+                   nccl=r.flag("nccl"),
                    pair=r.text("pair"), specs=r.array("specs"), plane=r.obj("plane"), path=r.obj("path"),
                    fingerprint=r.text("fingerprint"), digests=digests)
 

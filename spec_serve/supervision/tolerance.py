@@ -122,6 +122,13 @@ class CompositionTolerance:
         return cls(hidden=Bound.derive(dtype, stages, reduction),
                    logits=Bound.derive(dtype, stages + LOGIT_STAGES, reduction))
 
+    @classmethod
+    def one_gemm(cls, dtype: torch.dtype, reduction: int) -> CompositionTolerance:
+        """Between two batches of one forward whose draft logits alone were computed apart: a compact client's
+        from the ``[Vd, H]`` lm_head slice, the engine's from the ``[V, H]`` lm_head (``reduction`` = H). Hidden
+        states exact; the logits one reduction in another order (one stage)."""
+        return cls(hidden=Bound(0.0, 0.0), logits=Bound.derive(dtype, 1, reduction))
+
     def violations(self, got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
                    logits: ReferenceLogits | None = None) -> list[str]:
         """What in ``got`` lies outside the tolerance of ``want`` (the reference composition), one line

@@ -1,4 +1,4 @@
-"""The ``spec-serve`` command line: broker, worker, status, demo, bench, and tools.
+"""The ``spec-serve`` command line: broker, worker, status, demo, bench, capture, cache, and tools.
 
 Every flag can also be set through the ``SPEC_SERVE_*`` environment variable
 named in its help, or in a YAML file given with ``--config`` (see cli_config.py).
@@ -29,6 +29,7 @@ from spec_serve.protocol.commands import (
     WORKER_PORT_HINT,
 )
 from spec_serve.telemetry import logs
+from spec_serve.tools import cache_cli
 from spec_serve.tools.cli_config import ConfigGroup
 
 log = logging.getLogger("spec_serve.worker")
@@ -210,7 +211,8 @@ def _insecure_network_option(listeners: str):
                    "[env SPEC_SERVE_MAX_REQUEST_TOKENS].")
 @click.option("--max-held-bytes", default=1 << 30, type=int, envvar="SPEC_SERVE_MAX_HELD_BYTES", show_default=True,
               help="Request and vocab-mapping bytes the broker holds at once (queued, in flight, and arriving); "
-                   "past it clients are told to back off [env SPEC_SERVE_MAX_HELD_BYTES].")
+                   "past it clients are told to back off; it also caps the unfinished messages all client "
+                   "connections may hold together (384 KiB a known client) [env SPEC_SERVE_MAX_HELD_BYTES].")
 @click.option("--client-held-share", default=0.25, type=click.FloatRange(min=0, max=1, min_open=True),
               envvar="SPEC_SERVE_CLIENT_HELD_SHARE", show_default=True,
               help="The share of --max-held-bytes one client connection may hold (at least one largest "
@@ -453,6 +455,9 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         share.set_torch_threads()  # torch loads here, unless a flag needed it: a bad --broker fails without it
         status.phase = "loading"
         engine_obj = _load_engine(engine, target, path, kwargs)
+        if getattr(getattr(engine_obj, "compile_report", None), "active", False):
+            share.freeze("compiled layers: their guards check torch's math threads, so another share would "
+                         "compile every batch class again")
         _serve_engine(engine, engine_obj, broker_url, status, service=service,
                       capacity=capacity or (8 if packing else 2),
                       max_batch_tokens=max_batch_tokens if max_batch_tokens is not None
@@ -1012,6 +1017,10 @@ def _bench_progress(total: int):
         yield advance
         bar.update(1, "done")
 
+
+# The supervision cache's commands (docs/cache.md): their flags and bodies live apart from this file.
+main.add_command(cache_cli.capture)
+main.add_command(cache_cli.cache)
 
 if __name__ == "__main__":
     main()

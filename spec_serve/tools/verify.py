@@ -8,6 +8,10 @@ expanded on the client's device after gathering, from the lm_head slice the clie
 assembled batch equals the unsharded forward bit for bit where the kernels are batch-invariant for
 the two compositions (measured here: both are computed colocated), and lies within the target's
 derived ``CompositionTolerance`` of it elsewhere.
+
+A compact batch is also held to a reference that shares no code with the client's expansion: the
+colocated *full* EAGLE-3 forward of the same composition (``full_reference_violations``), so a bug in
+``expand_compact`` cannot cancel out of the comparison.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from spec_serve.client.api import shard_bounds
-from spec_serve.supervision.contract import Kind
+from spec_serve.supervision import fp8
+from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS, Kind, model_dtype
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, measure
 
@@ -39,13 +44,25 @@ def expanded(compact: Mapping[str, torch.Tensor], weight: torch.Tensor, selected
     return expand_compact({k: v.to(device) for k, v in compact.items()}, weight.to(device), selected_mask.to(device))
 
 
+def fp8_round_trip(engine, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (``engine``'s outputs) as a wire_dtype="fp8" client gets them: each hidden state quantized
+    as the worker does and restored to the model dtype as the client does (supervision/fp8.py)."""
+    info = engine.target_info()
+    return fp8.restore_reply(fp8.quantize_reply(dict(tensors), HIDDEN_STATE_TENSORS, info.hidden_size),
+                             model_dtype(info))
+
+
 def colocated_reference(engine, batch: tuple[torch.Tensor, ...], kind: str, *, shards: int = 1,
                         compact: bool = False, device: torch.device | str | None = None,
-                        selected: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                        selected: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        wire_fp8: bool = False) -> dict[str, torch.Tensor]:
     """``engine``'s answer to ``batch`` as a client with ``shards`` shards gets it, on the engine's
-    device; with ``compact`` (EAGLE-3), expanded on ``device`` with the draft-vocab mapping ``selected``
-    = (selected_token_ids, selected_token_mask)."""
+    device; with ``wire_fp8``, its hidden states put through FP8 (``fp8_round_trip``); with ``compact``
+    (EAGLE-3), expanded on ``device`` with the draft-vocab mapping ``selected`` = (selected_token_ids,
+    selected_token_mask)."""
     out = sharded_forward(engine, batch, "eagle3_compact" if compact else kind, shards)
+    if wire_fp8:
+        out = fp8_round_trip(engine, out)
     if not compact:
         return out
     if selected is None:
@@ -150,24 +167,45 @@ def reference_logits(engine, batch: tuple[torch.Tensor, ...]) -> ReferenceLogits
         return ReferenceLogits.of(engine.get_output_embeddings()(last))
 
 
+def full_reference_violations(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.Tensor, ...], *,
+                              shards: int = 1) -> list[str]:
+    """A compact client's expanded EAGLE-3 batch against ``engine``'s colocated full EAGLE-3 forward of the same
+    composition, one line per tensor outside the contract (empty: within it). Every tensor but
+    ``target_probs`` is bit-equal: the same forward's hidden states, the target's own argmax (so
+    ``position_mask`` but at a near-tie within that rounding), the request's ids and mask. ``target_probs``
+    differ by one GEMM's rounding at most: the client's draft logits come from the ``[Vd, H]`` lm_head slice
+    instead of the ``[V, H]`` lm_head, one reduction of length H in another order
+    (``CompositionTolerance.one_gemm``), scaled by 2 max|logit| as every probability bound is."""
+    full = colocated_reference(engine, batch, "eagle3", shards=shards)
+    if mismatch(got, full) is None:
+        return []
+    tolerance = CompositionTolerance.one_gemm(engine.model.dtype, engine.hidden_size)
+    return [f"{line} (against the full forward)"
+            for line in tolerance.violations(got, full, reference_logits(engine, batch))]
+
+
 @dataclasses.dataclass
 class ContractCheck:
     """One batch against the contract: ``shard_mismatch`` (None: every shard bit-equal to the colocated
     forward of its rows); ``invariant`` (the kernels gave the per-shard and the unsharded compositions the
     same bits); ``violations`` of the tolerance by the assembled batch where they did not, and its
-    ``deviation`` from the unsharded forward (per tensor that differs)."""
+    ``deviation`` from the unsharded forward (per tensor that differs); for a compact batch, ``off_full``: how it
+    lies outside the contract against the colocated full forward (``full_reference_violations``)."""
 
     shards: list[tuple[int, int]]
     shard_mismatch: str | None
     invariant: bool
     violations: list[str]
     deviation: dict[str, dict[str, float]]
+    off_full: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.shard_mismatch is None and not self.violations
+        return self.shard_mismatch is None and not self.violations and not self.off_full
 
     def describe(self) -> str:
+        if self.off_full:
+            return f"the compact batch expanded is off the colocated full forward: {'; '.join(self.off_full)}"
         if self.shard_mismatch is not None:
             return f"a shard differs from the colocated forward of its rows: {self.shard_mismatch}"
         if self.invariant:
@@ -213,4 +251,5 @@ def check_contract(got: Mapping[str, torch.Tensor], engine, batch: tuple[torch.T
                                                                      device=device, selected=selected)
     part2 = composition(per_shard, whole, tolerance or tolerance_for(engine),
                         lambda: None if kind == Kind.DSPARK.value else reference_logits(engine, batch))
-    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation)
+    off_full = full_reference_violations(got, engine, batch, shards=shards) if compact else []
+    return ContractCheck(bounds, wrong, part2.invariant, part2.violations, part2.deviation, off_full)

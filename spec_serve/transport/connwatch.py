@@ -27,6 +27,8 @@ class ConnectWatch:
     def __init__(self, sock: zmq.SyncSocket, url: str):
         self.url = url
         self.seen = 0  # OR of the zmq.EVENT_* bits observed
+        self.disconnects = 0  # connections that ended, ever (read_disconnects: those since the last call)
+        self._disconnects_read = 0
         self.monitor = sock.get_monitor_socket(_WATCHED)
         self._sock = sock
 
@@ -38,6 +40,13 @@ class ConnectWatch:
             except zmq.Again:
                 return
             self.seen |= int(message["event"])
+            self.disconnects += int(message["event"]) == zmq.EVENT_DISCONNECTED
+
+    def read_disconnects(self) -> int:
+        """Connections that ended since the last call (whatever ended them: the peer, a cut, the network)."""
+        self.read()
+        new, self._disconnects_read = self.disconnects - self._disconnects_read, self.disconnects
+        return new
 
     def cause(self) -> str:
         """The likely reason no peer has answered, from what was seen so far."""

@@ -132,6 +132,12 @@ class ThreadShare:
         self._next_recount = time.monotonic() + RECOUNT_S
         return self.threads
 
+    def freeze(self, why: str) -> None:
+        """Keep the current share from now on (no more recounts), saying ``why`` at INFO once."""
+        if self.fixed is None:
+            self.fixed = self.threads
+            event(log, logging.INFO, "worker.threads_kept", threads=self.threads, reason=why)
+
     def rebalance(self) -> None:
         """Called between forwards: follow the default share as workers on this host come and go."""
         if self.fixed is not None or time.monotonic() < self._next_recount:

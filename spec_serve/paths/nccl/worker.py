@@ -40,6 +40,7 @@ log = logging.getLogger("spec_serve.worker")
 class NcclWorker(WorkerSide):
     name: ClassVar[str] = "nccl"
     sends_apart: ClassVar[bool] = True
+    sends_fp8: ClassVar[bool] = False  # the pair group carries the model dtype; the client counts the decline
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {"bind": WorkerBind, "release": Release}
 
     def __init__(self, worker: str, device: torch.device, broker_url: str, advertise_host: str | None,
