@@ -1,30 +1,42 @@
-"""Full EAGLE-3 over frames against compact="auto", across an emulated link (issue 25): two network
-namespaces joined by a veth pair whose two ends `tc` limits to a rate (10 and 25 Gbit/s by default).
+"""What crosses a host boundary, over an emulated link (issues 25 and 40): two network namespaces joined by a
+veth pair whose two ends `tc` limits to a rate (10 and 25 Gbit/s by default).
 
 The broker and a null worker (spec_serve/tools/null_engine.py: ready replies of the Llama-3.1-8B shape,
-149 KiB a token full, 32 KiB compact) run in one namespace, the client in the other, so the client is on
-"another host" (its host key differs: no same-host plane). Per rate and round, in alternating order:
+149 KiB a token full, 32 KiB compact, 16 KiB compact with wire_dtype="fp8") run in one namespace, the client
+in the other, so the client is on "another host" (its host key differs: no same-host plane). Per rate and
+round, in alternating order, the modes of ``--modes``:
 
-  full   compact=False: full EAGLE-3 replies as frames
-  auto   what compact="auto", the client's default, receives from a worker of another host: the worker
-         answers compact (checked once per run with a real default client, below); timed from the first
-         request to the last reply landed on the client, as frames (kind eagle3_compact), not expanded
+  full      compact=False: full EAGLE-3 replies as frames
+  auto      what compact="auto", the client's default, receives from a worker of another host: the worker
+            answers compact (checked once per run with a real default client, below); timed from the first
+            request to the last reply landed on the client, as frames (kind eagle3_compact), not expanded
+  auto_fp8  the same with wire_dtype="fp8": the hidden states as float8_e4m3 with their float32 scales,
+            landed and not restored
 
-and tokens/s of each, their ratio per round (median and every round), every reply checked against what the
-null engine answers (verified=N/N). Expanding compact replies is the client's one draft-vocab matmul a token
-on its device: on a GPU that is a fraction of a millisecond a batch (the GPU figure, remote_1w_auto of
-`spec-serve bench`, includes it); on this CPU it is far slower than the link, so it is measured apart and
-reported (cpu_expand_tokens_per_s), not mixed into the transport figure.
+Batches are ``--rows`` rows of ``--lengths`` (``lognormal``, the default: each row's length drawn as
+``spec-serve bench --lengths lognormal`` draws it, each batch padded to its longest row; ``full``: every
+row ``--seq`` tokens), so reply sizes change from batch to batch as a trainer's do. Per figure: useful and
+padded tokens/s, the payload's Gbit/s, and ``of_link``: that payload rate over the link's rate (bytes per
+padded token x padded tokens/s, against the link's own bound); ratios per round of auto_fp8 and auto
+against auto and full (median and every round); every reply checked against what the null engine answers
+(verified=N/N).
+
+What the link figures leave out, measured apart on this CPU: expanding compact replies (the client's one
+draft-vocab matmul a token; cpu_expand_tokens_per_s) and restoring FP8 ones (cpu_restore_tokens_per_s).
+Both are kernels on a GPU client's device. A CPU's quantizing would bound the worker likewise, so the null
+worker quantizes each of its ready replies once (``null_engine.quantize_once``): a GPU worker quantizes at
+memory bandwidth.
 
 Once per run, untimed: a client with the defaults asks for EAGLE-3 across the link; the worker must answer
 compact (stats.compact_replies), the client must fetch the lm_head slice once (stats.lm_head_slices) and
-return the expanded batch bit-equal to the null compact reply expanded here.
+return the expanded batch bit-equal to the null compact reply expanded here; and a client with
+wire_dtype="fp8" gets an FP8 reply (stats.fp8_replies) restored and expanded bit-equal to the reference.
 
 Needs root, iproute2 (`ip netns`) and `tc`; exits 2 naming what is missing otherwise. Creates only its own
 namespaces (10.232.0.0/24) and removes them, with every process it started in them.
 
-  python benchmarks/bench_netns.py --json netns.json               # 10 and 25 Gbit/s, 3 rounds
-  python benchmarks/bench_netns.py --rates 10 --rounds 1 --messages 2 --seq 16   # what the test suite runs
+  python benchmarks/bench_netns.py --json netns.json        # 10 and 25 Gbit/s, 3 rounds, 4 x lognormal(2048)
+  python benchmarks/bench_netns.py --rates 10 --rounds 1 --messages 2 --seq 16 --rows 1   # what the test runs
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +55,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.232.0"
 WORKER_ADDR, CLIENT_ADDR = f"{SUBNET}.1", f"{SUBNET}.2"
-KINDS = {"full": "eagle3", "auto": "eagle3_compact"}  # what each measures on the wire (see the docstring)
+# Each mode: the kind it asks for and its wire_dtype (what it measures on the wire: see the docstring).
+MODES = {"full": ("eagle3", None), "auto": ("eagle3_compact", None), "auto_fp8": ("eagle3_compact", "fp8")}
 
 
 def unavailable(tools: tuple[str, ...] = ("ip", "tc")) -> str | None:
@@ -131,29 +145,81 @@ def _client(link: Link, *args: str, timeout: float = 900) -> dict:
 
 
 def _client_main(argv: list[str]) -> None:
-    """``_timed FRONTEND KIND MESSAGES SEQ PREFETCH`` or ``_auto FRONTEND``, run inside the client namespace."""
+    """``_timed FRONTEND MODE MESSAGES SEQ ROWS LENGTHS PREFETCH`` or ``_auto FRONTEND``, run inside the client
+    namespace."""
+    if argv[0] == "_timed":
+        frontend, mode, lengths = argv[1], argv[2], argv[6]
+        messages, seq, rows, prefetch = (int(a) for a in (argv[3], argv[4], argv[5], argv[7]))
+        print(json.dumps(timed_run(frontend, mode, messages, seq, rows, lengths, prefetch)), flush=True)
+        return
+    print(json.dumps({**_default_client(argv[1], None), "fp8": _default_client(argv[1], "fp8")}), flush=True)
+
+
+def _null_reply(batch: tuple, kind: str, wire_dtype: str | None):
+    """What the null worker sends for ``batch``: its ready tensors, the hidden states in FP8 if asked."""
+    from spec_serve.supervision import fp8
+    from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
+    from spec_serve.tools.null_engine import HIDDEN, null_tensors
+
+    tensors = null_tensors(*batch[0].shape, kind)
+    return fp8.quantize_reply(tensors, HIDDEN_STATE_TENSORS, HIDDEN) if wire_dtype else tensors
+
+
+def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, lengths: str, prefetch: int) -> dict:
+    """``messages`` batches of ``rows`` rows (``lengths``) to the null worker, ``prefetch`` in flight, after
+    one untimed batch; timed to the last reply landed (compact replies not expanded, FP8 ones not
+    restored: the docstring says why). Every reply checked once the clock stopped."""
     import torch
 
-    from spec_serve.tools.bench import make_batch, transport_run
+    from spec_serve.client import restore
+    from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.tools.bench import padded_batch, row_lengths
+    from spec_serve.tools.null_engine import VOCAB, null_mapping
+    from spec_serve.tools.verify import mismatch
 
-    if argv[0] == "_timed":
-        frontend, kind, messages, seq, prefetch = argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
-        print(json.dumps(transport_run(frontend, kind, messages, seq, prefetch, warmup=1)), flush=True)
-        return
+    kind, wire_dtype = MODES[mode]
+    if wire_dtype is not None:  # landed as sent: the restore is a kernel on a GPU client, measured apart here
+        restore.restore_shards = lambda parts, forms, rows, dtype: {k: t for (k, _), t in parts.items()}
+    batches = [padded_batch(n, VOCAB, i) for i, n in enumerate(row_lengths(lengths, messages + 1, rows, seq))]
+    with RemoteTargetModel(frontend, service="null", prefetch_depth=prefetch, timeout=600, compact=False,
+                           wire_dtype=wire_dtype) as client:
+        client.set_vocab_mapping(*null_mapping())
+        client.generate_batch(*batches[0], kind=kind)
+        start = time.perf_counter()
+        futures = [client.generate_batch_async(*b, kind=kind) for b in batches[1:]]
+        got = [f.result() for f in futures]
+        seconds = time.perf_counter() - start
+        stats = client.stats
+    passed = sum(mismatch(g, _null_reply(b, kind, wire_dtype)) is None for g, b in zip(got, batches[1:]))
+    timed = batches[1:]
+    return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": sum(b[1].numel() for b in timed),
+            "bytes": sum(t.numel() * t.element_size() for g in got for t in g.values()), "seconds": seconds,
+            "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined,
+            "verified": f"{passed}/{len(got)}", "torch_threads": torch.get_num_threads()}
+
+
+def _default_client(frontend: str, wire_dtype: str | None) -> dict:
+    """A client with the defaults (compact="auto"), and ``wire_dtype``, asks for EAGLE-3 once: what it counts,
+    and whether its expanded batch equals the null reply (as sent, restored) expanded here."""
+    import torch
+
     from spec_serve.client.api import RemoteTargetModel
     from spec_serve.supervision.eagle3 import expand_compact
-    from spec_serve.tools.null_engine import HIDDEN, VOCAB, null_mapping, null_tensors
+    from spec_serve.supervision.fp8 import restore_reply
+    from spec_serve.tools.bench import make_batch
+    from spec_serve.tools.null_engine import HIDDEN, VOCAB, null_mapping
 
-    with RemoteTargetModel(argv[1], service="null", timeout=600) as client:  # the defaults: compact="auto"
+    batch = make_batch(1, 8, VOCAB, 1)
+    with RemoteTargetModel(frontend, service="null", timeout=600, wire_dtype=wire_dtype) as client:
         client.set_vocab_mapping(*null_mapping())
-        got = client.generate_batch(*make_batch(1, 8, VOCAB, 1), kind="eagle3")
+        got = client.generate_batch(*batch, kind="eagle3")
         stats = client.stats
     ids, mask = null_mapping()
-    want = expand_compact(null_tensors(1, 8, "eagle3_compact"), torch.zeros(len(ids), HIDDEN, dtype=torch.bfloat16),
-                          mask)
+    sent = restore_reply(_null_reply(batch, "eagle3_compact", wire_dtype), torch.bfloat16)
+    want = expand_compact(sent, torch.zeros(len(ids), HIDDEN, dtype=torch.bfloat16), mask)
     equal = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    print(json.dumps({"compact_replies": stats.compact_replies, "lm_head_slices": stats.lm_head_slices,
-                      "plane_replies": stats.plane_replies, "equal": equal}), flush=True)
+    return {"compact_replies": stats.compact_replies, "lm_head_slices": stats.lm_head_slices,
+            "plane_replies": stats.plane_replies, "fp8_replies": stats.fp8_replies, "equal": equal}
 
 
 def cpu_expand_rate(tokens: int = 8) -> float:
@@ -171,6 +237,21 @@ def cpu_expand_rate(tokens: int = 8) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def cpu_restore_rate(tokens: int = 2048) -> float:
+    """Tokens/s of restoring compact FP8 replies of the 8B shape to bf16 on this CPU (left out likewise)."""
+    import torch
+
+    from spec_serve.supervision.fp8 import restore_reply
+    from spec_serve.tools.bench import make_batch
+    from spec_serve.tools.null_engine import VOCAB
+
+    sent = _null_reply(make_batch(1, tokens, VOCAB, 0), "eagle3_compact", "fp8")
+    restore_reply(sent, torch.bfloat16)  # warm-up
+    start = time.perf_counter()
+    restore_reply(sent, torch.bfloat16)
+    return tokens / (time.perf_counter() - start)
+
+
 def _start_cluster(link: Link) -> str:
     frontend, backend = f"tcp://{WORKER_ADDR}:5555", f"tcp://{WORKER_ADDR}:5556"
     # No CURVE between the namespaces: protected mode needs the explicit flag.
@@ -182,37 +263,62 @@ def _start_cluster(link: Link) -> str:
     return frontend
 
 
-def run(rates: list[float], rounds: int, messages: int, seq: int, prefetch: int) -> dict:
-    report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(),
-                    "config": {"rates_gbit": rates, "rounds": rounds, "messages": messages, "seq": seq,
-                               "prefetch": prefetch}, "rates": {}}
+def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: int, rows: int, lengths: str,
+        prefetch: int) -> dict:
+    report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "load": os.getloadavg(),
+                    "config": {"rates_gbit": rates, "modes": modes, "rounds": rounds, "messages": messages,
+                               "seq": seq, "rows": rows, "lengths": lengths, "prefetch": prefetch}, "rates": {}}
     with Link() as link:
         frontend = _start_cluster(link)
         report["auto_check"] = _client(link, "_auto", frontend)
         for gbit in rates:
             link.limit(gbit)
-            figures: dict[str, list[dict]] = {"full": [], "auto": []}
+            figures: dict[str, list[dict]] = {mode: [] for mode in modes}
             for r in range(rounds):
-                for name in (("full", "auto") if r % 2 == 0 else ("auto", "full")):
-                    got = _client(link, "_timed", frontend, KINDS[name], str(messages), str(seq), str(prefetch))
-                    got["tokens_per_s"] = got["tokens"] / got["seconds"]
-                    got["gbit_per_s"] = got["bytes"] * 8 / got["seconds"] / 1e9
-                    figures[name].append(got)
-                    print(f"[netns] {gbit:g} Gbit/s round {r + 1}: {name} {got['tokens_per_s']:,.0f} tokens/s "
-                          f"({got['gbit_per_s']:.2f} Gbit/s) verified={got['verified']}", file=sys.stderr, flush=True)
-            ratios = [a["tokens_per_s"] / f["tokens_per_s"] for a, f in zip(figures["auto"], figures["full"])]
-            report["rates"][f"{gbit:g}"] = {**figures, "auto_over_full": round(statistics.median(ratios), 3),
-                                            "rounds": [round(x, 3) for x in ratios]}
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                    got = _client(link, "_timed", frontend, mode, str(messages), str(seq), str(rows), lengths,
+                                  str(prefetch))
+                    figures[mode].append(_rated(got, gbit))
+                    print(f"[netns] {gbit:g} Gbit/s round {r + 1}: {mode} {got['tokens_per_s']:,.0f} tokens/s "
+                          f"({got['gbit_per_s']:.2f} Gbit/s, {got['of_link']:.0%} of the link) "
+                          f"verified={got['verified']}", file=sys.stderr, flush=True)
+            report["rates"][f"{gbit:g}"] = {**figures, **_ratios(figures)}
     report["cpu_expand_tokens_per_s"] = round(cpu_expand_rate(), 1)
+    report["cpu_restore_tokens_per_s"] = round(cpu_restore_rate(), 1)
     return report
 
 
+def _rated(got: dict, gbit: float) -> dict:
+    """A figure with its rates: useful and padded tokens/s, the payload's Gbit/s and its share of the link's."""
+    seconds = got["seconds"]
+    got["tokens_per_s"] = got["tokens"] / seconds
+    got["padded_tokens_per_s"] = got["padded_tokens"] / seconds
+    got["bytes_per_padded_token"] = got["bytes"] / got["padded_tokens"]
+    got["gbit_per_s"] = got["bytes"] * 8 / seconds / 1e9
+    got["of_link"] = round(got["gbit_per_s"] / gbit, 4)  # bytes per token x tokens/s over the link's bound
+    return got
+
+
+def _ratios(figures: dict[str, list[dict]]) -> dict:
+    """Per round, tokens/s of auto over full and of auto_fp8 over auto (where both ran): median and rounds."""
+    out = {}
+    for over, under in (("auto", "full"), ("auto_fp8", "auto")):
+        if over in figures and under in figures:
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(figures[over], figures[under])]
+            out[f"{over}_over_{under}"] = {"median": round(statistics.median(ratios), 3),
+                                           "rounds": [round(x, 3) for x in ratios]}
+    return out
+
+
 def _ok(report: dict) -> bool:
-    """Every reply verified and the auto check passed."""
+    """Every reply verified, and the default clients' checks passed."""
     check = report["auto_check"]
     verified = all(f["verified"].split("/")[0] == f["verified"].split("/")[1]
-                   for rate in report["rates"].values() for name in ("full", "auto") for f in rate[name])
-    return verified and check["equal"] and check["compact_replies"] == 1 and check["lm_head_slices"] == 1
+                   for rate in report["rates"].values() for mode in report["config"]["modes"] for f in rate[mode])
+    fp8_sent = all(f["fp8_replies"] == report["config"]["messages"] + 1 for rate in report["rates"].values()
+                   for f in rate.get("auto_fp8", []))
+    return (verified and fp8_sent and check["equal"] and check["compact_replies"] == 1
+            and check["lm_head_slices"] == 1 and check["fp8"]["equal"] and check["fp8"]["fp8_replies"] == 1)
 
 
 def main(argv: list[str]) -> int:
@@ -221,24 +327,35 @@ def main(argv: list[str]) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="10,25", help="link rates in Gbit/s, comma-separated [10,25]")
+    p.add_argument("--modes", default="auto,auto_fp8", help=f"of {', '.join(MODES)}, comma-separated [auto,auto_fp8]")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--messages", type=int, default=8, help="timed replies per figure")
-    p.add_argument("--seq", type=int, default=256, help="tokens per reply (1 x SEQ) [256]")
+    p.add_argument("--messages", type=int, default=8, help="timed batches per figure")
+    p.add_argument("--seq", type=int, default=2048, help="longest row [2048]")
+    p.add_argument("--rows", type=int, default=4, help="rows a batch [4]")
+    p.add_argument("--lengths", default="lognormal", choices=("lognormal", "full"), help="row lengths [lognormal]")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
+    modes = a.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     reason = unavailable()
     if reason:
         print(f"bench_netns: {reason}", file=sys.stderr)
         return 2
-    report = run([float(r) for r in a.rates.split(",")], a.rounds, a.messages, a.seq, a.prefetch)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the namespaces and processes go too
+    report = run([float(r) for r in a.rates.split(",")], modes, a.rounds, a.messages, a.seq, a.rows, a.lengths,
+                 a.prefetch)
     report["ok"] = _ok(report)
     for gbit, rate in report["rates"].items():
-        full, auto = (statistics.median(f["tokens_per_s"] for f in rate[n]) for n in ("full", "auto"))
-        print(f"{gbit:>4} Gbit/s  full {full:>10,.0f} tokens/s  auto {auto:>10,.0f} tokens/s  "
-              f"auto/full {rate['auto_over_full']} {rate['rounds']}")
-    print(f"auto check: {report['auto_check']}; CPU expansion {report['cpu_expand_tokens_per_s']:,} tokens/s; "
-          f"{'OK' if report['ok'] else 'NOT OK'}")
+        shown = [f"{mode} {statistics.median(f['tokens_per_s'] for f in rate[mode]):>9,.0f} tokens/s "
+                 f"({statistics.median(f['of_link'] for f in rate[mode]):.0%} of the link)" for mode in modes]
+        ratios = [f"{name} {r['median']} {r['rounds']}" for name, r in rate.items()
+                  if name.endswith(("_full", "_auto"))]
+        print(f"{gbit:>4} Gbit/s  " + "  ".join(shown + ratios))
+    print(f"default clients: {report['auto_check']}; CPU expansion {report['cpu_expand_tokens_per_s']:,} tokens/s, "
+          f"CPU FP8 restore {report['cpu_restore_tokens_per_s']:,} tokens/s; {'OK' if report['ok'] else 'NOT OK'}")
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["ok"] else 1

@@ -4,8 +4,8 @@ For each bench report in OUT_DIR (bench_full.json, bench_packed.json, compile_ti
 with its rounds and target, each compiled figure's verification (within the tolerance of eager, bit-equal
 to the colocated compiled forward) with its worst deviation beside the eager forward's own
 batch-composition noise on the same rows and its derived flip bound, and the compile times against their
-targets with where their seconds went (dynamo's phases, each batch class); then the GPU tests' last line
-and each step's exit status.
+targets with where their seconds went (dynamo's phases, each batch class); new_lengths.json's summary
+(benchmarks/compile_new_lengths.py); then the GPU tests' last line and each step's exit status.
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ def main(out: Path) -> None:
         report = json.loads(path.read_text())
         print(f"{name} ({report['when']}, {report['machine']['gpu']}, torch {report['machine']['torch']}):")
         print("\n".join(figures(report) + ratios(report)))
+    lengths = out / "new_lengths.json"
+    if lengths.exists():
+        from compile_new_lengths import summary  # beside this file
+
+        print(summary(json.loads(lengths.read_text())))
     tests = out / "gpu_tests.log"
     if tests.exists():
         lines = [line for line in tests.read_text().splitlines() if line.strip()]

@@ -14,6 +14,12 @@
 #                    (an empty cache loaded with the cold run's cache artifacts, the load counted); each split by
 #                    phase (trace, backend, guards, load, other) and by batch class, plus the eager forward run
 #                    before compiling (targets: <= 30 s cold, <= 5 s warm)
+#   5. new_lengths   issue 40 item 4 (benchmarks/compile_new_lengths.py): a fresh --compile worker over 20 log-normal
+#                    batches of lengths it has never seen against the colocated eager forward (compile time apart;
+#                    target >= 1.15x), its recompiles after load (/metrics, log) and bit-equality with the colocated
+#                    HFTarget(compile=True); a worker of a second target of the same config on that cache (classes
+#                    loaded whole); a fresh eager worker beside. About 3-4 minutes alone:
+#                      STEPS=new_lengths bash benchmarks/gpu_compile.sh
 # Every compiled batch is verified within compiled.TOLERANCE of the eager forward, its flips within the bound
 # derived for the batch (engines/flips.py), and counted bit-equal to the colocated compiled forward.
 # Each step runs under its own time limit, cut to what is left of the 9 minutes; a step that fails or times
@@ -23,6 +29,7 @@
 #   STEPS="bench_full gpu_tests"   run only these steps (a second call can run what a first one left out);
 #                                  STEPS=compile_time alone takes about 2.5 minutes
 #   FULL_ONLY, PACKED_ONLY         the scenarios of the two benches (add samehost_1w to compare an eager worker)
+#   NEW_LENGTHS_ARGS               compile_new_lengths.py's [--gpu-8b]
 #   BENCH_ARGS                     the target and devices [--gpu-8b --devices cuda:0]; a dry run on CPU (the
 #                                  tiny target; SPEC_SERVE_TEST_COMPILE_CLASSES=rows,row compiles 2 classes of 5):
 #     spec-serve make-tiny-target ./tiny && BENCH_ARGS="--target ./tiny --seq 64 --steps 2" BUDGET=3000 \
@@ -71,5 +78,8 @@ step bench_packed 150 "${BENCH[@]}" --repeat 3 --lengths lognormal --log-dir "$O
   --json "$OUT/bench_packed.json" --only "${PACKED_ONLY:-colocated,samehost_1w_packed,samehost_1w_packed_compiled}"
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_compile.py
 step compile_time 210 "${BENCH[@]}" --only compile_cold --json "$OUT/compile_time.json"
+read -r -a NEW_LENGTHS <<< "${NEW_LENGTHS_ARGS:---gpu-8b}"
+step new_lengths 330 python3 benchmarks/compile_new_lengths.py "${NEW_LENGTHS[@]}" --log-dir "$OUT/logs-new-lengths" \
+  --json "$OUT/new_lengths.json"
 
 python3 benchmarks/compile_summary.py "$OUT" 2>&1 | tee "$OUT/summary.txt"

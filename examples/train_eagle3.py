@@ -9,6 +9,8 @@ Every rank shares the same workers through ``RemoteTargetModel``; the draft is w
         keys/client.key_secret --curve-server-key keys/broker.key --curve-worker-keys-dir keys/workers
     # everything on this machine: tiny target, broker + 2 workers, then the torchrun above
     python examples/train_eagle3.py --demo
+    # two epochs over the same data, the second read from a supervision cache (docs/cache.md)
+    python examples/train_eagle3.py --demo --epochs 2 --cache /tmp/eagle3-cache
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def train(args) -> int:  # noqa: PLR0915
     # the broker's public key, and the workers' public keys (replies are admitted from them only).
     security = Security(args.curve_secret_key, server_key_file=args.curve_server_key,
                         worker_keys_dir=args.curve_worker_keys_dir) if args.curve_secret_key else None
-    target = RemoteTargetModel(args.broker, prefetch_depth=2, timeout=60, security=security)
+    # cache=DIR: rows captured once are read back every later epoch (None: every batch asks the workers).
+    target = RemoteTargetModel(args.broker, prefetch_depth=2, timeout=60, security=security, cache=args.cache,
+                               compact=True if args.compact else None)
     # Fail at setup, naming the worker, if the workers serve another model than the one we tokenize for.
     target.check_target_info({"vocab_size": vocab, "hidden_size": config["hidden_size"],
                               "num_hidden_layers": config["num_hidden_layers"],
@@ -106,17 +110,19 @@ def train(args) -> int:  # noqa: PLR0915
 
     tokenizer = Tokenizer.from_file(str(Path(args.target) / "tokenizer.json"))
 
-    def submit(step):  # each rank reads its own data: seeds depend on the rank
-        ids, attn, loss_mask = sample_batch(tokenizer, args.batch, args.seq, seed=1_000_000 * (rank + 1) + step)
+    def submit(step):  # each rank reads its own data: seeds depend on the rank; every epoch the same batches
+        seed = 1_000_000 * (rank + 1) + step % args.steps
+        ids, attn, loss_mask = sample_batch(tokenizer, args.batch, args.seq, seed=seed)
         return target.generate_batch_async(ids, attn, loss_mask, kind="eagle3")
 
     # prefetch_depth=2: while step s trains, the workers compute the supervision of steps s+1 and s+2.
     start = time.perf_counter()
-    inflight = [submit(s) for s in range(min(2, args.steps))]
+    total = args.steps * args.epochs
+    inflight = [submit(s) for s in range(min(2, total))]
     history = []
-    for step in range(args.steps):
+    for step in range(total):
         batch = inflight.pop(0).result()
-        if step + 2 < args.steps:
+        if step + 2 < total:
             inflight.append(submit(step + 2))
         logits = model(batch["aux_hidden_states"].float(), batch["input_ids"])
         loss, entropy, agree = soft_cross_entropy(logits, batch["target_probs"], batch["position_mask"])
@@ -127,19 +133,24 @@ def train(args) -> int:  # noqa: PLR0915
         dist.all_reduce(stats)
         loss_avg, entropy_avg, agree_avg = (stats / world).tolist()
         history.append(loss_avg)
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+        if rank == 0 and (step % args.log_every == 0 or step == total - 1):
             print(f"step {step:4d}  loss {loss_avg:.4f}  kl {loss_avg - entropy_avg:.4f}  top1 {agree_avg:.3f}",
                   flush=True)
 
-    elapsed, stats = time.perf_counter() - start, target.stats
+    elapsed, stats, cache = time.perf_counter() - start, target.stats, target.cache
     target.close()
     dist.destroy_process_group()
     if rank != 0:
         return 0
-    window = max(1, args.steps // 5)
+    if args.history:
+        Path(args.history).write_text(json.dumps(history))  # every step's loss, for exact comparisons
+    window = max(1, total // 5)
     first, last = sum(history[:window]) / window, sum(history[-window:]) / window
-    print(f"{args.steps} steps in {elapsed:.1f}s; rank 0 client: {stats.completed} requests completed, "
+    print(f"{total} steps in {elapsed:.1f}s; rank 0 client: {stats.completed} requests completed, "
           f"{stats.retried} retried", flush=True)
+    if cache is not None:
+        print(f"rank 0 cache: {cache.stats.hits} rows hit, {cache.stats.misses} missed, "
+              f"{cache.stats.batches_all_hits} of {cache.stats.batches} batches sent no request", flush=True)
     print(f"initial loss {first:.4f}  final loss {last:.4f}  (mean of first/last {window} steps, "
           f"{world} ranks)", flush=True)
     if not last < first:
@@ -162,7 +173,10 @@ def demo(args) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    __file__, "--broker", cluster.frontend, "--target", str(target_dir),
                    "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--lr", str(args.lr), "--draft-vocab", str(args.draft_vocab), "--log-every", str(args.log_every)]
+                   "--lr", str(args.lr), "--draft-vocab", str(args.draft_vocab), "--log-every", str(args.log_every),
+                   "--epochs", str(args.epochs)]
+            cmd += (["--cache", args.cache] if args.cache else []) + (["--compact"] if args.compact else [])
+            cmd += ["--history", args.history] if args.history else []
             return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
 
 
@@ -178,7 +192,13 @@ def main() -> int:
     p.add_argument("--curve-worker-keys-dir", default=os.environ.get("SPEC_SERVE_CURVE_WORKER_KEYS_DIR"),
                    help="the workers' public keys [env SPEC_SERVE_CURVE_WORKER_KEYS_DIR]")
     p.add_argument("--demo", action="store_true", help="run a local tiny cluster and 2 ranks against it")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=60, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the same batches")
+    p.add_argument("--cache", default=None, help="a supervision cache directory (docs/cache.md): later epochs read "
+                                                 "rows from it instead of asking the workers")
+    p.add_argument("--compact", action="store_true", help="compact EAGLE-3 replies always (compact=True): what a "
+                                                          "cache stores, so the runs with and without one match")
+    p.add_argument("--history", default=None, help="write rank 0's loss at every step to this JSON file")
     p.add_argument("--batch", type=int, default=4, help="rows per rank and step")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -169,6 +169,55 @@ class RawZmtpPeer:
         except OSError:
             return True
 
+    def send(self, frames: list[bytes]) -> None:
+        """One whole message."""
+        self.sock.sendall(b"".join(self.frame(f, more=i < len(frames) - 1) for i, f in enumerate(frames)))
+
+    def slow_frames(self, first_frames: list[bytes], per_step: int, step_s: float, timeout: float) -> bool:
+        """``first_frames``, then empty frames, ``per_step`` every ``step_s``, never ending the message, until the
+        receiver cuts the connection (True) or ``timeout`` passes (False)."""
+        chunk, deadline = self.frame(b"", more=True) * per_step, time.monotonic() + timeout
+        try:
+            for f in first_frames:
+                self.sock.sendall(self.frame(f, more=True))
+            while time.monotonic() < deadline:
+                self.sock.sendall(chunk)
+                time.sleep(step_s)
+        except OSError:
+            return True
+        return False
+
+    def messages(self, timeout: float) -> list[list[bytes]]:
+        """The messages the receiver sent us (ZMTP commands skipped) until it closed the connection or
+        ``timeout`` passed."""
+        data, deadline = b"", time.monotonic() + timeout
+        self.sock.settimeout(0.1)
+        while time.monotonic() < deadline:
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        messages, current, at = [], [], 0
+        while at + 2 <= len(data):
+            flags = data[at]
+            size_len = 8 if flags & 2 else 1
+            if at + 1 + size_len > len(data):
+                break
+            size = int.from_bytes(data[at + 1:at + 1 + size_len], "big")
+            body, at = data[at + 1 + size_len:at + 1 + size_len + size], at + 1 + size_len + size
+            if flags & 4:
+                continue  # a command (READY, PING)
+            current.append(body)
+            if not flags & 1:
+                messages.append(current)
+                current = []
+        return messages
+
     def many_frames(self, first_frames: list[bytes], count: int, timeout: float = 60.0) -> int:
         """One whole message: ``first_frames``, then ``count`` empty frames (2 bytes each on the wire), the
         last ending it. Returns the bytes sent before the receiver cut the connection (all if never)."""
@@ -226,6 +275,12 @@ def start_slow_worker(cluster, target, delay: float, *extra: str, env: dict | No
     """A worker whose every forward first sleeps ``delay`` seconds (test-only entry point); ``env`` adds to
     the cluster's environment (e.g. a ``Gate``'s)."""
     return _start_test_worker(cluster, target, "--delay", str(delay), *extra, env=env)
+
+
+def start_nan_worker(cluster, target, token: int, *extra: str) -> subprocess.Popen:
+    """A worker whose forward on input ids all ``token`` answers a NaN in its first hidden state (as a broken
+    target would), and every other forward as the engine computes it."""
+    return _start_test_worker(cluster, target, "--delay", "0", "--nan-on-token", str(token), *extra)
 
 
 def start_crashing_worker(cluster, target, token: int, *extra: str) -> subprocess.Popen:
@@ -398,6 +453,7 @@ def _slow_worker_main(argv: list[str]) -> None:
     p.add_argument("--broker", required=True)
     p.add_argument("--service", default="default")
     p.add_argument("--crash-on-token", type=int, default=None)
+    p.add_argument("--nan-on-token", type=int, default=None)
     p.add_argument("--capacity", type=int, default=2)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--device", default="cpu")
@@ -412,7 +468,13 @@ def _slow_worker_main(argv: list[str]) -> None:
             os._exit(70)  # as a segfault or an OOM kill would: no reply, no DONE, no goodbye
         log.info("test.forward_started rows=%d", input_ids.shape[0])
         time.sleep(args.delay)  # holds the compute thread only; heartbeats run on the I/O thread
-        return inner(input_ids, *a, **kw)
+        out = inner(input_ids, *a, **kw)
+        if args.nan_on_token is not None and bool((input_ids == args.nan_on_token).all()):
+            out = dict(out)
+            name = next(n for n in out if n.endswith("hidden_states"))
+            out[name] = out[name].clone()
+            out[name][0, 0, 0] = float("nan")
+        return out
 
     engine.generate_batch = slow_generate_batch
     worker = Worker(engine, args.broker, service=args.service, capacity=args.capacity,

@@ -16,9 +16,12 @@ from spec_serve.client.assembly import assemble
 from spec_serve.client.compact import Expansion
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received
+from spec_serve.client.restore import Restoration
 from spec_serve.paths.frames.hostpool import RecyclingAllocator
 from spec_serve.protocol import wire
 from spec_serve.protocol.messages import Reply
+from spec_serve.supervision import fp8
+from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.tools.verify import sharded_forward
@@ -135,3 +138,27 @@ def test_shards_in_two_formats_without_an_expansion_fail_clearly():
                                    wire.parse(wire.encode(_batch(1, 8)))[0]))
     with pytest.raises(RemoteError, match="different kinds"):
         out.result(timeout=5)
+
+
+def test_a_batch_of_fp8_and_model_dtype_shards_restores_each_row_as_its_shard_sent_it():
+    """wire_dtype="fp8": shard 0 came FP8 (restored after landing), shard 1 from a worker that cannot send it
+    (taken as it came), in either order."""
+    hidden = 64
+    x = torch.randn(4, 5, 3 * hidden).bfloat16()
+    sent = fp8.quantize_reply({"aux_hidden_states": x[:2].clone(), "ids": torch.arange(10).view(2, 5)},
+                              HIDDEN_STATE_TENSORS, hidden)
+    plain = {"aux_hidden_states": x[2:].clone(), "ids": torch.arange(10, 20).view(2, 5)}
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    restore = Restoration(torch.bfloat16, torch.device("cpu"), executor)
+    for order in ((0, 1), (1, 0)):
+        futures = [concurrent.futures.Future(), concurrent.futures.Future()]
+        out = assemble(futures, [2, 2], torch.device("cpu"), RecyclingAllocator(), asked="dspark", restore=restore)
+        for k in order:
+            tensors, wire_dtype = (sent, "fp8") if k == 0 else (plain, None)
+            futures[k].set_result(Received(b"", Reply(worker="w", wire_dtype=wire_dtype),
+                                           wire.parse(wire.encode(tensors))[0]))
+        got = out.result(timeout=30)
+        assert sorted(got) == ["aux_hidden_states", "ids"] and got["aux_hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(got["aux_hidden_states"][:2], fp8.restore_reply(sent, torch.bfloat16)["aux_hidden_states"])
+        assert torch.equal(got["aux_hidden_states"][2:], x[2:]) and torch.equal(got["ids"], torch.arange(20).view(4, 5))
+    executor.shutdown()

@@ -45,12 +45,15 @@ def test_every_option_is_read_from_its_variable():
               "SPEC_SERVE_CLIENT_DEVICE": ("cpu", "cpu"), "SPEC_SERVE_TIMEOUT": ("7.5", 7.5),
               "SPEC_SERVE_MAX_RETRIES": ("0", 0), "SPEC_SERVE_PREFETCH_DEPTH": ("3", 3),
               "SPEC_SERVE_NUM_SHARDS": ("4", 4), "SPEC_SERVE_COMPACT": ("ON", True),
+              "SPEC_SERVE_WIRE_DTYPE": ("FP8", "fp8"),
               "SPEC_SERVE_ENABLE_NCCL": ("yes", True), "SPEC_SERVE_NCCL_TIMEOUT": ("5", 5.0),
               "SPEC_SERVE_NCCL_RETRY_S": ("6", 6.0), "SPEC_SERVE_SAME_HOST_PLANE": ("0", False),
               "SPEC_SERVE_INSECURE_NETWORK": ("1", True),
               "SPEC_SERVE_VERIFY": ("sampled", "sampled"), "SPEC_SERVE_CONNECT_TIMEOUT": ("2", 2.0),
               "SPEC_SERVE_HEARTBEAT_INTERVAL": ("0.5", 0.5), "SPEC_SERVE_HEARTBEAT_LIVENESS": ("9", 9),
-              "SPEC_SERVE_MAX_MESSAGE_BYTES": ("1024", 1024), "SPEC_SERVE_ADVERTISE_HOST": ("10.0.0.7", "10.0.0.7")}
+              "SPEC_SERVE_MAX_MESSAGE_BYTES": ("1024", 1024), "SPEC_SERVE_ADVERTISE_HOST": ("10.0.0.7", "10.0.0.7"),
+              "SPEC_SERVE_CACHE": ("/data/cache", Path("/data/cache")), "SPEC_SERVE_CACHE_MAX_BYTES": ("5", 5),
+              "SPEC_SERVE_CACHE_DTYPE": ("FP8", "fp8")}
     curve = {o.env for o in options.TABLE if o.name.startswith("curve")}  # test_curve_from_the_environment
     assert {o.env for o in options.TABLE} - curve == set(values)
     got = options.resolve({}, environ={k: raw for k, (raw, _) in values.items()})
@@ -137,6 +140,16 @@ def test_nemo_eagle_variables_are_honoured_or_refused_under_nemo(tmp_path):
         _resolve(environ={**curve, "NEMO_EAGLE_ENABLE_NCCL": "1"}, nemo=True)
 
 
+def test_a_cache_of_native_rows_refuses_an_fp8_wire(tmp_path):
+    """Rows restored from FP8 are not the target's bits: a native cache would store them as if they were."""
+    with pytest.raises(ValueError, match=r"^wire_dtype='fp8' \(from SPEC_SERVE_WIRE_DTYPE\) rounds the hidden states "
+                                         r"the cache \(from cache\) would store as native rows.*set cache_dtype='fp8' "
+                                         r"too, or wire_dtype='auto'$"):
+        _resolve({"cache": str(tmp_path)}, environ={"SPEC_SERVE_WIRE_DTYPE": "fp8"})
+    got = _resolve({"cache": str(tmp_path), "cache_dtype": "fp8"}, environ={"SPEC_SERVE_WIRE_DTYPE": "fp8"})
+    assert (got["wire_dtype"], got["cache_dtype"]) == ("fp8", "fp8")
+
+
 def test_an_unknown_yaml_key_is_refused():
     with pytest.raises(ValueError, match=r"recipe_args.spec_serve has unknown keys \['num_shard'\]; known: "):
         _resolve(yaml={"spec_serve": {"num_shard": 2}}, nemo=True)
@@ -175,7 +188,7 @@ def _doc_table() -> str:
 def test_the_docs_show_the_table():
     text = DOC.read_text()
     assert _doc_table() in text, "docs/client-options.md: regenerate the table from tests/test_client_options.py"
-    for word in options.COMPACT_WORDS:
+    for word in [*options.COMPACT_WORDS, *options.WIRE_DTYPE_WORDS]:
         assert re.search(rf"`{word}`", text), word
     for name in options.NEMO_REFUSED_ENV:
         assert name in text

@@ -14,14 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster_util import assert_contract
+from cluster_util import assert_contract, start_nan_worker
 from spec_serve.client.api import RemoteTargetModel
+from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
 from spec_serve.supervision.eagle3 import lm_head_slice
 from spec_serve.supervision.tolerance import Bound, deviation
 from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICES
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.tools.verify import reference_logits
+from spec_serve.tools.verify import colocated_reference, mismatch, reference_logits
 
 
 def _nbytes(batch):
@@ -168,3 +169,122 @@ def test_auto_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, 
             assert float((got["target_probs"] - full["target_probs"]).abs().max()) <= 1e-6
         stats = remote.stats
         assert 0 < stats.compact_replies < 12 and stats.plane_replies == 12 - stats.compact_replies, stats
+
+
+# ---------------------------------------------------------------- FP8 on the wire (wire_dtype="fp8")
+#
+# The hidden states travel as float8_e4m3fn with a float32 scale per token and captured layer, and come
+# back in the model dtype. Two checks, for every path that carries bytes (frames, the same-host plane) and
+# every kind: bit for bit, the remote batch equals the colocated forward put through fp8.quantize_reply and
+# fp8.restore_reply (verify.fp8_round_trip: quantizing and restoring are elementwise per token and layer, so
+# neither sharding nor the client's device changes a bit); and against the unquantized colocated forward,
+# every hidden-state element within e4m3's rounding (within_fp8_rounding), which a scale misapplied or
+# swapped between rows breaks (the first check cannot see a bug the codec and its reference share).
+
+
+def within_fp8_rounding(got: torch.Tensor, want: torch.Tensor, hidden: int) -> bool:
+    """Every element of ``got`` within FP8's rounding of ``want``'s (docs/equality.md): e4m3 keeps 3 mantissa
+    bits (2**-4 relative), a subnormal rounds by half a step (2**-10 of its block's scale, amax / 448), and
+    the restored value rounds once more to the model dtype (bf16: 2**-8 relative)."""
+    x, y = want.double(), got.double()
+    blocks = x.unflatten(-1, (-1, hidden))
+    scale = (blocks.abs().amax(-1, keepdim=True) / 448).expand_as(blocks).flatten(-2)
+    return bool(((y - x).abs() <= x.abs() * (2**-4 + 2**-8) + scale * 2**-10).all())
+
+
+def _check_fp8(got, engine, batch, kind, **ref) -> None:
+    want = colocated_reference(engine, batch, kind, wire_fp8=True, **ref)
+    assert mismatch(got, want) is None, mismatch(got, want)
+    plain = colocated_reference(engine, batch, kind, **ref)
+    hidden = engine.target_info().hidden_size
+    for name in HIDDEN_STATE_TENSORS:
+        if name in got:
+            assert not torch.equal(got[name], plain[name])  # it did travel as FP8
+            assert within_fp8_rounding(got[name], plain[name], hidden), name
+
+
+@pytest.mark.parametrize("plane", [False, True], ids=["frames", "plane"])
+def test_fp8_replies_equal_the_colocated_round_trip(cluster, tiny_target_dir, tiny_vocab_mapping, colocated_target,
+                                                     plane):
+    engine = colocated_target()
+    with RemoteTargetModel(cluster.frontend, wire_dtype="fp8", same_host_plane=plane, num_shards=2,
+                           prefetch_depth=2, timeout=60) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        batches = [sample_batch(tiny_target_dir, 4, 24 + 8 * seed, seed=seed) for seed in range(2)]
+        futures = [(b, client.generate_batch_async(*b, kind="eagle3")) for b in batches]
+        for batch, future in futures:  # compact="auto": compact over frames, full through the plane
+            _check_fp8(future.result(), engine, batch, "eagle3", shards=2, compact=not plane,
+                   selected=tiny_vocab_mapping)
+        dspark = sample_batch(tiny_target_dir, 3, 20, seed=5)
+        _check_fp8(client.generate_batch(*dspark, kind="dspark"), engine, dspark, "dspark", shards=2)
+        stats = client.stats
+    assert (stats.fp8_replies, stats.fp8_declined) == (6, 0)
+    assert stats.plane_replies == (6 if plane else 0)
+    # verify="all": each reply's FP8 bytes and scales, as landed, against the worker's digests of what it sent
+    # (and, over frames, the lm_head slice's reply too)
+    assert stats.digest_checks == (6 if plane else 7) and stats.digest_mismatches == 0
+
+
+def test_fp8_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, tiny_vocab_mapping, colocated_target):
+    """FP8 shards of one batch, full through the plane and compact as frames: each shard's rows are its format's
+    colocated FP8 round trip, bit for bit (restored per format, then the compact rows expanded)."""
+    engine = colocated_target()
+    with RemoteTargetModel(mixed.frontend, service="mixed", num_shards=2, prefetch_depth=2, wire_dtype="fp8",
+                           timeout=60) as remote:
+        remote.set_vocab_mapping(*tiny_vocab_mapping)
+        batches = [sample_batch(tiny_target_dir, 4, 32, seed=40 + seed) for seed in range(4)]
+        futures = [remote.generate_batch_async(*batch, kind="eagle3") for batch in batches]
+        for batch, future in zip(batches, futures):
+            got = future.result()
+            forms = [colocated_reference(engine, batch, "eagle3", shards=2, compact=compact, wire_fp8=True,
+                                         selected=tiny_vocab_mapping) for compact in (False, True)]
+            for rows in (slice(0, 2), slice(2, 4)):
+                shard = {k: t[rows] for k, t in got.items()}
+                assert any(mismatch(shard, {k: t[rows] for k, t in want.items()}) is None for want in forms)
+        stats = remote.stats
+    assert stats.fp8_replies == 8 and 0 < stats.compact_replies < 8, stats
+
+
+def test_a_reply_fp8_cannot_carry_comes_in_the_model_dtype_and_is_counted(cluster, tiny_target_dir,
+                                                                          tiny_vocab_mapping):
+    """A worker whose forward holds a NaN in a hidden state sends that reply in the model dtype (no scale
+    represents a NaN, and FP8 must not hide it); the client takes it, NaN and all, and counts it."""
+    start_nan_worker(cluster, tiny_target_dir, 7, "--service", "nan")
+    cluster.wait_workers(1, service="nan")
+    with RemoteTargetModel(cluster.frontend, service="nan", wire_dtype="fp8", same_host_plane=False,
+                           timeout=60) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        ids, attention, loss = sample_batch(tiny_target_dir, 2, 16, seed=3)
+        fine = client.generate_batch(ids, attention, loss, kind="dspark")
+        broken = client.generate_batch(torch.full_like(ids, 7), attention, loss, kind="dspark")
+        stats = client.stats
+    assert (stats.fp8_replies, stats.fp8_declined) == (1, 1)
+    assert not fine["target_hidden_states"].isnan().any()
+    assert broken["target_hidden_states"][0, 0, 0].isnan()
+    assert broken["target_hidden_states"].dtype == fine["target_hidden_states"].dtype  # the model's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_replies_equal_the_colocated_round_trip(tiny_target_dir, tiny_vocab_mapping):
+    """A CUDA worker quantizes on its device, a CUDA client restores on its own (frames through its pinned
+    slabs; the plane through CUDA IPC): each batch bit-equal to the colocated CUDA forward's round trip, and
+    complete when resolved (a trainer may read it on any stream)."""
+    from spec_serve.engines.hf import HFTarget
+
+    device = torch.device("cuda:0")
+    engine = HFTarget(tiny_target_dir, device=device, dtype="bfloat16")
+    engine.set_vocab_mapping(*tiny_vocab_mapping)
+    with local_cluster(tiny_target_dir, workers=1, worker_args=("--device", "cuda:0", "--dtype", "bfloat16")) as c:
+        for plane in (False, True):
+            with RemoteTargetModel(c.frontend, device=device, wire_dtype="fp8", same_host_plane=plane, num_shards=2,
+                                   timeout=60) as client:
+                client.set_vocab_mapping(*tiny_vocab_mapping)
+                for seed, kind in [(0, "eagle3"), (1, "dspark")]:
+                    batch = sample_batch(tiny_target_dir, 4, 256, seed=seed)
+                    got = client.generate_batch(*batch, kind=kind)
+                    assert torch.cuda.current_stream(device).query()
+                    _check_fp8(got, engine, tuple(t.to(device) for t in batch), kind, shards=2,
+                               compact=kind == "eagle3" and not plane, selected=tiny_vocab_mapping)
+                stats = client.stats
+            assert (stats.fp8_replies, stats.plane_replies) == (4, 4 if plane else 0), stats

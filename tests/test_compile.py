@@ -36,10 +36,11 @@ from spec_serve.engines.hf import HFTarget
 from spec_serve.supervision.eagle3 import lm_head_slice
 from spec_serve.supervision.tolerance import ReferenceLogits
 from spec_serve.telemetry.metrics import CompileCollector
-from spec_serve.tools.bench import LLAMA_8B_CONFIG, padded_batch
+from spec_serve.tools.bench import LLAMA_8B_CONFIG, padded_batch, row_lengths
 from spec_serve.tools.launch import free_port, local_cluster
-from spec_serve.tools.tiny import sample_batch
+from spec_serve.tools.tiny import make_tiny_target, sample_batch
 from spec_serve.tools.verify import expanded, mismatch, reference_logits, tolerance_for
+from spec_serve.worker import threads as worker_threads
 
 FP32 = compiled.TOLERANCE[torch.float32]
 KINDS = ("eagle3", "dspark", "eagle3_compact")
@@ -210,6 +211,93 @@ def test_saved_classes_load_whole_and_a_broken_one_is_compiled_again(plumbing_en
     assert engine.compile_report.recompiles == 0
 
 
+@pytest.mark.skipif(AOT_EAGER_UNSAVED is not None, reason=f"{AOT_EAGER_UNSAVED} (nothing saved to share)")
+def test_saved_classes_serve_another_target_of_the_same_config(plumbing_engine, tiny_vocab_mapping, tmp_path,
+                                                               monkeypatch, caplog):
+    """Issue 40: saved classes serve every target of one configuration, dtype, device and math-thread count. A
+    second tiny target (other weights, its own directory) loads the plumbing engine's classes whole, traces
+    nothing, and answers as its own eager forward bit for bit (aot_eager runs eager's kernels), not as the first
+    target. A load at another thread count is keyed apart: dynamo's guards check torch's thread count, so before,
+    every saved class refused it ("its guards refuse the warm-up's call") and was compiled again and replaced,
+    and the next load at the first count did the same; now it compiles its own and leaves the others' be."""
+    other = make_tiny_target(tmp_path / "other-weights", seed=7)
+    cache = tmp_path / "cache"
+    shutil.copytree(plumbing_engine.compile_report.cache_dir, cache)
+    monkeypatch.setenv(compiled.TEST_BACKEND_ENV, "aot_eager")
+    with caplog.at_level(logging.INFO, logger="spec_serve.engines.compiled"), _propagating():
+        engine = HFTarget(other, compile=True, compile_cache=cache)
+        report = engine.compile_report
+        assert report.loaded == len(compiled.WARMUP) and report.graphs == 0, report
+        engine.set_vocab_mapping(*tiny_vocab_mapping)
+        eager = HFTarget(other)
+        eager.set_vocab_mapping(*tiny_vocab_mapping)
+        for batch in _batches(other):
+            assert mismatch(engine.generate_batch(*batch), eager.generate_batch(*batch)) is None
+        assert mismatch(engine.generate_batch(*batch), plumbing_engine.generate_batch(*batch)) is not None
+        assert engine.compile_report.recompiles == 0
+        files = {path: path.read_bytes() for path in Path(report.saved_classes).iterdir()}
+        monkeypatch.setenv(compiled.TEST_CLASSES_ENV, "rows")
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            apart = HFTarget(other, compile=True, compile_cache=cache).compile_report
+        finally:
+            torch.set_num_threads(before)
+    assert apart.saved_classes != report.saved_classes and apart.graphs == 1 and apart.loaded == 0, apart
+    assert not [r for r in caplog.records if "compile.saved_class_unusable" in r.getMessage()]
+    assert {path: path.read_bytes() for path in Path(report.saved_classes).iterdir()} == files
+
+
+def test_a_compiled_worker_on_new_lengths_equals_colocated_without_recompiling(plumbing_engine, tiny_target_dir,
+                                                                              tiny_vocab_mapping, tmp_path):
+    """Issue 40: a fresh ``--compile`` worker (no --packing) fed log-normal batches whose lengths neither it nor the
+    colocated compiled engine has met: each answer, every kind, equals the colocated ``HFTarget(compile=True)``'s bit
+    for bit, batch by batch, and nothing recompiles after load on either side (the worker's /metrics and log, the
+    engine's report). The worker loads the classes the plumbing engine saved (aot_eager)."""
+    batches = [padded_batch(rows, 512, seed=100 + i) for i, rows in enumerate(row_lengths("lognormal", 6, 4, 96))]
+    assert len({b[0].shape[1] for b in batches}) >= 4 and not any(b[1].all() for b in batches)
+    before = plumbing_engine.compile_report.recompiles
+    port = free_port()
+    args = ["--device", "cpu", "--compile", "--compile-cache", plumbing_engine.compile_report.cache_dir,
+            "--http-port", str(port)]
+    with local_cluster(tiny_target_dir, workers=1, worker_args=args, env={compiled.TEST_BACKEND_ENV: "aot_eager"},
+                       log_dir=tmp_path, ready_timeout=300) as cluster:
+        with RemoteTargetModel(cluster.frontend, prefetch_depth=2, timeout=300) as client:
+            client.set_vocab_mapping(*tiny_vocab_mapping)
+            for i, batch in enumerate(batches):
+                for kind in ("eagle3", "dspark"):
+                    want = plumbing_engine.generate_batch(*batch, kind=kind)
+                    assert mismatch(client.generate_batch(*batch, kind=kind), want) is None, (i, kind)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    recompiles = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                  if s.name == "spec_serve_worker_compile_recompiles_total"]
+    assert recompiles == [0] and plumbing_engine.compile_report.recompiles == before
+    log = cluster.log_path("worker0").read_text()
+    assert "compile.recompiled" not in log, log
+    if AOT_EAGER_UNSAVED is None:
+        assert re.search(r"compile\.done .*graphs=0 loaded=4 ", log), log
+
+
+def test_a_kept_thread_share_is_not_recounted(monkeypatch):
+    """A compiled worker keeps its share (``ThreadShare.freeze``): a recount that would give it other threads (a
+    worker of the same broker came or went) leaves them as they are, where before it changed torch's threads and,
+    with them, what every compiled class's guards admit (all of them recompiled)."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the share writes it; its value before comes back after
+    share = worker_threads.ThreadShare(None)
+    monkeypatch.setattr(worker_threads, "default_threads", lambda broker_url=None: 2)
+    try:
+        assert share.apply() == 2 and torch.get_num_threads() == 2
+        share.freeze("compiled layers")
+        monkeypatch.setattr(worker_threads, "default_threads", lambda broker_url=None: 3)
+        share._next_recount = 0.0
+        share.rebalance()
+        assert share.threads == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_saving_classes_turned_off_traces_every_load(tiny_target_dir, monkeypatch, caplog):
     """SPEC_SERVE_COMPILE_SAVE_CLASSES=0: the layers are dynamo's compiled forwards, nothing saved, and the
     start line says why."""
@@ -283,6 +371,21 @@ def test_every_batch_class_runs_a_load_time_graph(plumbing_engine, eager_engine,
     assert plumbing_engine.compile_report.recompiles == 0
 
 
+def test_compiled_layers_run_without_cudnn_attention(plumbing_engine, tiny_target_dir):
+    """cuDNN's attention builds an execution plan for each new sequence length, so a fresh worker ran its first
+    batches of new lengths slower than the same lengths later (issue 40): compiled layers run, as packed rows do,
+    with flash, memory-efficient or math attention only, in every forward (and were compiled so), and the flags
+    come back after it."""
+    seen: list[bool] = []
+    hook = plumbing_engine._layers[0].register_forward_pre_hook(
+        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        plumbing_engine.generate_batch(*_batches(tiny_target_dir)[0])
+    finally:
+        hook.remove()
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_compiled_within_tolerance_of_eager(inductor_engine, eager_engine, tiny_target_dir):
     """Inductor's kernels on single rows, every kind: within TOLERANCE of eager, flips within the bound derived
     for the batch, yet not eager's bits (the compiled kernels ran), and no batch compiled anything new."""
@@ -341,6 +444,9 @@ def test_a_new_shape_class_recompiles_once_and_is_counted(plumbing_engine, eager
                                                       {"phase": "recompile"}) > 0
     lines = [r.getMessage() for r in caplog.records if "compile.recompiled" in r.getMessage()]
     assert len(lines) == 1 and "shape='[2, 1]'" in lines[0], lines
+    if AOT_EAGER_UNSAVED is None:  # the guard of the saved classes that refused, in dynamo's words
+        reason = plumbing_engine.compile_report.recompile_reason
+        assert reason and reason != "unknown" and f"reason={reason!r}" in lines[0], lines
 
 
 def test_no_compiler_serves_eager_with_one_warning(one_thread, tiny_target_dir, tiny_vocab_mapping, eager_engine,

@@ -11,6 +11,7 @@ orchestrator would stop it, with status 0.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -96,7 +97,17 @@ def k8s_argv(container: dict) -> list[str]:
 
 
 def k8s_env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    """Its variables; one from the Downward API (``resourceFieldRef``) as kubelet sets it from the resources."""
+    env = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+            continue
+        ref = e["valueFrom"]["resourceFieldRef"]
+        assert ref["containerName"] == container["name"] and ref.get("divisor", "1") == "1", e
+        kind, _, resource = ref["resource"].partition(".")
+        env[e["name"]] = str(math.ceil(float(container["resources"][kind][resource])))
+    return env
 
 
 def unit(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -124,18 +135,25 @@ def unit_env(path: Path) -> dict[str, str]:
     return dict(item.split("=", 1) for item in unit(path)["Service"].get("Environment", []))
 
 
-def sbatch_commands() -> list[list[str]]:
-    """The spec-serve command lines of the sbatch script's srun steps (inside `bash -c` too)."""
+def sbatch_steps() -> list[tuple[list[str], list[str]]]:
+    """The sbatch script's srun steps: (srun's options, the spec-serve command line, inside `bash -c` too)."""
     text = SBATCH.read_text().replace("\\\n", " ")
-    commands = []
+    steps = []
     for line in text.splitlines():
         if not line.startswith("srun "):
             continue
         tokens = shlex.split(line.rstrip("& "))
+        command = tokens.index("bash") if "bash" in tokens else tokens.index("spec-serve")
+        options = [t for t in tokens[1:command] if t.startswith("--")]
         if "bash" in tokens:
             tokens = shlex.split(tokens[tokens.index("-c") + 1])
-        commands.append(tokens[tokens.index("spec-serve"):])
-    return commands
+        steps.append((options, tokens[tokens.index("spec-serve"):]))
+    return steps
+
+
+def sbatch_commands() -> list[list[str]]:
+    """The spec-serve command lines of the sbatch script's srun steps."""
+    return [argv for _, argv in sbatch_steps()]
 
 
 def sbatch_default(name: str) -> str:
@@ -168,6 +186,27 @@ def test_every_flag_and_variable_the_deploy_files_pass_exists():
     assert check_variables({"SPEC_SERVE_DRAIN_TIMOUT"}, "t") == ["t: spec-serve reads no SPEC_SERVE_DRAIN_TIMOUT"]
 
 
+def test_slurm_workers_get_their_cpus_and_as_many_threads():
+    """Issue 39 item 6: each worker task is given its CPUs by srun itself (a step does not inherit the job's
+    --cpus-per-task since Slurm 22.05: each task would get one core) and runs as many math threads
+    (--threads), the same variable, whose default is the job's --cpus-per-task."""
+    (_, broker), (options, worker) = sbatch_steps()
+    cpus = dict(o.split("=", 1) for o in options if "=" in o).get("--cpus-per-task")
+    assert cpus == "$CPUS_PER_WORKER", options
+    assert flag_value(worker, "--threads") == cpus, worker
+    per_task = re.search(r"^#SBATCH --cpus-per-task=(\d+)$", SBATCH.read_text(), re.M).group(1)
+    assert sbatch_default("CPUS_PER_WORKER") == "${SLURM_CPUS_PER_TASK:-" + per_task
+    assert re.search(r"^export .*\bCPUS_PER_WORKER\b", SBATCH.read_text(), re.M)  # read inside bash -c
+
+
+def test_kubernetes_workers_run_as_many_threads_as_cpus_they_request():
+    """Issue 39 item 6: a pod sees no other worker's process, so the default share would be every core of
+    the node; each worker runs as many math threads as the CPUs its pod requests (the Downward API)."""
+    worker = k8s_container(k8s_objects(K8S_WORKER)["Deployment/spec-serve-worker"])
+    assert k8s_env(worker)["SPEC_SERVE_THREADS"] == str(worker["resources"]["requests"]["cpu"])
+    assert "--threads" not in k8s_argv(worker)  # the variable is the one source
+
+
 def test_grace_periods_cover_the_drain():
     """An orchestrator's SIGKILL comes after the worker's drain could have ended (docs/deploy.md)."""
     worker = k8s_objects(K8S_WORKER)["Deployment/spec-serve-worker"]
@@ -181,11 +220,10 @@ def test_grace_periods_cover_the_drain():
 
 
 def test_kubernetes_objects_hang_together():
-    """Selectors match their pods, the Service reaches the broker's ports, probes ask /health (the broker's
+    """Selectors match their pods, the Services reach the broker's ports, probes ask /health (the broker's
     readiness: /ready) on the port the process serves it on (bound beyond loopback: kubelet probes the pod),
-    each worker asks a GPU, every mounted volume exists, and the workers reach the Service's worker port."""
+    each worker asks a GPU, every mounted volume exists, and the workers reach a Service's worker port."""
     objects = {**k8s_objects(K8S_BROKER), **k8s_objects(K8S_WORKER)}
-    service = objects["Service/spec-serve-broker"]
     for name in ("Deployment/spec-serve-broker", "Deployment/spec-serve-worker"):
         spec = objects[name]["spec"]
         labels = spec["template"]["metadata"]["labels"]
@@ -203,19 +241,100 @@ def test_kubernetes_objects_hang_together():
         argv = k8s_argv(container)
         assert str(ports["http"]) == flag_value(argv, "--http-port") and flag_value(argv, "--http-host") == "0.0.0.0"
     broker_labels = objects["Deployment/spec-serve-broker"]["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= broker_labels.items()
     broker = k8s_container(objects["Deployment/spec-serve-broker"])
     broker_ports = {p["name"]: p["containerPort"] for p in broker["ports"]}
-    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert all(p["targetPort"] in broker_ports for p in service_ports.values())
+    services = [obj for obj in objects.values() if obj["kind"] == "Service"]
+    for service in services:
+        assert service["spec"]["selector"].items() <= broker_labels.items()
+        assert all(p["targetPort"] in broker_ports for p in service["spec"]["ports"])
     argv = k8s_argv(broker)
     assert flag_value(argv, "--frontend").endswith(f":{broker_ports['clients']}")
     assert flag_value(argv, "--backend").endswith(f":{broker_ports['workers']}")
     worker = k8s_container(objects["Deployment/spec-serve-worker"])
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert k8s_env(worker)["SPEC_SERVE_BROKER"] == \
-        f"tcp://{service['metadata']['name']}:{service_ports['workers']['port']}"
+    assert k8s_env(worker)["SPEC_SERVE_BROKER"] in {
+        f"tcp://{s['metadata']['name']}:{p['port']}" for s in services for p in s["spec"]["ports"]
+        if p["targetPort"] == "workers"}
     assert "startupProbe" in worker and "readinessProbe" in worker
+
+
+# A readiness path of the broker's that waits for workers: /ready, and /health or /ready of one service.
+_WAITS_FOR_WORKERS = re.compile(r"^/ready|[?&]service=")
+
+
+def k8s_manifests(root: Path = DEPLOY) -> list[dict]:
+    """Every Kubernetes object of every manifest under ``root`` (any file, any kind)."""
+    return [doc for path in sorted([*root.rglob("*.yaml"), *root.rglob("*.yml")])
+            for doc in yaml.safe_load_all(path.read_text()) if isinstance(doc, dict) and "kind" in doc]
+
+
+def _pod_templates(objects: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(name, labels, pod spec) of every workload's pods (Deployment, StatefulSet, DaemonSet, Job...)."""
+    found = []
+    for obj in objects:
+        template = (obj.get("spec") or {}).get("template") or (obj.get("spec", {}).get("jobTemplate", {})
+                                                                .get("spec", {}).get("template"))
+        if obj["kind"] == "Pod":
+            template = {"metadata": obj["metadata"], "spec": obj["spec"]}
+        if template and "containers" in template.get("spec", {}):
+            found.append((f"{obj['kind']}/{obj['metadata']['name']}", template["metadata"].get("labels", {}),
+                          template["spec"]))
+    return found
+
+
+def _container_port(container: dict, target: int | str) -> int | None:
+    for port in container.get("ports", []):
+        if target in (port.get("name"), port["containerPort"]):
+            return int(port["containerPort"])
+    return None
+
+
+def worker_port_gated_on_readiness(objects: list[dict]) -> list[str]:
+    """Services that reach a spec-serve broker's worker port (its --backend) only while the broker is ready,
+    when its readiness waits for a registered worker: no worker could ever register. A Service publishes
+    only ready pods unless ``publishNotReadyAddresses``."""
+    problems = []
+    for service in (o for o in objects if o["kind"] == "Service"):
+        spec, name = service["spec"], f"Service/{service['metadata']['name']}"
+        if spec.get("publishNotReadyAddresses") or not spec.get("selector"):
+            continue
+        for workload, labels, pod in _pod_templates(objects):
+            if not spec["selector"].items() <= labels.items():
+                continue
+            for container in pod["containers"]:
+                argv = [*container.get("command", []), *container.get("args", [])]
+                if "broker" not in argv[1:2] or Path(argv[0]).name != "spec-serve" or "--backend" not in argv:
+                    continue
+                path = (container.get("readinessProbe") or {}).get("httpGet", {}).get("path", "")
+                backend = int(flag_value(argv, "--backend").rpartition(":")[2])
+                for port in spec.get("ports", []):
+                    if _container_port(container, port.get("targetPort", port["port"])) == backend and \
+                            _WAITS_FOR_WORKERS.search(path):
+                        problems.append(f"{name} port {port['port']} reaches {workload}'s worker port only once "
+                                        f"it is ready, and its readiness ({path}) waits for a worker: set "
+                                        f"publishNotReadyAddresses: true on a Service of its own")
+    return problems
+
+
+def test_no_service_gates_the_worker_port_on_the_broker_readiness():
+    """Every manifest under examples/deploy: workers register through a Service that publishes the broker
+    before it is ready (its /ready waits for them). The rule also catches the layout that broke it."""
+    objects = k8s_manifests()
+    assert any(o["kind"] == "Service" for o in objects)
+    assert worker_port_gated_on_readiness(objects) == []
+    one_service = [o for o in objects if o["kind"] != "Service"] + [yaml.safe_load("""
+        kind: Service
+        metadata: {name: spec-serve-broker}
+        spec:
+          selector: {app.kubernetes.io/name: spec-serve, app.kubernetes.io/component: broker}
+          ports: [{name: clients, port: 5555, targetPort: clients}, {name: workers, port: 5556, targetPort: 5556}]
+        """)]
+    assert worker_port_gated_on_readiness(one_service) == [
+        "Service/spec-serve-broker port 5556 reaches Deployment/spec-serve-broker's worker port only once it is "
+        "ready, and its readiness (/ready) waits for a worker: set publishNotReadyAddresses: true on a Service "
+        "of its own"]
+    one_service[-1]["spec"]["publishNotReadyAddresses"] = True
+    assert worker_port_gated_on_readiness(one_service) == []
 
 
 def test_the_autoscaler_scales_the_worker_deployment_on_the_brokers_advice():
@@ -329,7 +448,7 @@ def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path)
     env = {**os.environ, **FAST_ENV, **{k: str(v) for k, v in ports.items()}, "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(FAKE_SLURM), str(_checkout_entry_point(tmp_path / "bin")), os.environ["PATH"]]),
            "SLURM_JOB_NODELIST": "node[1-2]", "TARGET": str(tiny_target_dir), "KEYS": str(keys),
-           "WORKERS_PER_NODE": "1", "SPEC_SERVE_DEVICE": "cpu", "DRAIN_TIMEOUT": "5"}
+           "WORKERS_PER_NODE": "1", "SPEC_SERVE_DEVICE": "cpu", "DRAIN_TIMEOUT": "5", "CPUS_PER_WORKER": "2"}
     log = tmp_path / "job.log"
     with open(log, "wb") as out:
         job = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -354,6 +473,7 @@ def test_the_slurm_script_runs_on_loopback(tiny_target_dir, reference, tmp_path)
     text = log.read_text()
     assert text.count("fake srun: task 0 exited 0") == 2, text[-3000:]
     assert "outcome=drained" in text and "broker.stop" in text, text[-3000:]
+    assert "worker.threads threads=2 source=--threads" in text, text[-3000:]
 
 
 def _swap(text: str, swaps: dict[str, str]) -> str:
@@ -381,14 +501,15 @@ def test_kubernetes_and_systemd_commands_run_on_loopback(tiny_target_dir, refere
     on SIGTERM (kubelet, systemctl stop) with status 0 within the grace its orchestrator gives it."""
     keys = _keys(tmp_path / "keys")
     frontend, backend, http, k8s_http, unit_http = (free_port() for _ in range(5))
-    swaps = {"spec-serve-broker:5556": f"127.0.0.1:{backend}", "127.0.0.1:5556": f"127.0.0.1:{backend}",
+    swaps = {"spec-serve-broker-workers:5556": f"127.0.0.1:{backend}", "127.0.0.1:5556": f"127.0.0.1:{backend}",
              "tcp://*:5555": f"tcp://*:{frontend}", "tcp://*:5556": f"tcp://*:{backend}",
              "/models/llama-3.1-8b": str(tiny_target_dir), "/etc/spec-serve/keys": str(keys), "/keys": str(keys),
              "cuda:0": "cpu", "8080": str(http), "8081": str(k8s_http), "8090": str(unit_http)}
     worker = k8s_container(k8s_objects(K8S_WORKER)["Deployment/spec-serve-worker"])
     broker = k8s_container(k8s_objects(K8S_BROKER)["Deployment/spec-serve-broker"])
     procs = {"broker": _start("broker", k8s_argv(broker), k8s_env(broker), swaps, tmp_path),
-             "k8s-worker": _start("k8s-worker", k8s_argv(worker), k8s_env(worker), swaps, tmp_path),
+             "k8s-worker": _start("k8s-worker", k8s_argv(worker), {**k8s_env(worker), "SPEC_SERVE_THREADS": "1"},
+                                  swaps, tmp_path),  # this host's cores
              "unit-worker": _start("unit-worker", unit_argv(WORKER_UNIT), unit_env(WORKER_UNIT), swaps, tmp_path)}
     grace = {"k8s-worker": _grace(K8S_WORKER, "Deployment/spec-serve-worker"),
              "unit-worker": float(unit(WORKER_UNIT)["Service"]["TimeoutStopSec"][0]),

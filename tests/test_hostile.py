@@ -38,13 +38,16 @@ from spec_serve.client.api import RemoteTargetModel
 from spec_serve.protocol import wire
 from spec_serve.protocol.commands import (
     CLIENT_TAG,
+    CONTROL_FRAMES,
     DATA_TAG,
+    PART_FRAMES,
     WORKER_TAG,
     ClientCommand,
     Status,
     WorkerCommand,
     control,
     data_message,
+    frame_limit,
     in_parts,
     parse_control,
 )
@@ -176,6 +179,61 @@ def test_message_of_many_frames_holds_up_nothing(cluster, side):
     assert _metric(cluster, "spec_serve_worker_deaths_total") == deaths
     assert sorted(w["id"] for w in workers(cluster, "default")) == served_by
     assert grew < 64 << 20
+
+
+# Every command a client may send, with a header the broker would read.
+CLIENT_KINDS = [ClientCommand.REQUEST, ClientCommand.SET_VOCAB, ClientCommand.PART, ClientCommand.STATUS,
+                ClientCommand.DISCONNECT, ClientCommand.BIND, ClientCommand.RELEASE, ClientCommand.HEARTBEAT]
+
+
+def _error_for(sock: zmq.Socket, request_id: bytes, timeout: float = 20.0):
+    """The broker's ERROR answering ``request_id`` (heartbeats and other answers skipped), or None."""
+    deadline = time.monotonic() + timeout
+    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        msg = parse_control(sock.recv_multipart(), CLIENT_TAG, ClientCommand)
+        if msg.command == ClientCommand.ERROR.value and msg.request_id == request_id:
+            return msg
+    return None
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS, ids=lambda k: k.name)
+def test_every_kind_over_its_frame_limit_is_answered_bad_request(cluster, kind):
+    """Issue 39 item 4 (docs/failure-semantics.md): a client's message with more frames than its kind may have
+    is refused unread and answered bad_request under its request id, for each kind, one frame over the limit
+    or 150,000 over (whole within the connection's bound); the answer leaves before the connection is cut."""
+    head = [CLIENT_TAG, kind.value, b"default"]
+    limit = frame_limit(head, PART_FRAMES)
+    ctx = zmq.Context.instance()
+    for count in (limit + 1, 150_000):
+        request_id = uuid.uuid4().bytes
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        try:
+            sock.connect(cluster.frontend)
+            sock.send_multipart([*head, request_id, b"{}", *[b""] * (count - CONTROL_FRAMES)])
+            error = _error_for(sock, request_id)
+        finally:
+            sock.close()
+        assert error is not None, f"{kind.name} of {count} frames: no answer"
+        assert error.header["code"] == "bad_request" and f"more than {limit} frames" in error.header["error"]
+
+
+def test_a_message_cut_before_it_is_whole_is_answered_first(cluster):
+    """Issue 39 item 4: a client that spoke before sends a message that never ends (empty frames, 1.6 MB/s):
+    the broker cannot read it, so it cuts the connection at its bound, but tells it why first (bad_request,
+    no request id: that message's was never read); its STATUS was answered before."""
+    peer = RawZmtpPeer(cluster.frontend)
+    try:
+        peer.send([CLIENT_TAG, ClientCommand.STATUS.value, b"default", uuid.uuid4().bytes, b"{}"])
+        cut = peer.slow_frames([CLIENT_TAG, ClientCommand.REQUEST.value, b"default", uuid.uuid4().bytes,
+                                b'{"reply_to":"tcp://127.0.0.1:9"}'], per_step=8192, step_s=0.01, timeout=60)
+        messages = peer.messages(timeout=5)
+    finally:
+        peer.close()
+    commands = [m[1] for m in messages if len(m) >= 5 and m[0] == CLIENT_TAG]
+    errors = [json.loads(m[4]) for m in messages if len(m) >= 5 and m[1] == ClientCommand.ERROR.value]
+    assert cut and ClientCommand.STATUS.value in commands, commands
+    assert [e["code"] for e in errors] == ["bad_request"] and "connection cut" in errors[0]["error"], errors
 
 
 def test_never_ending_message_to_a_client_data_socket_is_cut_off(cluster, tiny_target_dir):

@@ -125,6 +125,21 @@ def test_bound_path_equals_colocated_and_pool_serves_others(cluster, tiny_target
     assert "worker.nccl_bound" in worker_logs(cluster)
 
 
+def test_fp8_asked_over_the_pair_group_comes_in_the_model_dtype_and_is_counted(cluster, tiny_target_dir,
+                                                                                 tiny_vocab_mapping, reference):
+    """The pair group sends the model dtype (paths/nccl: ``sends_fp8`` False): a wire_dtype="fp8" client bound to
+    a worker gets bit-equal model-dtype replies, counts each in stats.fp8_declined, and the worker says why."""
+    with RemoteTargetModel(cluster.frontend, num_shards=2, wire_dtype="fp8", **NCCL_KW) as bound:
+        bound.set_vocab_mapping(*tiny_vocab_mapping)
+        for seed, kind in [(6, "eagle3"), (7, "dspark")]:
+            check(bound, reference, tiny_target_dir, seed, kind)
+        stats = bound.stats
+    assert stats.nccl_batches == 4 and (stats.fp8_replies, stats.fp8_declined) == (0, 4), stats
+    wait_unbound(cluster)
+    assert 'worker.fp8_declined' in worker_logs(cluster) and "the nccl reply path sends the model dtype" in \
+        worker_logs(cluster)
+
+
 def test_bind_refused_when_all_bound_falls_back_to_frames(cluster, tiny_target_dir, tiny_vocab_mapping, reference,
                                                           caplog):
     """Every worker bound: a third client's BIND is refused at once and it sends frames; its request is served

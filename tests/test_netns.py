@@ -200,25 +200,28 @@ def _bench_netns():
     return module
 
 
-def test_netns_bench_full_and_auto_across_a_rate_limited_link(tmp_path):
+def test_netns_bench_full_auto_and_fp8_across_a_rate_limited_link(tmp_path):
     """benchmarks/bench_netns.py, for correctness only (its figures are recorded in BENCHMARKS.md): across
-    a veth pair limited by tc, full and compact="auto" replies of the 8B shape arrive verified, and a default
-    client on the other side gets compact replies (one lm_head slice) expanded bit-equal to the reference."""
+    a veth pair limited by tc, full, compact="auto" and auto with wire_dtype="fp8" replies of the 8B shape
+    arrive verified, and default clients on the other side get compact replies (one lm_head slice), FP8 ones
+    when asked, restored and expanded bit-equal to the reference."""
     bench = _bench_netns()
     reason = bench.unavailable()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "netns.json"
     proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_netns.py"), "--rates", "10",
-                           "--rounds", "1", "--messages", "2", "--seq", "16", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                           "--rounds", "1", "--messages", "2", "--seq", "16", "--rows", "1", "--modes",
+                           "full,auto,auto_fp8", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["ok"] and report["auto_check"] == {"compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0,
-                                                     "equal": True}
+    assert report["ok"] and report["auto_check"] == {
+        "compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0, "fp8_replies": 0, "equal": True,
+        "fp8": {"compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0, "fp8_replies": 1, "equal": True}}
     rate = report["rates"]["10"]
-    assert [f["verified"] for f in rate["full"] + rate["auto"]] == ["2/2", "2/2"]
+    assert [f["verified"] for f in rate["full"] + rate["auto"] + rate["auto_fp8"]] == ["2/2", "2/2", "2/2"]
     assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token
+    assert rate["auto_fp8"][0]["bytes"] * 1.9 < rate["auto"][0]["bytes"]  # 16 KiB against 32 KiB
 
 
 def test_a_clients_requests_stay_on_its_hosts_worker_while_it_has_a_slot(tmp_path):

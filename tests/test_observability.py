@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -99,7 +100,12 @@ def test_worker_http_port_reports_health_and_metrics(tiny_target_dir, tiny_vocab
         proc = cluster.start_worker(tiny_target_dir, "--http-port", str(port), "--wait-for-broker", "120")
         wait_until(lambda: _health(base) == (503, "checking_broker"), 60, what="503 while it waits for a broker")
         assert listening_addresses(proc.pid) == {"0100007F"}, "the HTTP port binds loopback only"
-        assert _get(base + "/nowhere")[0] == 404 and _samples(base) == {}  # no figures before the worker exists
+        assert _get(base + "/nowhere")[0] == 404
+        stuck = _samples(base)  # before it ever registers: its state and start time, from the first second
+        assert stuck[("spec_serve_worker_state", (("state", "checking_broker"),))] == 1
+        assert sum(v for (name, _), v in stuck.items() if name == "spec_serve_worker_state") == 1
+        assert 0 < time.time() - stuck[("spec_serve_worker_start_time_seconds", ())] < 120
+        assert _alert_matches("SpecServeWorkerNotServing", stuck)
         cluster.start_broker()
         wait_until(lambda: _health(base) == (200, "serving"), 120, what="200 once registered")
         with RemoteTargetModel(cluster.frontend, timeout=60, **CLIENT_KW) as client:
@@ -217,6 +223,16 @@ def _check_expression(expr: str, series: dict[str, set[str]], where: str) -> lis
     if not selectors:
         problems.append(f"{where}: names no metric: {expr!r}")
     return problems
+
+
+def _alert_matches(alert: str, samples: dict[tuple[str, tuple], float]) -> bool:
+    """Whether ``alert``'s expression, of the form ``NAME{LABEL=~"A|B"} == N``, holds for some sample."""
+    (expr,) = [e for where, e in _alert_expressions() if where == f"alert {alert}"]
+    m = re.fullmatch(r'(\w+)\{(\w+)=~"([^"]*)"\}\s*==\s*([\d.]+)', expr.strip())
+    assert m, f"alert {alert}: {expr!r} is not NAME{{LABEL=~\"RE\"}} == N"
+    name, label, pattern, value = m.groups()
+    return any(n == name and re.fullmatch(pattern, dict(labels).get(label, "")) and v == float(value)
+               for (n, labels), v in samples.items())
 
 
 def _alert_expressions() -> list[tuple[str, str]]:

@@ -34,13 +34,21 @@ import zmq
 from click.testing import CliRunner
 
 import zygote
-from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, kill, wait_until
+from cluster_util import CLIENT_KW, FAST_ENV, Reference, assert_equal_batches, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 from spec_serve.protocol.commands import EXIT_ADDRESS_IN_USE, WORKER_TAG, WorkerCommand, control
 from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
 from spec_serve.tools.launch import Cluster, free_port, local_cluster
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.worker.threads import ThreadShare, is_worker_cmdline, local_workers
+from spec_serve.transport.http_shim import HttpShim, json_response
+from spec_serve.worker.threads import (
+    ThreadShare,
+    cgroup_cpus,
+    default_threads,
+    is_worker_cmdline,
+    local_workers,
+    parse_cpu_list,
+)
 
 GRACE_S = 2  # SPEC_SERVE_UNKNOWN_SERVICE_GRACE of the cluster below
 ENV = {**FAST_ENV, "SPEC_SERVE_UNKNOWN_SERVICE_GRACE": str(GRACE_S)}
@@ -544,3 +552,111 @@ def _captured(logger_name: str):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_thread_share_follows_each_worker_cpu_affinity(tmp_path):
+    """Issue 39 item 6: 8 workers of a 64-core node, each a Slurm task pinned to 8 cores of its own
+    (--cpus-per-task=8), got one math thread each (its 8 cores over the 8 workers); now each core is split
+    among the workers that may run on it. Unpinned workers still divide the node; a worker whose affinity
+    cannot be read counts on every core."""
+    broker = "tcp://10.0.0.1:5556"
+    proc = tmp_path / "proc"
+
+    def workers(affinities: dict[str, str | None]) -> Path:
+        shutil.rmtree(proc, ignore_errors=True)
+        for pid, cpus in affinities.items():
+            (proc / pid).mkdir(parents=True)
+            (proc / pid / "cmdline").write_bytes(b"\0".join([b"spec-serve", b"worker", b"--broker",
+                                                             broker.encode()]) + b"\0")
+            if cpus is not None:
+                (proc / pid / "status").write_text(f"Name:\tspec-serve\nCpus_allowed_list:\t{cpus}\nVoluntary:\t1\n")
+        return proc
+
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    pinned = workers({str(100 + i): f"{8 * i}-{8 * i + 7}" for i in range(8)})
+    assert default_threads(broker, pinned, cpus=parse_cpu_list("8-15")) == 8
+    unpinned = workers({str(100 + i): "0-63" for i in range(8)})
+    assert default_threads(broker, unpinned, cpus=parse_cpu_list("0-63")) == 8
+    halves = workers({"100": "0-3", "101": "0-3", "102": "4-7", "103": "4-7"})
+    assert default_threads(broker, halves, cpus=parse_cpu_list("0-3")) == 2
+    unknown = workers({"100": "0-3", "101": None})
+    assert default_threads(broker, unknown, cpus=parse_cpu_list("0-3")) == 2
+    assert default_threads(broker, tmp_path / "absent", cpus=parse_cpu_list("0-5")) == 6
+
+
+def test_thread_share_stays_within_the_cgroup_cpu_quota(tmp_path):
+    """A container's CPU limit (cgroup v2 cpu.max, v1 cpu.cfs_quota_us; the smallest along the cgroup's
+    ancestors) caps the share: a Kubernetes pod limited to 4 CPUs on a 64-core node runs 4 threads, not 64."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    pod = root / "kubepods" / "pod1"
+    (pod / "worker").mkdir(parents=True)
+    (pod / "cpu.max").write_text("800000 100000\n")
+    (pod / "worker" / "cpu.max").write_text("400000 100000\n")
+    (proc / "self" / "cgroup").write_text("0::/kubepods/pod1/worker\n")
+    assert cgroup_cpus(root, proc / "self" / "cgroup") == 4.0
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 4
+    (pod / "worker" / "cpu.max").write_text("max 100000\n")  # the pod's limit still holds
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 8
+    v1 = root / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (proc / "self" / "cgroup").write_text("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n0::/\n")
+    assert cgroup_cpus(root, proc / "self" / "cgroup") == 1.5
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpus(root, proc / "self" / "cgroup") is None
+    assert default_threads(None, proc, cpus=parse_cpu_list("0-63"), cgroup=root) == 64
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("url, says", [
+    ("tcp://::1:5555", "tcp://[::1]:5555"),
+    ("tcp://fe80::1%eth0:5555", "tcp://[fe80::1%eth0]:5555"),
+    ("tcp://[::1]", "needs a port after the IPv6 address, e.g. tcp://[::1]:5555"),
+    ("tcp://[broker]:5555", "brackets hold an IPv6 address"),
+])
+def test_ipv6_endpoints_without_brackets_fail_in_one_line(url, says):
+    """Issue 39 item 5: an IPv6 address without brackets reached libzmq, which said only "No such device"."""
+    with pytest.raises(ValueError) as err:
+        RemoteTargetModel(url)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+def test_ipv6_loopback_cluster_serves_bit_for_bit(tiny_target_dir, tiny_vocab_mapping, tmp_path):
+    """Issue 39 item 5: a broker bound to tcp://[::1]:PORT, a worker and a client reaching it there (ZMQ_IPV6 in
+    the one socket factory): served, equal to the colocated forward; protected mode counts ::1 as loopback."""
+    reference = Reference(tiny_target_dir, tiny_vocab_mapping)
+    cluster = Cluster.on_free_ports("::1", env=FAST_ENV, log_dir=tmp_path)
+    try:
+        assert cluster.frontend.startswith("tcp://[::1]:")
+        cluster.start_broker()
+        cluster.start_worker(tiny_target_dir)
+        cluster.wait_workers(1)
+        with RemoteTargetModel(cluster.frontend, timeout=60, **CLIENT_KW) as client:
+            assert_equal_batches(client.generate_batch(*reference.batch(5), kind="dspark"),
+                                 reference.expected(5, kind="dspark"))
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_http_shim_listens_on_ipv6_loopback(host):
+    """--http-host ::1 (a probe on an IPv6-only pod network): the shim binds it, loopback in protected mode."""
+    shim = HttpShim({"/health": lambda query: json_response(200, {"status": "ok"})}, host, 0).start()
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{shim.port}/health", timeout=5) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    finally:
+        shim.close()

@@ -8,9 +8,11 @@ from a seed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spec_serve.paths.nccl.admit import filter_program
 from spec_serve.paths.nccl.pairgroup import PairGroup, PairGroupError, _layout, _normalise, specs_of
+from spec_serve.paths.nccl.worker import client_addresses
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
@@ -198,6 +202,38 @@ def test_missing_peer_fails_within_timeout():
     with pytest.raises(PairGroupError, match="could not form"):
         PairGroup.create(HOST, 0, 0, device="cpu", prefix="lonely", timeout=1.0)
     assert time.monotonic() - start < 10
+
+
+def test_the_rendezvous_store_admits_only_its_client():
+    """Issue 39 item 7: a bound worker's store takes connections from its client's address only (and its
+    own); a stranger elsewhere (127.0.0.2 here) never connects, not even at TCP (its SYN is dropped), while
+    the client forms the group and tensors round-trip bit for bit."""
+    store, port = PairGroup.host_store(HOST, 0, JOIN_TIMEOUT, peers=client_addresses(f"tcp://{HOST}:9", HOST))
+    stranger = socket.socket()
+    try:
+        stranger.bind(("127.0.0.2", 0))
+        stranger.settimeout(1.0)  # its SYN is dropped, not refused: a connection would take microseconds here
+        with pytest.raises(OSError):  # timed out: no connection, so no key listed, read or written
+            stranger.connect((HOST, port))
+    finally:
+        stranger.close()
+    with concurrent.futures.ThreadPoolExecutor(1) as client_thread:
+        joined = client_thread.submit(PairGroup.create, HOST, port, 1, device="cpu", prefix="admitted",
+                                      timeout=JOIN_TIMEOUT)
+        worker = PairGroup.create(HOST, port, 0, device="cpu", prefix="admitted", store=store, timeout=JOIN_TIMEOUT)
+        client = joined.result(JOIN_TIMEOUT)
+        with worker, client:
+            sent = _mixed(3)
+            received = client_thread.submit(client.recv_tensors, specs_of(sent))
+            worker.send_tensors(sent)
+            _assert_same(received.result(JOIN_TIMEOUT), sent)
+
+
+def test_client_addresses_are_those_of_its_data_endpoint():
+    assert client_addresses("tcp://127.0.0.5:4000", "127.0.0.1") == ["127.0.0.5"]
+    assert client_addresses("tcp://[::1]:4000", "::1") == ["::1"]
+    assert client_addresses("ipc:///tmp/spec-serve-data", "10.0.0.7") == ["10.0.0.7"]  # on this host
+    assert filter_program(socket.AF_INET, ["10.0.0.7"])[-2:] == [(0x06, 0, 0, 0), (0x06, 0, 0, 0xFFFFFFFF)]
 
 
 # --- two processes, gloo ----------------------------------------------------

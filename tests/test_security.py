@@ -114,10 +114,12 @@ def test_unauthenticated_client_is_refused(cluster, keys, who):
                                **CLIENT_KW)
     start = time.monotonic()
     try:  # fails fast, naming the likely cause
-        with pytest.raises(BrokerUnreachable, match="CURVE"):
+        with pytest.raises(BrokerUnreachable, match="CURVE") as refused:
             client.status()
     finally:
         client.close()
+    if who in ("unknown key", "a worker's key"):  # the broker's flag that would admit it, not a hidden one
+        assert "--curve-client-keys-dir" in str(refused.value) and "authorized" not in str(refused.value)
     print(f"\ncurve: client with {who}: no answer from the broker ({time.monotonic() - start:.1f}s timeout)")
 
 
@@ -126,6 +128,7 @@ def test_unauthenticated_worker_never_registers(cluster, keys, tiny_target_dir):
     so none can serve forged batches, nor create the service it names. Each learns so before loading its
     model (the handshake with the broker comes first) and exits with one line naming the cause."""
     before = len(workers(cluster))
+    refusals = _curve_refusals(cluster)
     n = len(cluster.workers)
     cluster.start_worker(tiny_target_dir, service="intruder")  # no keys at all
     for name in ("stranger", "client"):
@@ -137,8 +140,73 @@ def test_unauthenticated_worker_never_registers(cluster, keys, tiny_target_dir):
     texts = [p.read_text(errors="replace") for p in logs]
     assert not any("worker.ready" in t or "worker.loading" in t for t in texts), texts  # never answered
     assert "handshake failed" in texts[0] and all("refused our CURVE credentials" in t for t in texts[1:]), texts
+    assert all("--curve-worker-keys-dir" in t and "authorized" not in t for t in texts[1:]), texts
+    # The broker counts both refused keys, and logs the refused peer once for its address and role.
+    assert _curve_refusals(cluster)["worker"] >= refusals["worker"] + 2
+    broker_log = (cluster.log_dir / "broker.log").read_text(errors="replace")
+    lines = [ln for ln in broker_log.splitlines() if "broker.curve_refused" in ln and "role=worker" in ln
+             and "keys-dir" in ln]  # the keyless worker's failed handshake has a line of its own
+    assert len(lines) == 1 and f"peer={cluster.frontend[6:].rpartition(':')[0]}" in lines[0], lines
+    assert "--curve-worker-keys-dir" in lines[0]
     print(f"\ncurve: workers registered before {before}, after three unadmitted workers tried: {after}")
     assert after == before and "intruder" not in cluster.get("/workers")[1]["services"]
+
+
+def _curve_refusals(cluster, cause: str = "key") -> dict[str, float]:
+    _, text = cluster.get("/metrics")
+    return {role: sum(float(ln.split()[-1]) for ln in text.splitlines()
+                      if ln.startswith("spec_serve_curve_refusals_total{") and f'role="{role}"' in ln
+                      and f'cause="{cause}"' in ln)
+            for role in ("client", "worker")}
+
+
+def test_broker_start_line_says_curve_is_on(cluster):
+    assert re.search(r"broker\.start .*curve=on", (cluster.log_dir / "broker.log").read_text(errors="replace"))
+
+
+def test_refused_client_keys_are_counted_and_logged_once_per_peer(cluster, keys):
+    """Three tries with a stranger's key from one address: each counted on /metrics, one line naming the
+    peer's address, the role it tried and the flag that would admit it."""
+    before, log = _curve_refusals(cluster), cluster.log_dir / "broker.log"
+    logged = len(log.read_text(errors="replace"))
+    for _ in range(3):
+        client = RemoteTargetModel(cluster.frontend, security=client_security(keys, "stranger"), timeout=30,
+                                   max_retries=0, connect_timeout=1, **CLIENT_KW)
+        try:
+            with pytest.raises(BrokerUnreachable):
+                client.status()
+        finally:
+            client.close()
+    wait_until(lambda: _curve_refusals(cluster)["client"] >= before["client"] + 3, 10, what="3 refusals counted")
+    assert _curve_refusals(cluster)["worker"] == before["worker"]
+    text = log.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if "broker.curve_refused" in ln and "role=client" in ln
+             and "keys-dir" in ln]
+    new = [ln for ln in text[logged:].splitlines() if "broker.curve_refused" in ln]
+    assert lines and len(new) <= 1, lines  # earlier tests' refusals from this address may have opened the window
+    assert f"peer={cluster.frontend[6:].rpartition(':')[0]}" in lines[-1] and "--curve-client-keys-dir" in lines[-1]
+
+
+def test_failed_curve_handshakes_are_counted_and_logged(cluster, keys):
+    """A client with another broker key, or with no CURVE at all, fails the handshake before any key is
+    checked: the broker counts it (cause "handshake") and logs the peer's address and role."""
+    before, log = _curve_refusals(cluster, "handshake"), cluster.log_dir / "broker.log"
+    logged = len(log.read_text(errors="replace"))
+    for security in (client_security(keys, server="stranger"), None):
+        client = RemoteTargetModel(cluster.frontend, security=security, timeout=30, max_retries=0, connect_timeout=1,
+                                   **CLIENT_KW)
+        try:
+            with pytest.raises(BrokerUnreachable):
+                client.status()
+        finally:
+            client.close()
+    wait_until(lambda: _curve_refusals(cluster, "handshake")["client"] >= before["client"] + 2, 30,
+               what="2 failed handshakes counted")
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "broker.curve_refused" in ln
+             and "handshake failed" in ln]
+    assert lines and f"peer={cluster.frontend[6:].rpartition(':')[0]}" in lines[-1] and "role=client" in lines[-1]
+    assert len([ln for ln in log.read_text(errors="replace")[logged:].splitlines()
+                if "curve_refused" in ln and "handshake failed" in ln]) <= 1
 
 
 def test_data_socket_admits_only_worker_keys(cluster, keys):
@@ -341,7 +409,7 @@ def test_default_binds_follow_protected_mode(keys, tmp_path):
             proc.wait(30)
     print(f"\ndefault binds: {seen}")
     assert seen["no keys"][1] == {"0100007F"} and "this host only" in seen["no keys"][0]
-    assert seen["CURVE"][1] == {"00000000"}
+    assert seen["CURVE"][1] in ({"00000000"}, {"0" * 32})  # every interface: IPv4, or IPv6 and IPv4 both
 
 
 @pytest.mark.parametrize("host,loopback", [

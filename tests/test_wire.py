@@ -21,6 +21,7 @@ DTYPES = [
     torch.float64,
     torch.bfloat16,
     torch.float16,
+    torch.float8_e4m3fn,  # wire_dtype="fp8" hidden states
     torch.int64,
     torch.int32,
     torch.int16,
@@ -28,7 +29,7 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-DTYPE_NAMES = ["F32", "F64", "BF16", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"]
+DTYPE_NAMES = ["F32", "F64", "BF16", "F16", "F8_E4M3", "I64", "I32", "I16", "I8", "U8", "BOOL"]
 
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SOME = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -419,3 +420,15 @@ def test_random_truncation_or_extension_rejected(tensors, data):
         frames[i] += data.draw(st.binary(min_size=1, max_size=9))
     with pytest.raises(WireError):
         decode(frames)
+
+
+def test_fp8_travels_under_safetensors_name_and_its_size_is_checked():
+    q = torch.randn(2, 3, 8).to(torch.float8_e4m3fn)
+    frames = encode({"h": q, "h_scale": torch.rand(2, 3, 1)})
+    header = json.loads(bytes(frames[0])[8:])
+    assert header["h"]["dtype"] == "F8_E4M3" and header["h"]["data_offsets"][1] - header["h"]["data_offsets"][0] == 48
+    loaded = safetensors.torch.load(b"".join(bytes(f) for f in frames))
+    assert loaded["h"].dtype == torch.float8_e4m3fn and torch.equal(bits(loaded["h"]), bits(q))
+    lying = raw_message({"h": {"dtype": "F8_E4M3", "shape": [2, 3, 8], "data_offsets": [0, 96]}}, bytes(96))
+    with pytest.raises(WireError, match=r"F8_E4M3\[2, 3, 8\] needs 48 bytes"):
+        decode(lying)

@@ -293,3 +293,52 @@ def test_in_a_group_only_the_reply_over_its_limit_is_refused(engine, lend):
     results = executor.serve_group([small, big])
     assert [r.status for r in results] == [Status.OK, Status.ERROR] and executor.batches == 1
     assert [loan.calls for loan in lend.loans] == [[], ["dropped"]]
+
+
+# ------------------------------------------------------ wire_dtype="fp8"
+
+
+class HiddenStateEngine(StandInEngine):
+    """Also answers a hidden state, ``aux_hidden_states`` ``[B, S, 3]`` (the stand-in's hidden size), of the
+    input ids; an input id ``NAN`` makes it hold a NaN there, as a broken target would."""
+
+    NAN = 13
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, kind="eagle3") -> dict[str, torch.Tensor]:
+        out = super().generate_batch(input_ids, attention_mask, loss_mask, kind)
+        states = input_ids.unsqueeze(-1).float() * torch.tensor([1.0, -0.5, 0.25])
+        states[input_ids == self.NAN] = float("nan")
+        return {"aux_hidden_states": states, **out}
+
+
+def test_fp8_quantizes_the_hidden_states_only_and_digests_the_bytes_sent():
+    executor = make_executor(HiddenStateEngine())
+    result = executor.serve(job([[5, 6, 7, 0]], wire_dtype="fp8", verify=True))
+    out = decoded(result)
+    assert isinstance(result.reply, Reply) and result.reply.wire_dtype == "fp8"
+    assert list(out) == ["aux_hidden_states", "aux_hidden_states_scale", "doubled", "kept"]
+    assert out["aux_hidden_states"].dtype == torch.float8_e4m3fn and out["aux_hidden_states_scale"].shape == (1, 4, 1)
+    assert torch.equal(out["doubled"], torch.tensor([[10, 12, 14, 0]]))  # everything else as computed
+    assert result.reply.digests == digest.digests([out])[0]  # of the FP8 bytes and scales, as sent
+
+
+def test_fp8_is_declined_where_the_path_or_the_states_cannot_carry_it(lend, caplog):
+    """A path that does not send FP8, and a hidden state holding NaN: the model dtype, the reason logged once."""
+    executor = make_executor(HiddenStateEngine())
+    lend.sends_fp8 = False
+    with caplog.at_level(logging.WARNING, logger="spec_serve.worker"):
+        results = [executor.serve(job(wire_dtype="fp8", offers={"lend": {}})) for _ in range(2)]
+        results.append(executor.serve(job([[HiddenStateEngine.NAN, 1, 0, 0]], wire_dtype="fp8")))
+    for result in results:
+        assert isinstance(result.reply, Reply) and result.reply.wire_dtype is None
+        assert decoded(result)["aux_hidden_states"].dtype == torch.float32
+    assert decoded(results[2])["aux_hidden_states"][0, 0].isnan().all()  # sent as it is, not hidden
+    assert caplog.text.count("the lend reply path sends the model dtype") == 1
+    assert caplog.text.count("fp8 cannot quantize a tensor holding NaN or infinity") == 1
+
+
+def test_fp8_in_a_packed_group_is_per_job():
+    executor = make_executor(HiddenStateEngine(), packing=True)
+    results = executor.serve_group([job([[1, 2, 0, 0]], wire_dtype="fp8"), job([[3, 0, 0, 0]])])
+    assert executor.batches == 1 and [r.reply.wire_dtype for r in results] == ["fp8", None]
+    assert [decoded(r)["aux_hidden_states"].dtype for r in results] == [torch.float8_e4m3fn, torch.float32]

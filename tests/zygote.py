@@ -267,13 +267,17 @@ class NestedZygote:
     def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]):
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
         self.returncode: int | None = None
+        # Its reader thread and close() may both wait for it: one reaps, the other then reads returncode (two
+        # waitpid calls raced, and the loser's ChildProcessError was a traceback at the demo's exit).
+        self._lock = threading.Lock()
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         return _wait(self.poll, lambda: time.sleep(0.01), f"nested zygote {self.pid}", timeout)

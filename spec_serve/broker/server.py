@@ -67,12 +67,14 @@ from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.ingress import Ingress
 from spec_serve.transport.sockets import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    KEYS_DIR_FLAG,
     KeyPolicy,
     Security,
     bound_endpoint,
     check_exposure,
     endpoint_host,
     make_socket,
+    plain_address,
 )
 
 log = logging.getLogger("spec_serve.broker")
@@ -100,6 +102,11 @@ FRONTEND_READ_AHEAD = 4
 FRONTEND_BACKLOG_BYTES = (FRONTEND_READ_AHEAD + 2) * FRONTEND_CONNECTION_BYTES
 # A peer on the wrong port is answered every time, but logged once per this many seconds.
 WRONG_PORT_LOG_INTERVAL_S = 60.0
+# A refused message's connection is cut this long after its answer was queued: a shutdown discards what
+# libzmq has not yet written, and the answer must reach the client first (its bytes are bounded meanwhile).
+ANSWER_GRACE_S = 1.0
+# At most one line per refused CURVE peer (address and role) in this window; every refusal is counted.
+CURVE_REFUSAL_LOG_INTERVAL_S = 60.0
 # How long a stopping broker lets its last words to clients and workers leave before it closes.
 GOODBYE_LINGER_MS = 1000
 # The loop turns at least every 0.25 s; one that has not turned for this long (or twice the peers' expiry
@@ -201,6 +208,9 @@ class Broker:
         self.metrics = self.router.metrics
         self.heartbeat_interval = heartbeat_interval
         self.ctx = context or zmq.Context.instance()
+        self.curve = security is not None
+        self._curve_log = Throttle(CURVE_REFUSAL_LOG_INTERVAL_S)
+        self._curve_log_lock = threading.Lock()  # refusals are heard on the ZAP handler's thread
         _check_listeners(frontend, backend, security, insecure_network)
         self._open(frontend, backend, security)
         self.frontend_endpoint = bound_endpoint(self.frontend)
@@ -235,8 +245,8 @@ class Broker:
         """Create and bind both sockets, each watched by an Ingress (what a peer can make libzmq hold
         before a message is whole; the sockets bind once watched)."""
         # Held for the broker's life: a socket admits nobody once its KeyPolicy is gone.
-        self.client_keys = KeyPolicy(security.client_keys_dir) if security else None
-        self.worker_keys = KeyPolicy(security.worker_keys_dir) if security else None
+        self.client_keys = KeyPolicy(security.client_keys_dir, "client", self._curve_refused) if security else None
+        self.worker_keys = KeyPolicy(security.worker_keys_dir, "worker", self._curve_refused) if security else None
         # libzmq drops a peer that sends a frame over this, before allocating it.
         self.frontend = make_socket(self.ctx, zmq.ROUTER, security=security, admit=self.client_keys,
                                     max_frame_bytes=FRONTEND_FRAME_BYTES)
@@ -250,11 +260,13 @@ class Broker:
             with _binding("frontend", frontend):
                 front = Ingress(self.frontend, "broker.frontend", bind=frontend, router=True,
                                 per_connection=FRONTEND_CONNECTION_BYTES, total=self._frontend_total,
-                                backlog=FRONTEND_BACKLOG_BYTES)
+                                backlog=FRONTEND_BACKLOG_BYTES, answer_cuts=True,
+                                on_handshake_failed=lambda peer: self._curve_refused(peer, "client", "handshake"))
             with _binding("backend", backend):
                 back = Ingress(self.backend, "broker.backend", bind=backend, router=True,
                                per_connection=BACKEND_CONNECTION_BYTES, total=BACKEND_TOTAL_BYTES,
-                               backlog=BACKEND_BACKLOG_BYTES)
+                               backlog=BACKEND_BACKLOG_BYTES,
+                               on_handshake_failed=lambda peer: self._curve_refused(peer, "worker", "handshake"))
         except BindError:  # the one that failed closed its socket; close the rest
             if front is not None:
                 front.close()
@@ -280,7 +292,8 @@ class Broker:
         poller.register(self.backend, zmq.POLLIN)
         next_tick = time.monotonic()
         tick = min(self.heartbeat_interval, 0.25)
-        event(log, logging.INFO, "broker.start", frontend=self.frontend_endpoint, backend=self.backend_endpoint)
+        event(log, logging.INFO, "broker.start", frontend=self.frontend_endpoint, backend=self.backend_endpoint,
+              curve="on" if self.curve else "off")
         self.update_snapshot()
         try:
             while not self._stop.is_set():
@@ -290,6 +303,7 @@ class Broker:
                 # watchers no whole message waits, even on a turn the poll did not wake for them.
                 self._drain(self.backend, self.process_worker)
                 self._drain(self.frontend, self.process_client)
+                self._tell_cut_clients()
                 now = time.monotonic()
                 if now >= next_tick:
                     self._tick(now)
@@ -371,12 +385,12 @@ class Broker:
                 log.exception("broker.handler_failed peer=%s error=%s", identity.hex()[:12], e)
 
     def _refuse(self, sock: zmq.Socket, refused: Overlong) -> None:
-        """A message with more frames than its kind may have: count it, cut its connection (a client would
-        never send it), and tell a client why; its remaining frames are being discarded unread."""
+        """A message with more frames than its kind may have: count it, tell a client why (under the
+        message's request id), and cut its connection (a client would never send it) once that answer has
+        had ``ANSWER_GRACE_S`` to leave; its remaining frames are being discarded unread."""
         side = "frontend" if sock is self.frontend else "backend"
         self.metrics.refused_messages.labels(socket=side).inc()
         why = f"a message of more than {refused.limit} frames, more than its kind has"
-        self.ingress[sock].cut(refused.source_fd, why)
         identity = refused.frames[0].bytes
         held = self._refusal_log.ready(side, time.monotonic())
         if held is not None:
@@ -386,6 +400,34 @@ class Broker:
             request_id = refused.frames[4].bytes if len(refused.frames) > 4 else b""
             self.router.ctx.send_error(identity, request_id if len(request_id) == REQUEST_ID_BYTES else b"",
                                        ErrorCode.BAD_REQUEST, f"refused unread: {why}")
+        self.ingress[sock].cut(refused.source_fd, why, after=ANSWER_GRACE_S if sock is self.frontend else 0.0)
+
+    def _curve_refused(self, address: str, role: str, cause: str = "key") -> None:
+        """A peer's handshake for ``role`` failed (on the ZAP handler's or the ingress watcher's thread):
+        ``cause`` "key", its CURVE key is not admitted, or "handshake", the two ends' CURVE settings differ.
+        Counted, and logged once per peer address, role and cause a window, naming the fix."""
+        address = plain_address(address)
+        self.metrics.curve_refusals.labels(role=role, cause=cause).inc()
+        with self._curve_log_lock:
+            held = self._curve_log.ready(f"{role} {cause} {address}", time.monotonic())
+        if held is None:
+            return
+        if cause == "key":
+            why = f"its public key is not in {KEYS_DIR_FLAG.get(role, 'the admitted keys')}"
+        elif self.curve:
+            why = ("its CURVE handshake failed: its --curve-server-key is not this broker's public key, it has no "
+                   "CURVE, or it does not speak ZeroMQ")
+        else:
+            why = "its handshake failed: it uses CURVE and this broker does not (no --curve-secret-key)"
+        event(log, logging.WARNING, "broker.curve_refused", peer=address, role=role, reason=why,
+              similar_since_last=held)
+
+    def _tell_cut_clients(self) -> None:
+        """Each client connection the frontend's ingress is cutting for a message it could not finish within
+        its bound hears why first (``bad_request``, no request id: that message's was never read)."""
+        for identity, why in self.ingress[self.frontend].take_told():
+            self.router.ctx.send_error(identity, b"", ErrorCode.BAD_REQUEST,
+                                       f"connection cut: {why} (more frames or bytes than any message has)")
 
     def _wrong_port(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
         """A client on the workers' port, or a worker on the clients' port: tell it which port it

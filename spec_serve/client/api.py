@@ -7,6 +7,7 @@ thread (io_thread.py); the replies come back as one future per batch (assembly.p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import time
@@ -24,17 +25,19 @@ from spec_serve.client.errors import BrokerUnreachable, IntegrityError, RemoteEr
 from spec_serve.client.integrity import DigestCheck
 from spec_serve.client.io_thread import ClientIO
 from spec_serve.client.path_port import PathPort
+from spec_serve.client.restore import Restoration
 from spec_serve.client.staging import Staging
 from spec_serve.client.stats import ClientStats
 from spec_serve.paths.base import ClientSetup
 from spec_serve.paths.registry import ClientPaths, Offers
 from spec_serve.protocol import digest, wire
-from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat
+from spec_serve.protocol.commands import ClientCommand, Op, ReplyFormat, WireDtype
 from spec_serve.protocol.messages import SetVocab, StatusPage, StatusQuery, SupervisionRequest
 from spec_serve.supervision.contract import (
     Expected,
     Kind,
     TargetInfo,
+    model_dtype,
     reply_specs,
     validate_request,
     validate_vocab_mapping,
@@ -75,6 +78,7 @@ class RemoteTargetModel:
         liveness: int | None = None,
         max_message_bytes: int | None = None,
         compact: bool | str | None = None,
+        wire_dtype: str | None = None,
         enable_nccl: bool | None = None,
         nccl_timeout: float | None = None,
         nccl_retry_s: float | None = None,
@@ -82,6 +86,9 @@ class RemoteTargetModel:
         verify: str | None = None,
         connect_timeout: float | None = None,
         insecure_network: bool | None = None,
+        cache: str | None = None,
+        cache_max_bytes: int | None = None,
+        cache_dtype: str | None = None,
     ):
         """An argument left None comes from its ``SPEC_SERVE_*`` variable, else its default: the table
         in spec_serve/client/options.py (docs/client-options.md); a bad value fails with one line."""
@@ -90,9 +97,11 @@ class RemoteTargetModel:
             "max_retries": max_retries, "prefetch_depth": prefetch_depth, "num_shards": num_shards,
             "security": security, "advertise_host": advertise_host, "heartbeat_interval": heartbeat_interval,
             "liveness": liveness, "max_message_bytes": max_message_bytes, "compact": compact,
-            "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout, "nccl_retry_s": nccl_retry_s,
+            "wire_dtype": wire_dtype, "enable_nccl": enable_nccl, "nccl_timeout": nccl_timeout,
+            "nccl_retry_s": nccl_retry_s,
             "same_host_plane": same_host_plane, "verify": verify, "connect_timeout": connect_timeout,
-            "insecure_network": insecure_network})
+            "insecure_network": insecure_network, "cache": cache, "cache_max_bytes": cache_max_bytes,
+            "cache_dtype": cache_dtype})
         # End-to-end check of reply bytes (spec_serve/protocol/digest.py): "all" (default), "sampled", "off".
         self._sampler = digest.Sampler(o["verify"])
         self.service = o["service"]
@@ -100,17 +109,31 @@ class RemoteTargetModel:
         self.timeout = o["timeout"]
         self.num_shards = o["num_shards"]
         self.prefetch_depth = o["prefetch_depth"]
+        # How replies' hidden states travel: "auto", the model dtype; "fp8" (opt-in), float8_e4m3 with a scale
+        # per token, restored to the model dtype on our device (restore.py); a worker or path that cannot
+        # send FP8 answers in the model dtype (stats.fp8_declined).
+        self.wire_dtype = o["wire_dtype"]
         self._credits = threading.BoundedSemaphore(self.prefetch_depth)
         self._io = ClientIO(o["broker_url"], security=o["security"], advertise_host=o["advertise_host"],
                             max_retries=o["max_retries"], heartbeat_interval=o["heartbeat_interval"],
                             liveness=o["liveness"], max_message_bytes=o["max_message_bytes"], device=self.device,
                             connect_timeout=o["connect_timeout"])
         self._io.start()
+        self.cache = None
         try:
             self._setup(o["compact"], o.values)
+            # The supervision cache (docs/cache.md), in front of every path below: None without cache=DIR.
+            self.cache = None if o["cache"] is None else self._open_cache(o)
         except BaseException:
             self._io.close()  # a constructor that raises leaks no thread or descriptor
             raise
+
+    def _open_cache(self, o: options.ClientOptions) -> Any:
+        from spec_serve.cache.front import CacheFront, Upstream  # imports the client's modules: here, not at the top
+
+        upstream = Upstream(self.target_info, self._generate_uncached, self._expansion, self.device,
+                            self.prefetch_depth, self._demand.waiting)
+        return CacheFront.open(o["cache"], upstream, max_bytes=o["cache_max_bytes"], codec=o["cache_dtype"])
 
     def _setup(self, compact: bool | str, path_options: Mapping[str, Any]) -> None:
         self._vocab_digest: str | None = None
@@ -169,12 +192,21 @@ class RemoteTargetModel:
                              kind: str = "eagle3") -> concurrent.futures.Future:
         """Submit a batch; blocks while ``prefetch_depth`` batches are already in flight. Each call starts a step
         of this rank's demand (``stats``: the time blocked here or in the future's ``result()`` is its wait)."""
+        if self.cache is not None:  # the cache sends the rows it lacks through _generate_uncached
+            self._demand.step()
+            return metered(self.cache.generate(input_ids, attention_mask, loss_mask, kind), self._demand)
+        return self._generate_uncached(input_ids, attention_mask, loss_mask, kind, caller=True)
+
+    def _generate_uncached(self, input_ids, attention_mask, loss_mask, kind: str = "eagle3",
+                           caller: bool = False) -> concurrent.futures.Future:
+        """A batch asked of the workers. ``caller``: the trainer's own call, a step of its demand (not the
+        cache's threads sending the rows it lacks: their waits are not the caller's)."""
         kind = Kind.parse(kind)
         info = self.target_info()
         validate_request(input_ids, attention_mask, loss_mask, info.vocab_size)
         wire_kind = Kind.EAGLE3_COMPACT if self.compact is True and kind is Kind.EAGLE3 else kind
         auto = self.compact == "auto" and kind is Kind.EAGLE3  # the worker picks the format, reply by reply
-        if kind is not Kind.DSPARK and self._vocab_digest is None:
+        if kind is Kind.EAGLE3 and self._vocab_digest is None:
             raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
         offers = self._paths.offer(Op.GENERATE.value)  # a path may take a worker of our own first
         if auto and not offers:
@@ -182,9 +214,10 @@ class RemoteTargetModel:
             # ahead of the request, as compact=True does: fetched on the first reply instead, its request queues
             # behind the batches in flight and the pipeline drains once. Cached: a lookup from the second batch.
             self.lm_head_slice()
-        self._demand.step()
-        with self._demand.waiting():  # all prefetch_depth batches in flight: the caller waits for supervision
-            self._credits.acquire()
+        if caller:
+            self._demand.step()
+        with self._demand.waiting() if caller else contextlib.nullcontext():  # all prefetch_depth batches in
+            self._credits.acquire()  # flight: the caller waits for supervision
         try:
             bounds = shard_bounds(input_ids.shape[0], self.num_shards)
             # The digest check may replace a shard's request with its retry (integrity.py).
@@ -199,21 +232,29 @@ class RemoteTargetModel:
             self._credits.release()
             raise
         expand = self._expansion() if auto or wire_kind is Kind.EAGLE3_COMPACT and kind is Kind.EAGLE3 else None
+        restore = Restoration(model_dtype(info), self.device, self._expander) if self._fp8 else None
         result = assemble(shards, [hi - lo for lo, hi in bounds], self.device, self._io.recv_alloc,
-                          self._digest_check(requests, expects), wire_kind.value, expand, self._staging)
+                          self._digest_check(requests, expects), wire_kind.value, expand, self._staging, restore)
         result.add_done_callback(lambda _: self._credits.release())
-        return metered(result, self._demand)  # the time a caller blocks in its result() is its step's wait
+        # The time a caller blocks in its result() is its step's wait.
+        return metered(result, self._demand) if caller else result
 
     def _expected(self, wire_kind: Kind, auto: bool, info: TargetInfo, rows: int, seq: int,
                   loss_dtype: torch.dtype) -> Expected:
         """What a shard's reply may hold: ``wire_kind``'s tensors or, when the worker picks (auto), compact ones."""
         specs = reply_specs(wire_kind, info, rows, seq, loss_dtype, self._draft_vocab)
-        return Expected(specs, reply_specs(Kind.EAGLE3_COMPACT, info, rows, seq, loss_dtype, None) if auto else None)
+        return Expected(specs, reply_specs(Kind.EAGLE3_COMPACT, info, rows, seq, loss_dtype, None) if auto else None,
+                        fp8_block=info.hidden_size if self._fp8 else None)
+
+    @property
+    def _fp8(self) -> bool:
+        return self.wire_dtype == WireDtype.FP8.value
 
     def _expansion(self) -> Expansion:
         """How this batch's compact shards become EAGLE-3 tensors: the current mapping's slice and mask."""
         mapping, draft_vocab, mask = self._vocab_digest, self._draft_vocab, self._selected_mask
-        assert mapping is not None and draft_vocab is not None and mask is not None  # EAGLE-3 needs a mapping
+        if mapping is None or draft_vocab is None or mask is None:
+            raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
         return Expansion(functools.partial(self._slices.get, mapping, draft_vocab), mask, self.device,
                          self._expander)
 
@@ -231,6 +272,7 @@ class RemoteTargetModel:
         # ``offers``: what the first path that offers needs (and the worker it pins the request to).
         return self._request(Op.GENERATE, offers, kind=wire_kind.value,
                              format=ReplyFormat.AUTO.value if auto else None,
+                             wire_dtype=self.wire_dtype if self._fp8 else None,
                              tokens=int(attention_mask[lo:hi].sum())), payload
 
     def lm_head_slice(self) -> torch.Tensor:
@@ -414,6 +456,8 @@ class RemoteTargetModel:
         """Leave the broker; workers and other clients carry on."""
         if not self._closed:
             self._closed = True
+            if self.cache is not None:
+                self.cache.close()  # its batches under way finish and its rows are published first
             self._paths.close()  # what peers hold for us goes back (a binding's RELEASE) before the DISCONNECT
             self._io.close()
             self._expander.shutdown(wait=False)

@@ -14,6 +14,7 @@ import torch
 from spec_serve.client.compact import COMPACT, Expansion
 from spec_serve.client.errors import RemoteError
 from spec_serve.client.received import Received, ReceivedTensor
+from spec_serve.client.restore import Form, Restoration
 from spec_serve.client.staging import Staging, land
 from spec_serve.paths.base import release, settle
 from spec_serve.protocol.messages import Reply
@@ -30,7 +31,7 @@ def shard_bounds(rows: int, num_shards: int) -> list[tuple[int, int]]:
 def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: torch.device,
              alloc: Callable[[int], torch.Tensor] | None, check: ShardCheck | None = None,
              asked: str | None = None, expand: Expansion | None = None,
-             staging: Staging | None = None) -> concurrent.futures.Future:
+             staging: Staging | None = None, restore: Restoration | None = None) -> concurrent.futures.Future:
     """One future for a batch sent as ``len(shards)`` row ranges of ``rows`` rows each (futures of ``Received``).
 
     As each shard's reply arrives (on the I/O thread, while ZeroMQ keeps receiving the others) its
@@ -43,10 +44,12 @@ def assemble(shards: list[concurrent.futures.Future], rows: list[int], device: t
 
     Shards land per the kind their reply names (``asked`` when it names none: a worker may answer
     compact="auto" requests full or compact); with ``expand``, compact EAGLE-3 shards are expanded once
-    every shard landed, off the I/O thread, and the batch resolves to the EAGLE-3 tensors.
-    With ``staging`` (a GPU ``device``), frames land through its pinned slabs (staging.py).
+    every shard landed, off the I/O thread, and the batch resolves to the EAGLE-3 tensors. With ``restore``
+    (a request of wire_dtype="fp8"), shards whose reply came in FP8 get the model dtype back first
+    (restore.py), likewise. With ``staging`` (a GPU ``device``), frames land through its pinned slabs
+    (staging.py).
     """
-    batch = _Batch(rows, device, alloc, check, asked, expand, staging)
+    batch = _Batch(rows, device, alloc, check, asked, expand, staging, restore)
     for k, future in enumerate(shards):
         future.add_done_callback(functools.partial(batch.arrived, k))
     return batch.out
@@ -56,16 +59,18 @@ class _Batch:
     """The rows of one batch, filled shard by shard as their replies arrive (on any thread)."""
 
     def __init__(self, rows: list[int], device: torch.device, alloc: Callable[[int], torch.Tensor] | None,
-                 check: ShardCheck | None, asked: str | None, expand: Expansion | None, staging: Staging | None):
+                 check: ShardCheck | None, asked: str | None, expand: Expansion | None, staging: Staging | None,
+                 restore: Restoration | None):
         self.out: concurrent.futures.Future = concurrent.futures.Future()
         self.rows = rows
         self.starts = [sum(rows[:k]) for k in range(len(rows))]
         self.device, self.alloc, self.check, self.asked, self.expand = device, alloc, check, asked, expand
-        self.staging = staging
+        self.staging, self.restore = staging, restore
         self.lock = threading.Lock()
-        # The whole batch's rows per reply kind, each allocated on its first shard.
-        self.parts: dict[str | None, dict[str, torch.Tensor]] = {}
-        self.kinds: list[str | None] = [None] * len(rows)  # the kind each shard landed as
+        # The whole batch's rows per form a reply came in (its kind, its wire dtype), each allocated on its
+        # first shard.
+        self.parts: dict[Form, dict[str, torch.Tensor]] = {}
+        self.forms: list[Form] = [(None, None)] * len(rows)  # the form each shard landed as
         self.left = len(rows)
 
     def arrived(self, k: int, future: concurrent.futures.Future) -> None:
@@ -83,39 +88,48 @@ class _Batch:
 
     def _accept(self, k: int, reply: Received) -> concurrent.futures.Future | None:
         """Land shard ``k``; the future of its retry if its bytes cannot be used, else None."""
-        named = reply.header.kind if isinstance(reply.header, Reply) else None
-        kind = named or self.asked
-        landed = self._land(k, reply.tensors, kind)
+        header = reply.header if isinstance(reply.header, Reply) else None
+        form = ((header.kind if header is not None else None) or self.asked,
+                header.wire_dtype if header is not None else None)
+        landed = self._land(k, reply.tensors, form)
         retry = settle(reply.tensors)  # a lent reply's memory back; a retry if it was reused meanwhile
         if retry is None and self.check is not None:
-            retry = self.check(k, reply, landed)
+            retry = self.check(k, reply, landed)  # the bytes as sent: FP8 ones restored only after
         if retry is None:
-            self.kinds[k] = kind
+            self.forms[k] = form
             self.left -= 1
             if not self.left:
                 self._finish()
         return retry
 
-    def _land(self, k: int, tensors: Mapping[str, ReceivedTensor], kind: str | None) -> dict[str, torch.Tensor]:
+    def _land(self, k: int, tensors: Mapping[str, ReceivedTensor], form: Form) -> dict[str, torch.Tensor]:
         if len(self.rows) == 1:
-            landed = self.parts[kind] = materialize(tensors, self.device, self.alloc, self.staging)
+            landed = self.parts[form] = materialize(tensors, self.device, self.alloc, self.staging)
             return landed
-        part = self.parts.get(kind)
+        part = self.parts.get(form)
         if part is None:
-            part = self.parts[kind] = _allocate_rows(tensors, sum(self.rows), self.device, self.alloc)
+            part = self.parts[form] = _allocate_rows(tensors, sum(self.rows), self.device, self.alloc)
         lo, n = self.starts[k], self.rows[k]
         _copy_rows(tensors, part, lo, n, self.staging)
         return {name: t[lo : lo + n] for name, t in part.items()}
 
     def _finish(self) -> None:
-        """Every shard landed: the batch, or (compact shards) its expansion, resolves ``out``."""
-        kinds = set(self.kinds)
+        """Every shard landed: the batch, restored (FP8 shards) and expanded (compact shards), resolves ``out``."""
+        landed = {form: self.parts[form] for form in dict.fromkeys(self.forms)}  # not a form a retry replaced
+        if self.restore is not None and any(wire is not None for _, wire in landed):
+            self.restore.later(landed, self.forms, list(zip(self.starts, self.rows)), self._resolve, self.out)
+        else:  # every shard in the model dtype: one form per kind
+            self._resolve({kind: part for (kind, _), part in landed.items()})
+
+    def _resolve(self, parts: dict[str | None, dict[str, torch.Tensor]]) -> None:
+        """``out`` from the batch's rows per kind (any thread): as they are, or expanded."""
+        kinds = [kind for kind, _ in self.forms]
         if self.expand is not None and COMPACT in kinds:
-            self.expand.later(self.parts, self.kinds, list(zip(self.starts, self.rows)), self.out)
-        elif len(kinds) == 1:
-            self.out.set_result(self.parts[self.kinds[0]])
+            self.expand.later(parts, kinds, list(zip(self.starts, self.rows)), self.out)
+        elif len(set(kinds)) == 1:
+            self.out.set_result(parts[kinds[0]])
         else:
-            self.out.set_exception(RemoteError(f"shards came back in different kinds {sorted(map(str, kinds))} "
+            self.out.set_exception(RemoteError(f"shards came back in different kinds {sorted(map(str, set(kinds)))} "
                                                f"and nothing expands them"))
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spec_serve.protocol import digest
+from spec_serve.protocol.commands import WireDtype
 from spec_serve.telemetry.logs import event
 
 log = logging.getLogger("spec_serve.client")
@@ -34,6 +35,8 @@ BOOL_WORDS: dict[str, Any] = {"1": True, "true": True, "yes": True, "on": True,
 # The values of `compact`: the one place they are listed (its parser, error and docs read them here).
 # "auto": the worker picks per reply, compact when it leaves the worker's host (docs/reply-paths.md).
 COMPACT_WORDS: dict[str, Any] = {**BOOL_WORDS, "auto": "auto"}
+# The values of `wire_dtype`: "auto", the model's dtype (as vLLM's kv_cache_dtype="auto"), or a WireDtype.
+WIRE_DTYPE_WORDS: dict[str, Any] = {"auto": "auto", **{d.value: d.value for d in WireDtype}}
 # The block of NeMo's recipe YAML that holds spec-serve's own options: recipe_args.spec_serve.<option>.
 YAML_SECTION = "spec_serve"
 # NeMo variables spec-serve cannot honour, and why: setting one fails at setup instead of being ignored.
@@ -163,6 +166,9 @@ TABLE: tuple[Option, ...] = (
     Option("compact", "SPEC_SERVE_COMPACT", _words(COMPACT_WORDS), "auto", _section("compact"),
            "ship hidden state + argmax, rebuild target_probs on the client: auto (when the reply leaves "
            "the worker's host), always or never (docs/reply-paths.md)"),
+    Option("wire_dtype", "SPEC_SERVE_WIRE_DTYPE", _words(WIRE_DTYPE_WORDS), "auto", _section("wire_dtype"),
+           "hidden states in the model dtype (auto) or fp8: float8_e4m3 with a scale per token, restored to "
+           "the model dtype here; half the hidden-state bytes, within docs/equality.md's stated error"),
     Option("enable_nccl", "SPEC_SERVE_ENABLE_NCCL", SWITCH, False, _section("enable_nccl"),
            "bind a worker and receive over a private NCCL pair (docs/nccl.md)", nemo_env="NEMO_EAGLE_ENABLE_NCCL"),
     Option("nccl_timeout", "SPEC_SERVE_NCCL_TIMEOUT", POSITIVE, 30.0, _section("nccl_timeout"),
@@ -185,6 +191,13 @@ TABLE: tuple[Option, ...] = (
            "largest reply taken"),
     Option("advertise_host", "SPEC_SERVE_ADVERTISE_HOST", TEXT, None, _section("advertise_host"),
            "address workers reach this client's data socket at (default: the route to the broker)"),
+    Option("cache", "SPEC_SERVE_CACHE", Parser(lambda v: Path(_text(str(v))), "a directory path"), None,
+           _section("cache"), "a supervision cache directory, local or shared by many ranks: rows are read "
+           "from it, and what misses is fetched and stored (docs/cache.md)"),
+    Option("cache_max_bytes", "SPEC_SERVE_CACHE_MAX_BYTES", _whole(0), 0, _section("cache_max_bytes"),
+           "the cache's size bound, oldest segments evicted first (0: none)"),
+    Option("cache_dtype", "SPEC_SERVE_CACHE_DTYPE", _words({"native": "native", "fp8": "fp8"}), "native",
+           _section("cache_dtype"), "how the cache stores hidden states: native (bit-equal) or fp8 (half the bytes)"),
     Option("curve_secret_key", "SPEC_SERVE_CURVE_SECRET_KEY", _existing("file"), None, _section("curve_secret_key"),
            "CURVE: this client's secret key file (security=)"),
     Option("curve_server_key", "SPEC_SERVE_CURVE_SERVER_KEY", _existing("file"), None, _section("curve_server_key"),
@@ -333,6 +346,10 @@ def _check_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]) -> N
         raise ValueError(f"enable_nccl (from {_shown(sources['enable_nccl'])}) cannot be combined with CURVE security "
                          f"(from {_shown(sources['security'])}): the NCCL rendezvous (TCPStore, gloo/NCCL "
                          "connections) is not authenticated; turn NCCL off and frames travel over CURVE")
+    if values["cache"] is not None and values["wire_dtype"] == WireDtype.FP8.value and values["cache_dtype"] != "fp8":
+        raise ValueError(f"wire_dtype='fp8' (from {_shown(sources['wire_dtype'])}) rounds the hidden states the "
+                         f"cache (from {_shown(sources['cache'])}) would store as {values['cache_dtype']} rows, which "
+                         "promise the target's bits: set cache_dtype='fp8' too, or wire_dtype='auto'")
 
 
 def _shown(source: str) -> str:

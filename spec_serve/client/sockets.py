@@ -20,7 +20,14 @@ from spec_serve.telemetry.logs import Throttle, event
 from spec_serve.transport.bounded import BoundedReader, Overlong
 from spec_serve.transport.connwatch import ConnectWatch, connect_watched
 from spec_serve.transport.ingress import Ingress
-from spec_serve.transport.sockets import KeyPolicy, Security, bound_endpoint, make_socket, route_address
+from spec_serve.transport.sockets import (
+    KeyPolicy,
+    Security,
+    bound_endpoint,
+    make_socket,
+    route_address,
+    tcp_endpoint,
+)
 
 log = logging.getLogger("spec_serve.client")
 
@@ -58,7 +65,7 @@ class ClientSockets:
         # Where peers reach us: the data socket, and a reply path's connections to a worker we hold.
         local = broker_url.startswith("ipc://")
         self.local_host = "127.0.0.1" if local else advertise_host or route_address(broker_url)
-        data_bind = _ipc_endpoint() if local else f"tcp://{self.local_host}:*"
+        data_bind = _ipc_endpoint() if local else tcp_endpoint(self.local_host, "*")
         # With CURVE, only the workers' keys may push replies here (none without worker_keys_dir).
         self.data_keys = KeyPolicy(security.worker_keys_dir) if security else None
         self.data = make_socket(self.ctx, zmq.PULL, security=security, admit=self.data_keys)
@@ -81,7 +88,7 @@ class ClientSockets:
         # Only the broker sends here, control messages only.
         self._readers = {s: r for s, r in self._readers.items() if s is self.data}
         self._readers[sock] = BoundedReader(sock, lambda head: frame_limit(head, 0))
-        self.watch = connect_watched(sock, self.broker_url)
+        self.watch = connect_watched(sock, self.broker_url, "client")
         return sock
 
     def reconnect(self, poller: zmq.Poller) -> None:

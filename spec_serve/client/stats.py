@@ -26,6 +26,9 @@ class ClientStats:
     compact_replies: int = 0  # EAGLE-3 replies that came compact (expanded here: compact=True, or "auto")
     lm_head_slices: int = 0  # draft-vocab lm_head slices fetched for that (once per vocab mapping)
     lm_head_slice_bytes: int = 0
+    fp8_replies: int = 0  # replies whose hidden states came as FP8 (wire_dtype="fp8"), restored here
+    fp8_declined: int = 0  # replies to wire_dtype="fp8" requests that came in the model dtype (a worker or path
+    # that cannot send FP8: the NCCL pair group, an older worker, a hidden state holding NaN or infinity)
     # The rank's demand (demand.py): batches asked for (generate_batch calls), their real tokens, seconds the
     # caller was blocked waiting for supervision, and seconds between its requests otherwise (its own compute).
     steps: int = 0

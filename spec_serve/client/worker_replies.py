@@ -58,7 +58,8 @@ class WorkerReplies:
                   payload: list) -> None:
         path = self.paths.carrying(reply)
         if path.tensors_follow:  # received even for a request already answered, or the worker's send stalls
-            expect = pending.expect.for_kind(reply.kind) if pending is not None and pending.expect else None
+            expect = (pending.expect.for_reply(reply.kind, reply.wire_dtype)
+                      if pending is not None and pending.expect else None)
             path.accept(Arrival(request_id, reply, header, payload, expect, self.requests.table.largest,
                                 self._no_asking_again))
             return
@@ -102,9 +103,21 @@ class WorkerReplies:
         request = pending.request
         if (reply.kind or (request.supervision_kind if request is not None else None)) == Kind.EAGLE3_COMPACT.value:
             self.stats.compact_replies += 1
+        if request is not None and request.wire_dtype is not None and request.is_generate:
+            if reply.wire_dtype == request.wire_dtype:
+                self.stats.fp8_replies += 1
+            else:
+                self._count_declined(reply)
+
+    def _count_declined(self, reply: Reply) -> None:
+        """A reply to a wire_dtype="fp8" request that came in the model dtype: counted, the first one logged."""
+        if not self.stats.fp8_declined:
+            event(log, logging.WARNING, "client.fp8_declined", worker=reply.worker,
+                  sent="model dtype (counted in stats.fp8_declined; the worker logs why)")
+        self.stats.fp8_declined += 1
 
     def _arrival(self, pending: Pending, path: ClientSide, reply: Reply, header: dict, payload: list) -> Arrival:
-        expect = pending.expect.for_kind(reply.kind) if pending.expect is not None else None
+        expect = pending.expect.for_reply(reply.kind, reply.wire_dtype) if pending.expect is not None else None
         return Arrival(pending.request_id, reply, header, payload, expect, self.max_message_bytes,
                        lambda reason: self._ask_again(pending, path, reason))
 
@@ -116,7 +129,7 @@ class WorkerReplies:
         worker = reply.worker
         try:
             validate_reply({name: (span.dtype, span.shape) for name, span in tensors.items()},
-                           pending.expect.for_kind(reply.kind))
+                           pending.expect.for_reply(reply.kind, reply.wire_dtype))
         except ValueError as e:
             release(tensors)
             self.stats.contract_violations += 1

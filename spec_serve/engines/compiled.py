@@ -7,9 +7,11 @@ serves all N layers, so start-up costs one layer's compile, not N (and a second 
 same model in the process compiles nothing). The engine's capture hooks sit in the module call around
 ``forward``, so they stay eager and record the compiled outputs.
 
-Attention is traced with the rest: padded batches run the model's own attention function (SDPA: the
-same fused attention kernel as eager, called from the graph); packed sequences run packing's
-``rows_sdpa``, one custom op whatever the number of rows. What Inductor fuses is what lies around
+Attention is traced with the rest: padded batches run the model's own attention function (SDPA, called from the
+graph), with flash or memory-efficient kernels and never cuDNN's (``packing.any_length_attention``, at load and in
+every forward: cuDNN plans each new sequence length anew, so a worker's first batches of new lengths would run
+slower than the same lengths later); packed sequences run packing's ``rows_sdpa``, one custom op whatever the
+number of rows. What Inductor fuses is what lies around
 the matmuls and attention: RMSNorm, RoPE, residual adds, SiLU * up.
 
 Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and 1, which dynamo
@@ -87,6 +89,10 @@ WARMUP: dict[str, tuple[int, int, bool, bool]] = {
 # lowered).
 RECOMPILE_LIMIT = 64
 
+# The attention kernels a class's graph may call (packing.any_length_attention, under which every class compiles and
+# serves): in the store key, so that classes traced with another choice (cuDNN's, before) are not loaded.
+ATTENTION_KERNELS = "flash,efficient,math"
+
 # The same rounding class as packing (docs/compile.md derives why): by the model's dtype, each tensor
 # against the eager padded forward, over real positions (``packing.compare``).
 TOLERANCE = packing.TOLERANCE
@@ -114,6 +120,7 @@ class CompileReport:
     graphs: int = 0  # graphs dynamo compiled at load (0: another engine of this process had compiled them)
     recompiles: int = 0  # forwards after load that compiled graphs (a shape outside WARMUP)
     recompile_seconds: float = 0.0  # what those forwards took
+    recompile_reason: str | None = None  # the guards of the saved classes that refused the last recompile's call
     cache_hits: int = 0  # Inductor FX graph cache hits at load: kernels loaded, not generated
     cache_misses: int = 0
     cache_dir: str = ""
@@ -284,14 +291,21 @@ def _cache_dir() -> str:
 def _store_key(model: Any, layers: Sequence[torch.nn.Module], device: torch.device, backend: str) -> str:
     """What cached kernels and saved classes of ``model`` on ``device`` depend on, hashed: torch and transformers,
     the source of the layers' classes and of packing (its attention function is traced into the packed class),
-    the model's configuration and dtype, the device, the backend and its options."""
+    the model's configuration and dtype, the device (its kind and index), the backend and its options, and torch's
+    math threads. Not the weights or the path: every target of one configuration shares the directory.
+
+    The index and the threads because the saved guards check them at every call: a parameter's device (cuda:1 is
+    not cuda:0), and dynamo's global state, which counts torch's intra-op threads (Inductor's CPU code is built for
+    that many). A load at another count, keyed alike, would be refused by every saved class, compile them again and
+    replace them, and the next load of the first count would do the same."""
     import transformers
 
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = sorted({_source_digest(type(layer)) for layer in layers} | {_source_digest(packing.PackedLayout)})
     key = json.dumps([torch.__version__, transformers.__version__, sources, config, str(next(model.parameters()).dtype),
-                      name, backend, _options()], sort_keys=True, default=str)
+                      name, str(device), torch.get_num_threads(), backend, _options(), ATTENTION_KERNELS],
+                     sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -359,6 +373,7 @@ class CompiledLayers:
         self.model, self.layers, self.name, self._warm_up = model, list(layers), name, warm_up
         self.packed = packed
         self.report = CompileReport(cache_dir=os.environ.get(CACHE_ENV) or "")
+        self._saved: dict[type, precompiled.ClassFunctions] = {}  # by layer class, where classes are saved
 
     # -- load ------------------------------------------------------------------------------------
 
@@ -408,6 +423,7 @@ class CompiledLayers:
                     for cls in {type(layer) for layer in self.layers}}
         saved = {} if store is None else {cls: precompiled.ClassFunctions(cls, store, _ahead_of_time(backend, config))
                                           for cls in compiled}
+        self._saved = saved
         for layer in self.layers:
             traced = _bound(compiled[type(layer)], layer, config)
             layer.forward = precompiled.LayerForward(saved[type(layer)], layer, traced) if saved else traced
@@ -418,10 +434,12 @@ class CompiledLayers:
                 for functions in saved.values():
                     functions.warming = None if functions.failed else name
                 try:
-                    self._warm_up(*shape)
+                    with packing.any_length_attention():  # as served (watch): the graph's attention kernel
+                        self._warm_up(*shape)
                 finally:
                     for functions in saved.values():
                         functions.warming = None
+                        functions.take_miss()  # a warm-up's: not a recompile's reason
                 seconds[name] = round(time.monotonic() - begun, 2)
         now_hits, now_misses = _cache_lookups()
         total = round(time.monotonic() - started, 2)
@@ -437,19 +455,26 @@ class CompiledLayers:
 
     @contextlib.contextmanager
     def watch(self, shape: Sequence[int]) -> Iterator[None]:
-        """Around a forward (under the engine's forward lock): count and log the graphs it compiled.
+        """Around a forward (under the engine's forward lock): run it with the attention kernels the classes were
+        compiled with (``packing.any_length_attention``: no cuDNN, which plans each new length anew), and count
+        and log the graphs it compiled.
 
         Dynamo's counters are process-wide, so a compile by another compiled model in this process at
-        the same moment would be counted here too."""
+        the same moment would be counted here too. Where classes are saved, the line says which of their guards
+        refused the call (``reason``: e.g. a size outside a class, or dynamo's global state, such as torch's
+        math threads, changed since load)."""
         before, started = _graphs(), time.monotonic()
-        yield
+        with packing.any_length_attention():
+            yield
         compiled = _graphs() - before
+        missed = [m for m in (f.take_miss() for f in self._saved.values()) if m is not None]
         if compiled:
             seconds = time.monotonic() - started
             self.report.recompiles += 1
             self.report.recompile_seconds = round(self.report.recompile_seconds + seconds, 2)
+            self.report.recompile_reason = "; ".join(missed) or None
             event(log, logging.INFO, "compile.recompiled", model=self.name, shape=list(shape), graphs=compiled,
-                  seconds=round(seconds, 2), recompiles=self.report.recompiles)
+                  seconds=round(seconds, 2), recompiles=self.report.recompiles, reason=self.report.recompile_reason)
 
     def fall_back(self, exc: BaseException) -> None:
         """A compiled forward failed to compile (a recompile): eager from now on, one WARNING."""

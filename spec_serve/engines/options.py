@@ -63,8 +63,8 @@ _OPTIONS = (
     _option("--compile-cache", "compile_cache", metavar="DIR", section=HF, keywords={"hf": "compile_cache"},
             envvar="SPEC_SERVE_COMPILE_CACHE",
             help="Where compiled layers are cached: Inductor's kernels and the compiled batch classes, so that a "
-                 "restarted worker loads them whole instead of compiling again "
-                 "[TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER] "
+                 "restarted worker, or one of another target of the same config, dtype, device and --threads, loads "
+                 "them whole instead of compiling again [TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER] "
                  "[env SPEC_SERVE_COMPILE_CACHE]."),
     _option("--tensor-parallel-size", "--tp-size", "tensor_parallel_size", type=click.IntRange(min=1),
             section=BOTH, keywords={"vllm": "tensor_parallel_size", "sglang": "tp_size"},

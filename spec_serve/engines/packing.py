@@ -186,7 +186,6 @@ def row_attention(model) -> Iterator[None]:
     The attention implementation is a config field read at every forward, so the caller must hold
     the model for the whole block (HFTarget's forward lock does).
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _row_attention)  # idempotent
@@ -194,13 +193,21 @@ def row_attention(model) -> Iterator[None]:
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION
     try:
-        # Every packed row has a length of its own, so no cuDNN attention: it builds an execution plan
-        # for each new sequence length, so rows of new lengths would make a packed forward slower than the
-        # padded one (BENCHMARKS.md, "Packed forwards"). Flash and memory-efficient kernels take any length as it comes.
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        with any_length_attention():  # every packed row has a length of its own
             yield
     finally:
         config._attn_implementation = previous
+
+
+def any_length_attention() -> contextlib.AbstractContextManager[None]:
+    """SDPA without cuDNN's kernels for the block (process-wide flags, restored after). cuDNN builds an execution
+    plan for each new sequence length, so batches of new lengths run slower than the same lengths seen before
+    (rows of new lengths made a packed forward 0.81x the padded one, 1.80x once they repeated: BENCHMARKS.md,
+    "Packed forwards"). Flash and memory-efficient kernels take any length as it comes. Packed rows and compiled
+    layers run under it; where cuDNN is not available (CPU) it changes no kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 # -- how close a packed answer is to the padded forward's ----------------------------------------

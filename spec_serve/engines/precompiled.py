@@ -87,6 +87,7 @@ class ClassFunctions:
         self.failed: str | None = None  # why a class did not compile ahead of time: no more are tried
         self.issue: str | None = None  # the last reason a class was not loaded or not saved (also logged)
         self.load_seconds = 0.0  # spent reading and rebuilding saved functions
+        self.missed: str | None = None  # why a call outside warm-ups was refused by every function (note_miss)
 
     def path(self, name: str) -> Path:
         return self.directory / f"{self.prefix}.{name}{SUFFIX}"
@@ -112,10 +113,23 @@ class ClassFunctions:
             self.loaded.append(name)
             return function
         if function is not None:
-            self.issue = f"{name}: its guards refuse the warm-up's call"
-            event(log, logging.INFO, "compile.saved_class_unusable", path=self.path(name),
-                  reason="its guards refuse the warm-up's call", action="compiling")
+            reason = f"its guards refuse the warm-up's call ({refusal(function, args, kwargs)})"
+            self.issue = f"{name}: {reason}"
+            event(log, logging.INFO, "compile.saved_class_unusable", path=self.path(name), reason=reason,
+                  action="compiling")
         return self._compile(name, args, kwargs)
+
+    def note_miss(self, args: tuple, kwargs: dict) -> None:
+        """A call outside warm-ups that no function admits (it goes to dynamo: a recompile, unless dynamo compiled
+        such a call before): keep why the function that matched last refuses it, once until ``take_miss``. Not
+        where a class failed to compile ahead of time: dynamo serves the classes from it on, every call a miss."""
+        if self.missed is None and self.functions and self.failed is None:
+            self.missed = refusal(self.functions[self._last], args, kwargs)
+
+    def take_miss(self) -> str | None:
+        """Why the last call no function admitted was refused (None if every call was admitted), and forget it."""
+        missed, self.missed = self.missed, None
+        return missed
 
     def _load(self, name: str) -> Any | None:
         path = self.path(name)
@@ -160,6 +174,16 @@ class ClassFunctions:
         self._last = len(self.functions) - 1
 
 
+def refusal(function: Any, args: tuple, kwargs: dict) -> str:
+    """Which guards of ``function`` (ahead-of-time compiled) refuse this call, in dynamo's words (e.g. ``GLOBAL_STATE
+    changed: num_threads``); "unknown" where this torch cannot say. Slow (dynamo's verbose check): for logs only."""
+    try:
+        parts = function._artifacts.guard_manager.check_verbose(function.prepare_f_locals(*args, **kwargs))
+        return "; ".join(part.strip() for part in parts.verbose_code_parts) or "unknown"
+    except Exception:  # a private API of torch's: a torch that moved it only loses the detail
+        return "unknown"
+
+
 class LayerForward:
     """A layer's forward through its class's saved or ahead-of-time compiled functions (``ClassFunctions``): the
     one whose guards admit the call, else (a class compiled now, in its warm-up, failing) ``traced``, the
@@ -176,6 +200,8 @@ class LayerForward:
         function = self.saved.find(call, kwargs)
         if function is None and self.saved.warming is not None:
             function = self.saved.load_or_compile(call, kwargs)
+        elif function is None:
+            self.saved.note_miss(call, kwargs)
         return self.traced(*args, **kwargs) if function is None else function(*call, **kwargs)
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple]:

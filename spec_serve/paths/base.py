@@ -102,6 +102,9 @@ class WorkerSide:
     # False: a reply this path carries is computed alone, never in a packed forward with others (a path that
     # sends each reply's tensors as the engine left them, on a channel of its own).
     packs: ClassVar[bool] = True
+    # Whether this path carries float8 hidden states (a request's wire_dtype="fp8"); False: the worker sends
+    # them in the model dtype and the client counts that (ClientStats.fp8_declined).
+    sends_fp8: ClassVar[bool] = True
 
     def takes(self, request: SupervisionRequest) -> bool:
         """Whether this path may carry the reply to ``request``; ``PathUnavailable`` if the request

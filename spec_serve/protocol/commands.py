@@ -152,6 +152,15 @@ class ReplyFormat(str, enum.Enum):
     AUTO = "auto"
 
 
+class WireDtype(str, enum.Enum):
+    """How a GENERATE reply's hidden states travel (a REQUEST's and a DATA header's ``wire_dtype``; absent:
+    in the model's dtype)."""
+
+    # float8_e4m3fn with a float32 scale per token and captured layer (supervision/fp8.py); the client
+    # restores the model dtype. Opt-in: RemoteTargetModel(wire_dtype="fp8").
+    FP8 = "fp8"
+
+
 class ProtocolError(ValueError):
     """A message that does not follow this protocol; ``request_id`` when the frames named one."""
 

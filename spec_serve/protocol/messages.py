@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from spec_serve.protocol.commands import DoneStatus, Op, ProtocolError, ReplyFormat
+from spec_serve.protocol.commands import DoneStatus, Op, ProtocolError, ReplyFormat, WireDtype
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -37,6 +37,7 @@ T = TypeVar("T")
 DEFAULT_REQUEST_TIMEOUT = 120
 _FORMATS = {f.value for f in ReplyFormat}
 _DONE_STATUSES = {s.value for s in DoneStatus}
+_WIRE_DTYPES = {d.value for d in WireDtype}
 DEFAULT_KIND = "eagle3"  # supervision.contract.Kind.EAGLE3: what a REQUEST naming no kind asks for
 MAX_REQUEST_TIMEOUT = 1e7
 MAX_FINGERPRINT_CHARS = 128
@@ -195,6 +196,7 @@ class SupervisionRequest(WireMessage):
     which: str | None = None
     kind: str | None = None
     format: str | None = None
+    wire_dtype: str | None = None  # a WireDtype: how the reply's hidden states travel (absent: model dtype)
     timeout: float = DEFAULT_REQUEST_TIMEOUT
     tokens: int | None = None
     pin: str | None = None  # the one worker (by name) that may take it: one the client holds (BIND)
@@ -218,6 +220,7 @@ class SupervisionRequest(WireMessage):
             op=r.text("op"), which=r.text("which"), kind=r.text("kind"),
             format=r.text("format", ok=lambda v: v in _FORMATS, error=(
                 f"REQUEST header 'format' must be one of {sorted(_FORMATS)}")),
+            wire_dtype=_wire_dtype(r),
             timeout=_timeout(r),
             tokens=r.integer("tokens", minimum=0),
             pin=r.text("pin", nullable=True, error="REQUEST header 'pin' must be a worker name string"),
@@ -255,6 +258,11 @@ class SupervisionRequest(WireMessage):
         """The request without ``path``'s offer (and, with ``unpin``, free to go to any worker of the pool)."""
         offers = {name: offer for name, offer in (self.offers or {}).items() if name != path}
         return dataclasses.replace(self, offers=offers or None, pin=None if unpin else self.pin)
+
+
+def _wire_dtype(r: HeaderReader) -> str | None:
+    return r.text("wire_dtype", ok=lambda v: v in _WIRE_DTYPES,
+                  error=f"{r.command} header 'wire_dtype' must be one of {sorted(_WIRE_DTYPES)}")
 
 
 def _timeout(r: HeaderReader) -> float:
@@ -623,7 +631,8 @@ class Reply(WireMessage):
     """DATA ok, worker -> client: a reply's header. Its tensors are the payload frames, or travel by the reply
     path that ``path`` names (``{name: its descriptor}``, spec_serve/paths/). ``digests`` when the request
     asked ``verify``; ``batched`` when it shared a packed forward; ``kind`` when the worker chose the reply's
-    format (a request's ``format: auto``)."""
+    format (a request's ``format: auto``); ``wire_dtype`` when its hidden states travel in another dtype than
+    the model's (``fp8``: each with its ``NAME_scale``)."""
 
     COMMAND: ClassVar[str] = "DATA"
 
@@ -631,6 +640,7 @@ class Reply(WireMessage):
     compute_s: float | None = None
     batched: int | None = None
     kind: str | None = None
+    wire_dtype: str | None = None
     path: Json | None = None  # {path name: its descriptor}: where the reply's bytes lie, if not in the frames
     fingerprint: str | None = None
     digests: dict[str, int] | None = None
@@ -645,7 +655,8 @@ class Reply(WireMessage):
         if path is not None and len(path) != 1:
             raise ProtocolError("DATA header 'path' must name one reply path")
         return cls(worker=r.required_text("worker"), compute_s=r.number("compute_s"),
-                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), path=path,
+                   batched=r.integer("batched", minimum=1), kind=r.text("kind"), wire_dtype=_wire_dtype(r),
+                   path=path,
                    fingerprint=r.text("fingerprint"), digests=digests)
 
     def descriptor(self, path: str) -> Any:

@@ -65,6 +65,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "BF16": torch.bfloat16,
     "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -94,8 +95,8 @@ def encode(
     for _, t, begin, end in placed:
         if end > begin:
             # A contiguous tensor may carry any stride on a size-1 dim, which
-            # view(uint8) rejects: flatten by strides. bool and bfloat16 have no
-            # numpy dtype, so numpy sees the bytes as uint8.
+            # view(uint8) rejects: flatten by strides. bool, bfloat16 and float8 have
+            # no numpy dtype, so numpy sees the bytes as uint8.
             flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
             view = flat.numpy().data
             frames.extend(view[i : i + MAX_FRAME_BYTES] for i in range(0, end - begin, MAX_FRAME_BYTES))

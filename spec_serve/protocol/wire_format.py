@@ -30,10 +30,11 @@ METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 _INT64_LIMIT = 1 << 63
 
-# safetensors dtype name -> bytes per element; the codec's dtypes, exactly.
-ITEMSIZE: dict[str, int] = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                            "U8": 1, "BOOL": 1}
-# The same as numpy dtypes (little-endian, as safetensors stores them); bfloat16 has none.
+# safetensors dtype name -> bytes per element; the codec's dtypes, exactly. F8_E4M3 (torch.float8_e4m3fn,
+# safetensors' name for it) carries hidden states of wire_dtype="fp8" replies.
+ITEMSIZE: dict[str, int] = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I16": 2,
+                            "I8": 1, "U8": 1, "BOOL": 1}
+# The same as numpy dtypes (little-endian, as safetensors stores them); bfloat16 and float8 have none.
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
                  "U8": "u1", "BOOL": "?"}
 
@@ -57,7 +58,8 @@ class RawSpan:
     parts: tuple[memoryview, ...]
 
     def array(self) -> np.ndarray:
-        """The tensor as a numpy array (a copy when it spans frames); WireError for bfloat16, which numpy lacks."""
+        """The tensor as a numpy array (a copy when it spans frames); WireError for bfloat16 and float8, which
+        numpy lacks."""
         if self.dtype not in _NUMPY_DTYPES:
             raise WireError(f"a {self.dtype} tensor has no numpy dtype")
         data = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from spec_serve.supervision import fp8
 from spec_serve.supervision.target_info import TargetInfo
 from spec_serve.supervision.vocab_rule import IDS_RULE, MASK_RULE, validate_mapping
 
@@ -44,6 +45,11 @@ RESPONSE_TENSORS: dict[Kind, tuple[str, ...]] = {
     Kind.EAGLE3_COMPACT: ("aux_hidden_states", "last_hidden_states", "argmax_ids", "input_ids", "loss_mask"),
     Kind.DSPARK: ("target_hidden_states", "target_last_hidden_states", "input_ids", "loss_mask"),
 }
+
+# The hidden states of every kind: what a wire_dtype="fp8" reply quantizes (supervision/fp8.py). Argmax ids
+# and target_probs are computed by the worker from the unquantized states and travel as they are.
+HIDDEN_STATE_TENSORS = ("aux_hidden_states", "last_hidden_states", "target_hidden_states",
+                        "target_last_hidden_states")
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
@@ -162,6 +168,19 @@ def reply_specs(kind: Kind, info: TargetInfo, rows: int, seq: int, loss_mask_dty
             "position_mask": (torch.bool, (rows, seq, 1)), **common}
 
 
+def fp8_specs(specs: ReplySpecs, hidden_size: int) -> ReplySpecs:
+    """``specs`` as a wire_dtype="fp8" reply holds them: each hidden state float8_e4m3fn, followed by its
+    float32 ``NAME_scale`` (one a token and ``hidden_size`` block: ``fp8.quantize_reply``)."""
+    out: ReplySpecs = {}
+    for name, (dtype, shape) in specs.items():
+        if name in HIDDEN_STATE_TENSORS:
+            out[name] = (fp8.FP8_DTYPE, shape)
+            out[name + fp8.SCALE_SUFFIX] = (torch.float32, (*shape[:-1], shape[-1] // hidden_size))
+        else:
+            out[name] = (dtype, shape)
+    return out
+
+
 def weight_specs(info: TargetInfo, rows: int) -> ReplySpecs:
     """An embeddings (``rows`` = V) or lm_head slice (``rows`` = Vd) reply: ``weight`` ``[rows, H]``."""
     return {"weight": (model_dtype(info), (rows, info.hidden_size))}
@@ -174,16 +193,23 @@ def reply_bytes(specs: ReplySpecs) -> int:
 @dataclasses.dataclass(frozen=True)
 class Expected:
     """What a reply may hold: ``specs``, the kind asked; with ``compact`` (an EAGLE-3 request the worker may
-    answer in either format, compact="auto") the compact EAGLE-3 tensors instead, when the reply says so."""
+    answer in either format, compact="auto") the compact EAGLE-3 tensors instead, when the reply says so.
+    With ``fp8_block`` (the hidden size of a request asking wire_dtype="fp8") either in their fp8 form
+    (``fp8_specs``), when the reply says so: a worker that cannot send FP8 answers in the model dtype."""
 
     specs: ReplySpecs
     compact: ReplySpecs | None = None
+    fp8_block: int | None = None
 
-    def for_kind(self, kind: str | None) -> ReplySpecs:
-        """The specs of a reply whose header names ``kind`` (None: the kind asked)."""
-        if kind == Kind.EAGLE3_COMPACT.value and self.compact is not None:
-            return self.compact
-        return self.specs
+    def for_reply(self, kind: str | None, wire_dtype: str | None = None) -> ReplySpecs:
+        """The specs of a reply whose header names ``kind`` (None: the kind asked) and ``wire_dtype`` (None:
+        the model dtype; an fp8 reply to a request that did not ask fp8 matches nothing)."""
+        specs = self.compact if kind == Kind.EAGLE3_COMPACT.value and self.compact is not None else self.specs
+        if wire_dtype is None:
+            return specs
+        if self.fp8_block is None:
+            return {}
+        return fp8_specs(specs, self.fp8_block)
 
     @property
     def nbytes(self) -> int:

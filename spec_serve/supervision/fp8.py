@@ -1,5 +1,6 @@
 """FP8 (float8_e4m3fn) for hidden states, with one float32 scale per token: the one codec that the wire's
-``wire_dtype="fp8"`` and the supervision cache's FP8 storage share.
+``wire_dtype="fp8"`` and the supervision cache's FP8 storage share. A reply's hidden states concatenate
+captured layers, so they get one scale per token and layer (``quantize_blocks``, ``quantize_reply``).
 
 A token's scale is its largest magnitude over the last dimension divided by e4m3's largest finite value
 (448), so every element of a finite row maps into e4m3's range and no element saturates. A row of zeros
@@ -53,3 +54,54 @@ def relative_error(x: torch.Tensor) -> float:
     ref = x.double()
     norm = ref.norm()
     return 0.0 if norm == 0 else float((back - ref).norm() / norm)
+
+
+# ---------------------------------------------------------------- replies on the wire (wire_dtype="fp8")
+
+# A quantized tensor ``NAME`` travels with ``NAME_scale``: float32 ``[..., blocks]``, one scale per token
+# and per block of ``hidden_size`` elements (a captured layer: aux_hidden_states holds three, and layers
+# differ in magnitude, so each gets its own scale).
+SCALE_SUFFIX = "_scale"
+
+
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` per block of ``block`` elements of the last dimension: ``(q, scale)``, q float8_e4m3fn of
+    x's shape, scale float32 ``[..., x.shape[-1] // block]``."""
+    if block <= 0 or x.dim() == 0 or x.shape[-1] % block:
+        raise ValueError(f"a last dimension of {tuple(x.shape)[-1:]} is not whole blocks of {block}")
+    q, scale = quantize(x.unflatten(-1, (-1, block)))
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_blocks`` (within its rounding), in ``dtype`` on q's device."""
+    if scale.dim() != q.dim() or scale.shape[-1] <= 0 or q.shape[-1] % scale.shape[-1]:
+        raise ValueError(f"an fp8 scale of shape {tuple(scale.shape)} does not divide a tensor of shape "
+                         f"{tuple(q.shape)} into blocks")
+    blocks = scale.shape[-1]
+    return dequantize(q.unflatten(-1, (blocks, -1)), scale.unsqueeze(-1), dtype).flatten(-2)
+
+
+def quantize_reply(tensors: dict[str, torch.Tensor], names: tuple[str, ...],
+                   block: int) -> dict[str, torch.Tensor]:
+    """``tensors`` with each of ``names`` present as float8_e4m3fn followed by its ``NAME_scale``; the
+    others as they are (ValueError, from ``quantize``, for a tensor holding NaN or infinity)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name in names:
+            out[name], out[name + SCALE_SUFFIX] = quantize_blocks(t, block)
+        else:
+            out[name] = t
+    return out
+
+
+def restore_reply(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A reply of ``quantize_reply`` with every quantized tensor back in ``dtype`` and the scales gone."""
+    out = {}
+    for name, t in tensors.items():
+        scale = tensors.get(name + SCALE_SUFFIX)
+        if scale is not None and t.dtype == FP8_DTYPE:
+            out[name] = dequantize_blocks(t, scale, dtype)
+        elif not (name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in tensors):
+            out[name] = t
+    return out

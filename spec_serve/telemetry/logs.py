@@ -51,7 +51,10 @@ def one_line(exc: BaseException) -> str:
 
 
 class Throttle:
-    """At most one log line per ``interval`` seconds per key; counts the lines it held back."""
+    """At most one log line per ``interval`` seconds per key; counts the lines it held back. Keys whose
+    window has passed are forgotten once there are ``MAX_KEYS`` (a key per peer address stays bounded)."""
+
+    MAX_KEYS = 4096
 
     def __init__(self, interval: float):
         self.interval = interval
@@ -63,5 +66,8 @@ class Throttle:
         if now - self._last.get(key, float("-inf")) < self.interval:
             self._held[key] = self._held.get(key, 0) + 1
             return None
+        if len(self._last) >= self.MAX_KEYS:
+            for stale in [k for k, last in self._last.items() if now - last >= self.interval]:
+                del self._last[stale]
         self._last[key] = now
         return self._held.pop(key, 0)

@@ -75,6 +75,11 @@ class BrokerMetrics:
                                         "Messages refused unread at ingress: more frames than their kind has "
                                         "(the sender's connection is cut)", ["socket"], registry=r)
         self.errors = Counter("spec_serve_errors", "Error replies sent by the broker", ["code"], registry=r)
+        self.curve_refusals = Counter("spec_serve_curve_refusals",
+                                      "Handshakes refused, by the role the peer tried (client: the frontend, "
+                                      "worker: the backend) and cause (key: its CURVE key is not admitted; "
+                                      "handshake: the two ends' CURVE settings differ)", ["role", "cause"],
+                                      registry=r)
         self.refused_workers = Counter("spec_serve_refused_workers",
                                        "Workers refused: their target differs from the service's", ["service"],
                                        registry=r)
@@ -219,10 +224,33 @@ class _WorkerCollector(Collector):
         for (device, kind), n in sorted(f["device_memory"].items()):
             memory.add_metric([device, kind], n)
         yield memory
-        state = GaugeMetricFamily("spec_serve_worker_state", "1 for the state the worker is in", labels=["state"])
-        for name in WORKER_STATES:
-            state.add_metric([name], float(name == f["state"]))
-        yield state
+        yield worker_state_family(f["state"])
+
+
+def worker_state_family(current: str) -> GaugeMetricFamily:
+    """``spec_serve_worker_state``: 1 for ``current``, 0 for every other state a worker can be in."""
+    state = GaugeMetricFamily("spec_serve_worker_state", "1 for the state the worker is in", labels=["state"])
+    for name in WORKER_STATES:
+        state.add_metric([name], float(name == current))
+    return state
+
+
+class StartupCollector(Collector):
+    """A worker process's series from its first second, before its ``Worker`` exists (checking its broker,
+    loading, probing): ``spec_serve_worker_start_time_seconds`` always, and ``spec_serve_worker_state`` while
+    ``phase()`` names the state (None once the worker's own collector reports it), so an alert on a worker
+    stuck before it registers can fire."""
+
+    def __init__(self, phase: Callable[[], str | None], started: float) -> None:
+        self._phase = phase
+        self._started = started
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("spec_serve_worker_start_time_seconds", "When this worker process started "
+                                "(Unix time)", value=self._started)
+        phase = self._phase()
+        if phase is not None:
+            yield worker_state_family(phase)
 
 
 # What a worker's /health reports; only "serving" answers 200.

@@ -1,4 +1,4 @@
-"""The ``spec-serve`` command line: broker, worker, status, demo, bench, and tools.
+"""The ``spec-serve`` command line: broker, worker, status, demo, bench, capture, cache, and tools.
 
 Every flag can also be set through the ``SPEC_SERVE_*`` environment variable
 named in its help, or in a YAML file given with ``--config`` (see cli_config.py).
@@ -30,6 +30,7 @@ from spec_serve.protocol.commands import (
     WORKER_PORT_HINT,
 )
 from spec_serve.telemetry import logs
+from spec_serve.tools import cache_cli
 from spec_serve.tools.cli_config import ConfigGroup
 
 log = logging.getLogger("spec_serve.worker")
@@ -345,10 +346,10 @@ def _start_shim(b, host: str, port: int, authenticated: bool, insecure_network: 
                    f"(a larger request runs alone; 0: every request alone) [{DEFAULT_PACKED_TOKENS}] "
                    f"[env SPEC_SERVE_MAX_BATCH_TOKENS].")
 @click.option("--threads", default=None, type=click.IntRange(min=1), envvar="SPEC_SERVE_THREADS",
-              help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else the cores this process may "
-                   "use divided by the spec-serve workers on this host that serve the same --broker, recounted as they "
-                   "come and go "
-                   "[env SPEC_SERVE_THREADS].")
+              help="Torch (OpenMP) math threads; default: OMP_NUM_THREADS if set, else this worker's share of the "
+                   "cores it may use, each split among the spec-serve workers on this host that serve the same "
+                   "--broker and may run on it (their CPU affinity), within its cgroup's CPU quota, recounted as they "
+                   "come and go [env SPEC_SERVE_THREADS].")
 @click.option("--advertise-host", default=None, envvar="SPEC_SERVE_ADVERTISE_HOST",
               help="Address a bound (NCCL) client reaches this worker's rendezvous at; default: the "
                    "interface that routes to the broker [env SPEC_SERVE_ADVERTISE_HOST].")
@@ -450,6 +451,9 @@ def worker(engine, target, broker_url, service, device, dtype, trust_remote_code
         share.set_torch_threads()  # torch loads here, unless a flag needed it: a bad --broker fails without it
         status.phase = "loading"
         engine_obj = _load_engine(engine, target, path, kwargs)
+        if getattr(getattr(engine_obj, "compile_report", None), "active", False):
+            share.freeze("compiled layers: their guards check torch's math threads, so another share would "
+                         "compile every batch class again")
         _serve_engine(engine, engine_obj, broker_url, status, service=service,
                       capacity=capacity or (8 if packing else 2),
                       max_batch_tokens=max_batch_tokens if max_batch_tokens is not None
@@ -1009,6 +1013,10 @@ def _bench_progress(total: int):
         yield advance
         bar.update(1, "done")
 
+
+# The supervision cache's commands (docs/cache.md): their flags and bodies live apart from this file.
+main.add_command(cache_cli.capture)
+main.add_command(cache_cli.cache)
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,8 @@ def run_rank(rank: int, broker: str, reference: HFTarget, target_dir: str, mappi
     """One training rank: prefetch depth 2, alternating kinds, each result checked against the contract:
     each shard bit for bit, the assembled batch against the whole batch's forward (docs/equality.md)."""
     report = RankReport(rank, shards)
-    with RemoteTargetModel(broker, prefetch_depth=2, num_shards=shards, timeout=60) as target:
+    # wire_dtype pinned to the model dtype: the demo shows bit-equality (FP8 on the wire is within a stated error)
+    with RemoteTargetModel(broker, prefetch_depth=2, num_shards=shards, timeout=60, wire_dtype="auto") as target:
         target.check_target_info(reference.target_info())
         target.set_vocab_mapping(*mapping)
         inflight: list[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = []

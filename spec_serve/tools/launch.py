@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, ClassVar, cast
 
 from spec_serve.protocol.commands import EXIT_ADDRESS_IN_USE
-from spec_serve.transport.sockets import free_port
+from spec_serve.transport.sockets import free_port, tcp_endpoint
 
 # How often a cluster on ports it picked itself picks new ones when its broker finds one of them taken.
 PORT_ATTEMPTS = 5
@@ -44,7 +44,7 @@ class BrokerExited(RuntimeError):
 def free_endpoints(host: str = "127.0.0.1") -> tuple[str, str, int]:
     """A frontend and a backend on ``host``, and an HTTP port on loopback (where the shim listens unless told
     otherwise), that nothing listens on now (free_port)."""
-    return f"tcp://{host}:{free_port(host)}", f"tcp://{host}:{free_port(host)}", free_port()  # the shim: loopback
+    return tcp_endpoint(host, free_port(host)), tcp_endpoint(host, free_port(host)), free_port()  # the shim: loopback
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """A target with no model, for transport-only benchmarks: ``NullEngine`` answers every request with ready
 tensors of the Llama-3.1-8B reply shape (hidden 4096, vocab 128256, draft vocab 32000, bf16), full EAGLE-3
-(149 KiB a token) or compact (32 KiB a token), so figures measured on a CPU box and on a GPU machine move
-the same bytes. Its target info says that shape, so clients check replies against it as against any
-worker's; the draft-vocab mapping it is used with is ``null_mapping()``.
+(149 KiB a token) or compact (32 KiB a token; 16 KiB with wire_dtype="fp8"), so figures measured on a CPU box
+and on a GPU machine move the same bytes. Its target info says that shape, so clients check replies against it
+as against any worker's; the draft-vocab mapping it is used with is ``null_mapping()``.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import types
 from typing import TYPE_CHECKING, cast
@@ -72,9 +73,43 @@ class NullEngine:
         return self._cache[key]
 
 
+def quantize_once() -> None:
+    """In this process, the worker's ``fp8.quantize_reply`` of ``NullEngine``'s replies costs no quantizing: each
+    of their tensors holds one value throughout (``null_tensors``), so its FP8 form does too, and is handed
+    out as a view of a buffer of that value, built once per tensor name and grown to the largest reply
+    asked. A transport figure then moves FP8 bytes at the link's pace rather than at this CPU's quantizing
+    pace (a GPU worker quantizes at its memory's bandwidth); the bench checks every reply against the real
+    ``quantize_reply`` of the same tensors."""
+    from spec_serve.supervision import fp8
+
+    filled: dict[str, torch.Tensor] = {}  # name -> a flat buffer of its one value, as long as needed so far
+
+    def constant(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        if name not in filled or filled[name].numel() < n:
+            filled[name] = value.reshape(1).expand(n).contiguous()
+        return filled[name][:n].view(shape)
+
+    def once(tensors: dict[str, torch.Tensor], names: tuple[str, ...], block: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name not in names:
+                out[name] = t
+                continue
+            q, scale = fp8.quantize_blocks(t.reshape(-1)[:block], block)  # one block: the value's form
+            out[name] = constant(name, q[0], tuple(t.shape))
+            scale_name = name + fp8.SCALE_SUFFIX
+            out[scale_name] = constant(scale_name, scale[0], (*t.shape[:-1], t.shape[-1] // block))
+        return out
+
+    fp8.quantize_reply = once
+
+
 def run_worker(broker: str, service: str) -> None:
-    """A worker serving ``NullEngine`` until SIGTERM."""
+    """A worker serving ``NullEngine`` until SIGTERM (its FP8 replies quantized once each: ``quantize_once``)."""
     from spec_serve.worker.server import Worker
+
+    quantize_once()
 
     # cast: a transport-only stand-in (generate requests and lm_head slices; nothing to close)
     worker = Worker(cast("TargetEngine", NullEngine()), broker, service=service, capacity=2)

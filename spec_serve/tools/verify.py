@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from spec_serve.client.api import shard_bounds
-from spec_serve.supervision.contract import Kind
+from spec_serve.supervision import fp8
+from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS, Kind, model_dtype
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, measure
 
@@ -43,13 +44,25 @@ def expanded(compact: Mapping[str, torch.Tensor], weight: torch.Tensor, selected
     return expand_compact({k: v.to(device) for k, v in compact.items()}, weight.to(device), selected_mask.to(device))
 
 
+def fp8_round_trip(engine, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (``engine``'s outputs) as a wire_dtype="fp8" client gets them: each hidden state quantized
+    as the worker does and restored to the model dtype as the client does (supervision/fp8.py)."""
+    info = engine.target_info()
+    return fp8.restore_reply(fp8.quantize_reply(dict(tensors), HIDDEN_STATE_TENSORS, info.hidden_size),
+                             model_dtype(info))
+
+
 def colocated_reference(engine, batch: tuple[torch.Tensor, ...], kind: str, *, shards: int = 1,
                         compact: bool = False, device: torch.device | str | None = None,
-                        selected: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                        selected: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        wire_fp8: bool = False) -> dict[str, torch.Tensor]:
     """``engine``'s answer to ``batch`` as a client with ``shards`` shards gets it, on the engine's
-    device; with ``compact`` (EAGLE-3), expanded on ``device`` with the draft-vocab mapping ``selected``
-    = (selected_token_ids, selected_token_mask)."""
+    device; with ``wire_fp8``, its hidden states put through FP8 (``fp8_round_trip``); with ``compact``
+    (EAGLE-3), expanded on ``device`` with the draft-vocab mapping ``selected`` = (selected_token_ids,
+    selected_token_mask)."""
     out = sharded_forward(engine, batch, "eagle3_compact" if compact else kind, shards)
+    if wire_fp8:
+        out = fp8_round_trip(engine, out)
     if not compact:
         return out
     if selected is None:

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from spec_serve.transport.sockets import KEYS_DIR_FLAG
+
 _WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -24,8 +26,9 @@ class ConnectWatch:
     Used only by the thread that owns the socket; :meth:`close` before the socket is closed.
     """
 
-    def __init__(self, sock: zmq.SyncSocket, url: str):
+    def __init__(self, sock: zmq.SyncSocket, url: str, role: str):
         self.url = url
+        self.role = role  # the broker admits our key for it: client (frontend) or worker (backend)
         self.seen = 0  # OR of the zmq.EVENT_* bits observed
         self.disconnects = 0  # connections that ended, ever (read_disconnects: those since the last call)
         self._disconnects_read = 0
@@ -53,8 +56,8 @@ class ConnectWatch:
         self.read()
         host = urlsplit(self.url).hostname if self.url.startswith("tcp://") else None
         if self.seen & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return ("the peer refused our CURVE credentials: this public key is not in the broker's "
-                    "--curve-authorized-dir, or the server key is not the broker's")
+            return (f"the peer refused our CURVE credentials: this public key is not in the broker's "
+                    f"{KEYS_DIR_FLAG[self.role]}, or the server key is not the broker's")
         if self.seen & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
             return ("a TCP connection was made but the ZeroMQ handshake failed: that port belongs to another "
                     "program (the broker's HTTP port, say), or the two ends' CURVE settings or keys differ")
@@ -76,10 +79,10 @@ class ConnectWatch:
         self.monitor.close(0)
 
 
-def connect_watched(sock: zmq.SyncSocket, url: str) -> ConnectWatch:
-    """Connect ``sock`` to ``url`` with a watch attached first (so no early event is missed); on a
-    failure the socket is closed and the error raised."""
-    watch = ConnectWatch(sock, url)
+def connect_watched(sock: zmq.SyncSocket, url: str, role: str) -> ConnectWatch:
+    """Connect ``sock`` to ``url`` as ``role`` (client, worker) with a watch attached first (so no early
+    event is missed); on a failure the socket is closed and the error raised."""
+    watch = ConnectWatch(sock, url, role)
     try:
         sock.connect(url)
     except BaseException:

@@ -49,9 +49,9 @@ def json_response(code: int, body: Any) -> Response:
     return code, "application/json", json.dumps(body).encode()
 
 
-def metrics_response(registry: CollectorRegistry) -> Response:
-    """The registry in Prometheus' text format."""
-    return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+def metrics_response(*registries: CollectorRegistry) -> Response:
+    """The registries, one after another, in Prometheus' text format (no metric name in two of them)."""
+    return 200, CONTENT_TYPE_LATEST, b"".join(generate_latest(registry) for registry in registries)
 
 
 @dataclasses.dataclass
@@ -74,7 +74,9 @@ class HttpShim:
         check_exposure(host, f"the HTTP port --http-host {host}", authenticated=authenticated,
                        insecure_network=insecure_network)
         self._routes = dict(routes)
-        self._listener = socket.create_server((host, port), backlog=128)
+        host = host.strip("[]")  # an IPv6 address, bracketed or not
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()

@@ -54,6 +54,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from spec_serve.telemetry.logs import event
+from spec_serve.transport.sockets import bind_endpoint
 
 log = logging.getLogger("spec_serve.ingress")
 
@@ -63,11 +64,15 @@ CHECK_INTERVAL_S = 0.01
 # pipes) at least every 100 reads (its inbound_poll_rate), then serves each in turn; two per connection
 # covers those the monitor reports a round late.
 FAIR_SHARE_READS = 128
+# How long a connection past ``per_connection`` stays up while its owner tells its peer why it is cut
+# (``answer_cuts``): the owner's loop turn and the answer's way out. ``backlog`` still bounds it meanwhile.
+TELL_S = 1.5
 # Unaccounted bytes (handshake, ZMTP heartbeats) forgiven per delivered message.
 GRANT_BYTES = 64 << 10
 _TCP_INFO_LEN = 136
 _BYTES_RECEIVED_OFFSET = 128  # struct tcp_info.tcpi_bytes_received (Linux >= 4.1)
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 # Bytes arriving on a descriptor wake its EPOLLIN waiters, but epoll reports an edge only if the descriptor is
 # still ready when asked, and libzmq has usually read them by then. A TCP socket is writable, so asking for
 # EPOLLOUT too reports every such wake-up.
@@ -111,6 +116,7 @@ class _Conn:
     last: _Measure | None = None  # the latest measure (None: measured in this round)
     mark: _Measure | None = None  # the measure the owner's reads have yet to prove unfinished, or not
     unfinished: int = 0  # bytes last proven part of a message that is not whole; 0 once it delivers again
+    told: float | None = None  # when its owner was asked to tell its peer why it is cut (answer_cuts)
 
 
 class Ingress:
@@ -122,6 +128,15 @@ class Ingress:
     connection's undelivered bytes whatever the owner does; ``per_connection`` and ``total`` bound the
     bytes proven to belong to unfinished messages (module docstring).
 
+    ``on_handshake_failed(address)`` (on the watcher's thread) hears of each connection whose ZMTP handshake
+    failed for a protocol reason (a CURVE peer with another server key, one without CURVE at a CURVE socket
+    or the reverse); the event names no connection, but libzmq reports that connection's DISCONNECTED next.
+
+    ``answer_cuts`` (a ROUTER whose peers can be answered): a connection found past ``per_connection`` whose
+    peer delivered a message before (so its identity is known) is cut only ``TELL_S`` later, and its
+    identity and the reason wait in ``take_told`` for the owner to answer it meanwhile. A peer whose first
+    message never ends cannot be answered: no identity is known for it.
+
     Give the socket's ``bind``/``connect`` endpoint here rather than to ``make_socket``: the monitor
     must be in place before the first connection, or that connection goes unwatched. If binding or
     connecting fails, the socket is closed.
@@ -129,7 +144,8 @@ class Ingress:
 
     def __init__(self, sock: zmq.SyncSocket, name: str, *, total: Budget, per_connection: Budget | None = None,
                  backlog: Budget | None = None, router: bool = False, bind: str | None = None,
-                 connect: str | None = None) -> None:
+                 connect: str | None = None, answer_cuts: bool = False,
+                 on_handshake_failed: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.total = total
         self.per_connection = total if per_connection is None else per_connection
@@ -146,13 +162,20 @@ class Ingress:
         self._sock = sock
         # Watcher thread only: fd -> (bytes, messages) delivered through connections on it that have ended.
         self._retired: dict[int, tuple[int, int]] = {}
-        self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str]] = collections.deque()
+        # (fd, its peer when asked, why, not before): cuts the owner asked for.
+        self._cuts: collections.deque[tuple[int, tuple[Any, ...] | None, str, float]] = collections.deque()
+        # Router with answer_cuts: fd -> the identity of the last message it delivered (owner writes, watcher
+        # reads and forgets); (identity, reason) of connections being cut, for the owner to answer.
+        self.identities: dict[int, bytes] = {}
+        self.on_handshake_failed = on_handshake_failed
+        self._handshake_failed = False  # watcher thread: the next DISCONNECTED is that of a failed handshake
+        self._told: collections.deque[tuple[bytes, str]] | None = collections.deque() if answer_cuts else None
         self._closed = threading.Event()
         self._closed_ack = threading.Event()
         _watcher().add(self, sock.get_monitor_socket(_EVENTS))
         try:
             if bind is not None:
-                sock.bind(bind)
+                bind_endpoint(sock, bind)
             if connect is not None:
                 sock.connect(connect)
         except BaseException:  # as make_socket: a bad endpoint must not leak the socket
@@ -169,18 +192,28 @@ class Ingress:
         fd = parts[-1].get(zmq.SRCFD)
         self.bytes[fd] = self.bytes.get(fd, 0) + sum(wire_bytes(len(p), self.curve) for p in parts)
         self.count[fd] = self.count.get(fd, 0) + 1
+        if self._told is not None:
+            self.identities[fd] = frames[0].bytes
+
+    def take_told(self) -> list[tuple[bytes, str]]:
+        """Owner thread: (identity, reason) of each connection being cut that its owner should tell why."""
+        told = []
+        while self._told:
+            told.append(self._told.popleft())
+        return told
 
     def emptied(self) -> None:
         """Owner thread: a read found no message waiting (every whole message that had arrived was read)."""
         self.empties += 1
 
-    def cut(self, fd: int | None, reason: str) -> None:
-        """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's next
-        check, e.g. one that sent a message the owner refused; any thread. Its peer address is taken now,
-        so a connection that takes the descriptor over later is spared."""
+    def cut(self, fd: int | None, reason: str, after: float = 0.0) -> None:
+        """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's first
+        check ``after`` seconds from now, e.g. one that sent a message the owner refused, once the answer the
+        owner queued for it has left (a shutdown discards what libzmq has not written); any thread. Its peer
+        address is taken now, so a connection that takes the descriptor over later is spared."""
         if fd is None:
             return
-        self._cuts.append((fd, _borrow(fd, socket.socket.getpeername), reason))
+        self._cuts.append((fd, _borrow(fd, socket.socket.getpeername), reason, time.monotonic() + after))
         _watcher().wake()
 
     def close(self) -> None:
@@ -308,8 +341,10 @@ class _Watcher(threading.Thread):
                 msg = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            fd = msg["value"]
-            if msg["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+            fd, kind = msg["value"], msg["event"]
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # its value is an error code, not a descriptor
+                ingress._handshake_failed = True
+            elif kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 peer = _borrow(fd, socket.socket.getpeername)
                 if peer is not None and _borrow(fd, _received) is not None:
                     # Counted from the connection's first byte: a flood that began before this event is not forgiven,
@@ -317,8 +352,22 @@ class _Watcher(threading.Thread):
                     delivered, count = ingress._retired.get(fd, (0, 0))
                     conns[fd] = self._owners[fd] = _Conn(fd, peer, -delivered, count)
                     self._listen(fd)  # measured in this round (no last measure)
-            elif fd in conns:
-                self._forget(ingress, conns, conns[fd])
+            else:
+                self._ended(ingress, conns, fd, kind)
+
+    @staticmethod
+    def _handshake_failure(ingress: Ingress, conn: _Conn | None, kind: int) -> None:
+        """Tell the owner of a failed handshake, by the address of the connection that ended after it."""
+        if kind == zmq.EVENT_DISCONNECTED and ingress._handshake_failed:
+            ingress._handshake_failed = False
+            if conn is not None and ingress.on_handshake_failed is not None:
+                ingress.on_handshake_failed(str(conn.peer[0]))
+
+    def _ended(self, ingress: Ingress, conns: dict[int, _Conn], fd: int, kind: int) -> None:
+        conn = conns.get(fd)
+        self._handshake_failure(ingress, conn, kind)
+        if conn is not None:
+            self._forget(ingress, conns, conn)
 
     def _listen(self, fd: int) -> None:
         try:
@@ -332,6 +381,7 @@ class _Watcher(threading.Thread):
         """Stop watching ``conn``; what was delivered through its descriptor so far is not the next one's."""
         conns.pop(conn.fd, None)
         ingress._retired[conn.fd] = (ingress.bytes.get(conn.fd, 0), ingress.count.get(conn.fd, 0))
+        ingress.identities.pop(conn.fd, None)
         if self._owners.get(conn.fd) is conn:  # not if the descriptor already serves a newer connection
             del self._owners[conn.fd]
             try:
@@ -339,19 +389,29 @@ class _Watcher(threading.Thread):
             except OSError:
                 pass
 
-    def _check(self, ingress: Ingress, conns: dict[int, _Conn], dirty: set[int], sweep: bool) -> None:
-        while ingress._cuts:
-            fd, peer, why = ingress._cuts.popleft()
+    def _cut_due(self, ingress: Ingress, conns: dict[int, _Conn], now: float) -> None:
+        """The cuts the owner asked for whose time has come."""
+        for _ in range(len(ingress._cuts)):
+            fd, peer, why, when = cut = ingress._cuts.popleft()
+            if when > now:
+                ingress._cuts.append(cut)
+                continue
             conn = conns.get(fd)
             if peer is not None and (conn is None or conn.peer == peer):  # None: not seen accepted yet
                 self._drop(ingress, conns, conn or _Conn(fd, peer, 0, 0), why)
+
+    def _check(self, ingress: Ingress, conns: dict[int, _Conn], dirty: set[int], sweep: bool) -> None:
+        now = time.monotonic()
+        self._cut_due(ingress, conns, now)
         per_connection, backlog = ingress.limit(ingress.per_connection), ingress.limit(ingress.backlog)
         share = FAIR_SHARE_READS + 2 * len(conns)
         for fd, conn in list(conns.items()):
             self._judge(ingress, conn, share)
             if conn.unfinished > per_connection:
-                self._drop(ingress, conns, conn, f"a message unfinished past {per_connection} bytes")
-                continue
+                why = f"a message unfinished past {per_connection} bytes"
+                if not self._telling(ingress, conn, why, now):
+                    self._drop(ingress, conns, conn, why)
+                    continue
             if not (sweep or fd in dirty or conn.last is None or ingress.count.get(fd, 0) != conn.seen):
                 continue  # nothing arrived and nothing was delivered: its count stands
             last = self._measure(ingress, conn)
@@ -366,6 +426,18 @@ class _Watcher(threading.Thread):
             conn = unfinished.pop()
             together -= conn.unfinished
             self._drop(ingress, conns, conn, f"unfinished messages together past {total} bytes")
+
+    @staticmethod
+    def _telling(ingress: Ingress, conn: _Conn, why: str, now: float) -> bool:
+        """True while ``conn``'s owner tells its peer why it is cut (``answer_cuts``, its identity known):
+        for ``TELL_S`` from the first time it is found past its bound; its other bounds hold meanwhile."""
+        if conn.told is None:
+            identity = ingress.identities.get(conn.fd)
+            if ingress._told is None or identity is None:
+                return False
+            conn.told = now
+            ingress._told.append((identity, why))
+        return now - conn.told < TELL_S
 
     @staticmethod
     def _judge(ingress: Ingress, conn: _Conn, share: int) -> None:

@@ -10,6 +10,9 @@ Options and why:
   codec splits tensors into frames of at most 16 MiB (wire.MAX_FRAME_BYTES),
   so honest peers never come near it.
 - ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
+- IPV6: ``tcp://[::1]:5555`` and IPv6 host names work (off, libzmq answers them "No such device"); a
+  ``tcp://*`` bind listens on IPv4 and IPv6 both (libzmq falls back to IPv4 where the host has no IPv6).
+  Off for a bind to an IPv4 address, which stays a plain IPv4 listener (not a v4-mapped IPv6 one).
 - IMMEDIATE (``immediate=True``, a worker's sockets to client data endpoints):
   messages queue only on a connection that completed its handshake, so a
   send to an endpoint that refuses or never speaks ZeroMQ fails at once.
@@ -35,7 +38,7 @@ import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -85,31 +88,63 @@ class Security:
         return public
 
 
+# The broker flag whose directory admits each role's CURVE keys.
+KEYS_DIR_FLAG = {"client": "--curve-client-keys-dir", "worker": "--curve-worker-keys-dir"}
+# Called from the ZAP thread with a refused peer's address and the role its socket admits.
+OnRefused = Callable[[str, str], None]
+
+
 class KeyPolicy:
     """The CURVE keys one server socket admits: the public keys (``*.key``) in ``directory``, read
     once; None admits nobody. A socket's policy lives as long as the object does (its owner holds it):
-    once it is gone, the socket admits nobody."""
+    once it is gone, the socket admits nobody. ``role`` names who the socket admits (client, worker);
+    ``on_refused(address, role)`` hears of each peer whose key it refused (on the ZAP handler's thread)."""
 
-    def __init__(self, directory: Path | None):
+    def __init__(self, directory: Path | None, role: str = "peer", on_refused: OnRefused | None = None):
         if directory is not None and not Path(directory).is_dir():
             raise ValueError(f"CURVE key directory {directory} does not exist (make keys with spec-serve keygen)")
         self.keys = frozenset(zmq.auth.load_certificates(str(directory))) if directory is not None else frozenset()
         self.domain = f"spec-serve-{uuid.uuid4().hex}"  # the socket's ZAP domain
+        self.role = role
+        self.on_refused = on_refused
 
 
 class _Policies:
     """The ZAP credentials provider of one context: each request goes to the policy of its socket's domain
-    (a context has one ZAP handler; without domains, the first socket's policy would answer for all)."""
+    (a context has one ZAP handler; without domains, the first socket's policy would answer for all).
+    ``address``: the peer of the request being answered (set by ``_Authenticator``, on its thread)."""
 
     def __init__(self) -> None:
         self.by_domain: weakref.WeakValueDictionary[str, KeyPolicy] = weakref.WeakValueDictionary()
+        self.address = ""
 
     def callback(self, domain: str, key: bytes) -> bool:
         policy = self.by_domain.get(domain)
-        return policy is not None and key in policy.keys
+        admitted = policy is not None and key in policy.keys
+        if not admitted and policy is not None and policy.on_refused is not None:
+            policy.on_refused(self.address, policy.role)
+        return admitted
 
 
-_authenticators: dict[int, tuple[ThreadAuthenticator, _Policies]] = {}
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler thread, telling the credentials provider which peer address asks (pyzmq passes
+    it only the domain and the key)."""
+
+    def __init__(self, context: zmq.SyncContext, policies: _Policies):
+        super().__init__(context)
+        self.policies = policies
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.policies.address = plain_address(msg[3].decode(errors="replace") if len(msg) > 3 else "")
+        await super().handle_zap_message(msg)
+
+
+def plain_address(address: str) -> str:
+    """An IPv4 peer of a dual-stack listener (``::ffff:10.0.0.5``) as its IPv4 address; others unchanged."""
+    return address.removeprefix("::ffff:") if "." in address else address
+
+
+_authenticators: dict[int, tuple[_Authenticator, _Policies]] = {}
 _auth_lock = threading.Lock()
 
 
@@ -118,9 +153,10 @@ def _admit(sock: zmq.SyncSocket, policy: KeyPolicy) -> None:
     with _auth_lock:
         entry = _authenticators.get(id(sock.context))
         if entry is None:
-            auth = ThreadAuthenticator(sock.context)
+            policies = _Policies()
+            auth = _Authenticator(sock.context, policies)
             auth.start()
-            entry = _authenticators[id(sock.context)] = (auth, _Policies())
+            entry = _authenticators[id(sock.context)] = (auth, policies)
         auth, policies = entry
         policies.by_domain[policy.domain] = policy
         auth.configure_curve_callback(domain=policy.domain, credentials_provider=policies)
@@ -170,6 +206,7 @@ def _configure(sock: zmq.SyncSocket, kind: int, bind: str | None, connect: str |
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+    sock.setsockopt(zmq.IPV6, 1)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if identity is not None:
@@ -183,9 +220,23 @@ def _configure(sock: zmq.SyncSocket, kind: int, bind: str | None, connect: str |
         else:
             sock.curve_serverkey = curve_server_key or security.server_public_key()
     if bind is not None:
-        sock.bind(bind)
+        bind_endpoint(sock, bind)
     if connect is not None:
         sock.connect(connect)
+
+
+def bind_endpoint(sock: zmq.SyncSocket, endpoint: str) -> None:
+    """Bind ``sock`` to ``endpoint``: a plain IPv4 listener for an IPv4 address (with IPV6 on, libzmq would
+    make it a v4-mapped IPv6 one), IPv6 (and IPv4 for ``*``) otherwise."""
+    sock.setsockopt(zmq.IPV6, int(not _is_ipv4(endpoint_host(endpoint))))
+    sock.bind(endpoint)
+
+
+def _is_ipv4(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).version == 4
+    except ValueError:
+        return False
 
 
 def send_lent(sock: zmq.SyncSocket, frames: Iterable[Any], flags: int = 0) -> zmq.MessageTracker:
@@ -328,13 +379,19 @@ def route_address(broker_url: str) -> str:
             return "127.0.0.1"
     except ValueError:
         pass
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    probe = socket.socket(family, socket.SOCK_DGRAM)
     try:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
+        probe.connect(where)  # UDP connect sends nothing
         address: str = probe.getsockname()[0]
         return address
     finally:
         probe.close()
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """``tcp://host:port``, an IPv6 address in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
 @functools.cache
@@ -395,10 +452,30 @@ def _check_url(url: object, expect: str, default_port: int, host_example: str) -
     if scheme != "tcp":
         raise ValueError(f"{url!r}: unsupported scheme {scheme!r}; use tcp://{host_example}:{default_port}, {expect}")
     host, colon, port = rest.rpartition(":")
+    _check_ipv6(url, host, rest, default_port)
     if not colon or not host or not (port.isdigit() and 0 < int(port) < 65536 or port == "*"):
         raise ValueError(f"{url!r} needs a host and a port, e.g. tcp://{host or rest or host_example}:"
                          f"{default_port}; expected {expect}")
     return url
+
+
+def _check_ipv6(url: str, host: str, rest: str, default_port: int) -> None:
+    """An IPv6 address goes in brackets, port after: ``tcp://[::1]:5555``; else a ValueError saying so."""
+    if rest.startswith("["):
+        inside, bracket, _ = rest[1:].partition("]")
+        try:
+            ipaddress.IPv6Address(inside.split("%")[0])
+            valid = bool(bracket)
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ValueError(f"{url!r}: brackets hold an IPv6 address, e.g. tcp://[::1]:{default_port}")
+        if not rest[1:].partition("]")[2].startswith(":"):
+            raise ValueError(f"{url!r} needs a port after the IPv6 address, e.g. tcp://[{inside}]:{default_port}")
+    elif ":" in host:
+        address = rest if rest.count(":") > 1 and not rest.rpartition(":")[2].isdigit() else host
+        raise ValueError(f"{url!r}: an IPv6 address goes in brackets, before the port: "
+                         f"tcp://[{address}]:{default_port if address == rest else rest.rpartition(':')[2]}")
 
 
 # LO-HI: free_port picks from this range instead of the OS's ephemeral ports. Parallel runs on one host (the
@@ -421,8 +498,12 @@ def _port_range() -> tuple[int, int] | None:
     return lo, hi
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+
+
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         try:
             s.bind((host, port))
         except OSError:
@@ -434,9 +515,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on now: the OS picks it, or under PORT_RANGE_ENV the next
     bindable one of that range, from a random start in each process (so a process and its children rarely
     try the same one)."""
+    host = host.strip("[]")
     span = _port_range()
     if span is None:
-        with socket.socket() as s:
+        with socket.socket(_family(host)) as s:
             s.bind((host, 0))
             port: int = s.getsockname()[1]
             return port

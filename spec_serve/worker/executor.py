@@ -1,6 +1,7 @@
 """Jobs to results on the engine, on the compute thread: run a request (alone, or several in one packed
-forward), take the reply's integrity fields, and hand the outputs to the reply path that carries them
-(paths/registry.py). Every failure becomes an error reply."""
+forward), put its hidden states in the dtype they travel in (``wire_dtype``), take the reply's integrity
+fields, and hand the outputs to the reply path that carries them (paths/registry.py). Every failure becomes
+an error reply."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from spec_serve.paths.registry import Route, WorkerPaths
 from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
 from spec_serve.protocol.messages import Reply
-from spec_serve.supervision.contract import REQUEST_TENSORS, Kind
+from spec_serve.supervision import fp8
+from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS, REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
 from spec_serve.worker.forward_hold import hold_forward
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
@@ -42,6 +44,7 @@ class Executor:
         self.engine_error: str | None = None
         self.batches = 0  # packed forwards run for several requests
         self.digests = 0  # reply tensors digested (verify)
+        self._fp8_declined: set[str] = set()  # why wire_dtype="fp8" replies went in the model dtype (logged once each)
 
     # ------------------------------------------------------------ one job
 
@@ -67,8 +70,9 @@ class Executor:
     def _serve(self, job: Job, start: float) -> Result:
         route = self.route(job)
         tensors, tokens = self._execute(job, route)
+        tensors, wire_dtype = self._on_wire(job, route, tensors)
         reply = Reply(worker=self.name, compute_s=round(time.perf_counter() - start, 6), kind=route.reply_kind,
-                      **self._integrity([job], [tensors])[0])
+                      wire_dtype=wire_dtype, **self._integrity([job], [tensors])[0])
         outgoing = self.paths.deliver([route], [Delivery(job.request_id, job.request, tensors, reply)])[0]
         return self._within_client_limit(Result(job, Status.OK, outgoing, tokens))
 
@@ -113,6 +117,29 @@ class Executor:
         tokens = int(tensors["attention_mask"].sum())
         return out, tokens
 
+    def _on_wire(self, job: Job, route: Route, tensors: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], str | None]:
+        """The reply's tensors as they travel, and its ``wire_dtype``: the hidden states in FP8 (each with its
+        scales, supervision/fp8.py) when the request asks it and its path carries it, else as computed (the
+        client counts those). Argmax and probabilities were computed from the unquantized states."""
+        wanted = job.request.wire_dtype
+        if wanted is None or not job.request.is_generate:
+            return tensors, None
+        if not route.side.sends_fp8:
+            self._decline(f"the {route.side.name} reply path sends the model dtype")
+            return tensors, None
+        try:
+            return fp8.quantize_reply(tensors, HIDDEN_STATE_TENSORS, self.engine.target_info().hidden_size), wanted
+        except ValueError as e:  # a hidden state holding NaN or infinity: sent as it is, not hidden by a scale
+            self._decline(str(e))
+            return tensors, None
+
+    def _decline(self, reason: str) -> None:
+        if reason not in self._fp8_declined:
+            self._fp8_declined.add(reason)
+            event(log, logging.WARNING, "worker.fp8_declined", worker=self.name, reason=reason,
+                  sent="model dtype (logged once per reason)")
+
     def _packing_engine(self) -> PackingEngine:
         # cast: packing is on only for an engine the worker's _check_packing accepted (it has generate_packed)
         return cast(PackingEngine, self.engine)
@@ -144,10 +171,11 @@ class Executor:
             requests = [(p["input_ids"], p["attention_mask"], p["loss_mask"]) for p in parts]  # REQUEST_TENSORS
             hold_forward()
             outs = self._packing_engine().generate_packed(requests, kind=kind.value)
+            on_wire = [self._on_wire(job, route, out) for job, route, out in zip(jobs, routes, outs)]
             elapsed = round(time.perf_counter() - start, 6)
-            results = self._split_replies(jobs, routes, parts, outs, Reply(worker=self.name, compute_s=elapsed,
-                                                                           batched=len(jobs),
-                                                                           kind=routes[0].reply_kind))
+            results = self._split_replies(jobs, routes, parts, on_wire,
+                                          Reply(worker=self.name, compute_s=elapsed, batched=len(jobs),
+                                                kind=routes[0].reply_kind))
             self.batches += 1
             return [self._within_client_limit(result) for result in results]
         except Exception as e:  # e.g. one bad row: serve each alone, so each gets its own answer
@@ -156,14 +184,18 @@ class Executor:
             event(log, logging.INFO, "worker.batch_failed", jobs=len(jobs), error=e)
             return [self.serve(job) for job in jobs]
 
-    def _split_replies(self, jobs: list[Job], routes: list[Route], parts: list[dict], outs: list[dict],
-                       base: Reply) -> list[Result]:
-        """One reply per job of a packed forward, each through its path (frames: one host slab for all of
-        them, released once per reply; a path that lends memory: a slot each)."""
+    def _split_replies(self, jobs: list[Job], routes: list[Route], parts: list[dict],
+                       on_wire: list[tuple[dict, str | None]], base: Reply) -> list[Result]:
+        """One reply per job of a packed forward (``on_wire``: its tensors as they travel, and their
+        ``wire_dtype``), each through its path (frames: one host slab for all of them, released once per
+        reply; a path that lends memory: a slot each)."""
+        outs = [tensors for tensors, _ in on_wire]
+        wire_dtypes = [wire_dtype for _, wire_dtype in on_wire]
         integrity = self._integrity(jobs, outs)
         outgoing = self.paths.deliver(routes,
-                                      [Delivery(job.request_id, job.request, out, dataclasses.replace(base, **checks))
-                                       for job, out, checks in zip(jobs, outs, integrity)])
+                                      [Delivery(job.request_id, job.request, out,
+                                                dataclasses.replace(base, wire_dtype=wire_dtype, **checks))
+                                       for job, out, wire_dtype, checks in zip(jobs, outs, wire_dtypes, integrity)])
         return [Result(job, Status.OK, reply, int(part["attention_mask"].sum()))
                 for job, part, reply in zip(jobs, parts, outgoing)]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from spec_serve.telemetry.metrics import StartupCollector
 from spec_serve.transport.http_shim import HttpShim, Query, Response, json_response, metrics_response
 
 if TYPE_CHECKING:
@@ -24,12 +26,14 @@ if TYPE_CHECKING:
 
 class WorkerStatus:
     """What the routes read: the start-up ``phase`` until the CLI hands over the ``worker`` (after its probe
-    forward passed), then the worker's own state and figures."""
+    forward passed), then the worker's own state and figures. /metrics has the state and the start time from
+    the first second (``StartupCollector``), the worker's figures once it exists."""
 
     def __init__(self) -> None:
         self.phase = "starting"  # then checking_broker, loading, probing (telemetry.metrics.WORKER_STATES)
         self.worker: Worker | None = None
-        self._empty = CollectorRegistry()  # /metrics before the worker exists
+        self._startup = CollectorRegistry()
+        self._startup.register(StartupCollector(lambda: self.phase if self.worker is None else None, time.time()))
 
     @property
     def state(self) -> str:
@@ -47,7 +51,7 @@ class WorkerStatus:
 
     def metrics(self, query: Query) -> Response:
         worker = self.worker
-        return metrics_response(self._empty if worker is None else worker.metrics.registry)
+        return metrics_response(self._startup, *(() if worker is None else (worker.metrics.registry,)))
 
 
 def start_http(status: WorkerStatus, host: str, port: int, *, authenticated: bool = False,

@@ -243,7 +243,7 @@ def check_broker(ctx: zmq.Context, url: str, security: Security | None, timeout:
         except (OSError, UnicodeError) as e:
             raise BrokerCheckFailed(f"the host name {host!r} does not resolve ({e})", transient=True) from None
     sock = make_socket(ctx, zmq.DEALER, identity=os.urandom(16), security=security)
-    watch = connect_watched(sock, url)
+    watch = connect_watched(sock, url, "worker")
     try:
         _await_broker(sock, watch, timeout)
     finally:

@@ -80,7 +80,9 @@ class VocabStore:
 
     def select(self, engine: TargetEngine, kind: Kind, digest: str | None) -> None:
         """Compute thread: give ``engine`` the mapping an EAGLE-3 request names, unless it holds it already."""
-        if kind in (Kind.EAGLE3, Kind.EAGLE3_COMPACT):
+        # Compact EAGLE-3 uses no mapping (the client expands it): one is selected only when named, so a
+        # supervision cache can be filled without one (spec-serve capture).
+        if kind is Kind.EAGLE3 or (kind is Kind.EAGLE3_COMPACT and digest is not None):
             if digest != self._selected or not isinstance(digest, str):
                 # get refuses a missing digest as BAD_REQUEST (never retried)
                 engine.set_vocab_mapping(*self.get(digest))

@@ -50,6 +50,8 @@ from typing import Any, NamedTuple, NoReturn, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from spec_serve.paths.nccl.admit import admit_only
+
 __all__ = ["PairGroup", "PairGroupError", "TensorSpec", "specs_of"]
 
 TensorSpec = tuple[str, Sequence[int], torch.dtype]
@@ -235,17 +237,22 @@ class PairGroup:
         self._error: str | None = None
 
     @staticmethod
-    def host_store(host: str, port: int = 0, timeout: float = 30.0) -> tuple[dist.TCPStore, int]:
+    def host_store(host: str, port: int = 0, timeout: float = 30.0,
+                   peers: Sequence[str] | None = None) -> tuple[dist.TCPStore, int]:
         """Host the rendezvous store on ``host`` only (port 0: any free port); returns (store, bound port).
 
         For the side that must tell its peer the port (over ZeroMQ) before both
         build the group; pass the store to :meth:`create` as ``store=``. A
         TCPStore binds every interface unless handed a listening socket: it is
-        handed one bound to ``host`` (and owns it from then on).
+        handed one bound to ``host`` (and owns it from then on). ``peers``: the
+        only source addresses (besides ``host``) the store takes connections
+        from (admit.py); None: any.
         """
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
+            if peers is not None:
+                admit_only(listener, {host, *peers})
             listener.bind((host, port))
             listener.listen(128)
             port = listener.getsockname()[1]

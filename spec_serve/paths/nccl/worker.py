@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import torch
 
@@ -44,6 +46,7 @@ class NcclWorker(WorkerSide):
     name: ClassVar[str] = "nccl"
     sends_apart: ClassVar[bool] = True
     packs: ClassVar[bool] = False  # each reply's tensors go as the engine left them, over the pair group
+    sends_fp8: ClassVar[bool] = False  # the pair group carries the model dtype; the client counts the decline
     control_messages: ClassVar[Mapping[str, type[WireMessage]]] = {"bind": WorkerBind, "release": Release}
 
     def __init__(self, worker: str, device: torch.device, broker_url: str, advertise_host: str | None,
@@ -141,8 +144,9 @@ class NcclWorker(WorkerSide):
     def _bind(self, bind: WorkerBind, post: Post) -> None:
         prefix, timeout = bind.prefix, float(bind.timeout)
         assert self.advertise_host is not None  # resolved by _refusal
-        try:
-            store, port = PairGroup.host_store(self.advertise_host, 0, timeout)
+        try:  # only the bound client's address may reach the store (admit.py)
+            store, port = PairGroup.host_store(self.advertise_host, 0, timeout,
+                                               peers=client_addresses(bind.reply_to, self.advertise_host))
         except Exception as e:
             post(Status.ERROR, ErrorReply(worker=self.worker, code=ErrorCode.UNAVAILABLE.value,
                                           error=f"could not host the rendezvous store: {e}"))
@@ -228,3 +232,17 @@ class NcclWorker(WorkerSide):
         if self.prefix is not None:
             self._released.discard(self.prefix)
         self._client = self.prefix = None
+
+
+def client_addresses(reply_to: str, store_host: str) -> list[str]:
+    """The source addresses a bound client reaches our store from: those of its data endpoint's host (the
+    address it chose to be reached at, from its route to the broker: the same route reaches us); a client
+    on an ``ipc://`` endpoint is on this host and comes from ``store_host``, as we do."""
+    host = urlsplit(reply_to).hostname if reply_to.startswith("tcp://") else None
+    if host is None:
+        return [store_host]
+    family = socket.AF_INET6 if ":" in store_host else socket.AF_INET
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, family)})
+    except OSError:
+        return []

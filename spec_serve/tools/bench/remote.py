@@ -44,9 +44,11 @@ def run_remote(ctx: Context, service: str, compact: bool | str, shards: int, nam
     warmup = max(ctx.cfg.warmup, 1)
     batches = ctx.batches[: warmup + ctx.cfg.steps]
     kind = "dspark" if dspark else "eagle3"
+    # wire_dtype pinned to the model dtype: every batch is checked bit for bit against the colocated forward
+    # (an SPEC_SERVE_WIRE_DTYPE=fp8 in the environment would make each one differ by FP8's rounding).
     with RemoteTargetModel(ctx.frontend, service=service, device=device, prefetch_depth=ctx.cfg.prefetch,
                            num_shards=shards, compact=compact, timeout=600, enable_nccl=nccl,
-                           same_host_plane=plane) as client:
+                           same_host_plane=plane, wire_dtype="auto") as client:
         client.set_vocab_mapping(*ctx.mapping)
         before = _landing(client, device)
         # Compared within a tolerance after the clock: kept whole (short runs); else fingerprinted as consumed.
@@ -128,7 +130,8 @@ def run_small(ctx: Context, service: str, name: str) -> dict[str, Any]:
     cfg = ctx.cfg
     vocab = ctx.info["vocab_size"]
     clients = [RemoteTargetModel(ctx.frontend, service=service, device=ctx.device, prefetch_depth=4,
-                                 timeout=600, same_host_plane=False, compact=False) for _ in range(cfg.small_ranks)]
+                                 timeout=600, same_host_plane=False, compact=False, wire_dtype="auto")
+               for _ in range(cfg.small_ranks)]
     try:
         for c in clients:
             c.set_vocab_mapping(*ctx.mapping)

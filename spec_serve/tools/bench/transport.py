@@ -107,7 +107,7 @@ def transport_run(frontend: str, kind: str, messages: int, seq: int, prefetch: i
     from spec_serve.tools.verify import mismatch
 
     with RemoteTargetModel(frontend, service=service, prefetch_depth=prefetch, timeout=600, compact=False,
-                           same_host_plane=plane) as client:
+                           same_host_plane=plane, wire_dtype="auto") as client:
         client.set_vocab_mapping(*null_mapping())
         batch = make_batch(1, seq, VOCAB, 0)
         for _ in range(warmup or 1):
