@@ -14,7 +14,7 @@ from pathlib import Path
 
 import zygote
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_matrix.py"
 
 

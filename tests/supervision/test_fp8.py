@@ -10,7 +10,7 @@ from spec_serve.client.restore import restore_shards
 from spec_serve.supervision import contract, fp8
 from spec_serve.tools.null_engine import INFO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_round_trip_is_within_e4m3s_rounding_per_element():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 # Says who it is, then waits for a line, so that its group can be read while it runs.
 PROBE = "import os, sys; print(os.getpid(), os.getsid(0), os.nice(0), flush=True); sys.stdin.readline()"
 

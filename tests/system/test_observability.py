@@ -41,7 +41,7 @@ from spec_serve.telemetry.metrics import (
 )
 from spec_serve.tools.launch import Cluster, free_port
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ALERTS = EXAMPLES / "prometheus" / "alerts.yml"
 DASHBOARD = EXAMPLES / "grafana" / "spec-serve.json"
 

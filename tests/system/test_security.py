@@ -41,7 +41,7 @@ from spec_serve.tools.cli import main
 from spec_serve.tools.launch import Cluster, free_port
 from spec_serve.transport.sockets import ExposureError, Security, check_exposure, is_loopback, keygen, make_socket
 
-PACKAGE = Path(__file__).resolve().parent.parent / "spec_serve"
+PACKAGE = Path(__file__).resolve().parents[2] / "spec_serve"
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from spec_serve.paths.nccl.pairgroup import PairGroup, PairGroupError, _layout, 
 from spec_serve.paths.nccl.worker import client_addresses
 
 HOST = "127.0.0.1"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Forming a group waits for the peer's Python and torch to start: generous on 2
 # shared cores. Waits that a test means to fail use OP_TIMEOUT.
 JOIN_TIMEOUT = 60.0

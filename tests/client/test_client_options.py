@@ -13,7 +13,7 @@ from fakes.nemo_standin import ConfigNode
 from spec_serve.client import RemoteTargetModel, options
 from spec_serve.tools.launch import free_port
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "client-options.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "client-options.md"
 URL = "tcp://127.0.0.1:5555"
 
 

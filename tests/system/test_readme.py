@@ -12,7 +12,7 @@ from pathlib import Path
 from cluster_util import FAST_ENV
 from spec_serve.tools.launch import local_cluster
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_client_snippet() -> str:

@@ -26,7 +26,7 @@ from spec_serve.tools.cli import main
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "sizing"
 FORWARD_S = 0.4
 COMPUTE_S = 0.6

@@ -29,14 +29,14 @@ from spec_serve.client.api import RemoteTargetModel
 from spec_serve.tools.cli import main
 from spec_serve.transport.sockets import Security, free_port, keygen
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "examples" / "deploy"
 K8S_BROKER, K8S_WORKER = DEPLOY / "kubernetes" / "broker.yaml", DEPLOY / "kubernetes" / "worker.yaml"
 K8S_AUTOSCALER = DEPLOY / "kubernetes" / "worker-autoscaler.yaml"
 SBATCH = DEPLOY / "slurm" / "spec-serve.sbatch"
 BROKER_UNIT = DEPLOY / "systemd" / "spec-serve-broker.service"
 WORKER_UNIT = DEPLOY / "systemd" / "spec-serve-worker@.service"
-FAKE_SLURM = Path(__file__).resolve().parent / "fakes" / "slurm"
+FAKE_SLURM = Path(__file__).resolve().parents[1] / "fakes" / "slurm"
 SLURM_KILL_WAIT_S = 30  # Slurm's default KillWait: SIGKILL this long after SIGTERM
 # Variables spec-serve does not define that the files may set.
 OTHER_ENV = {"HF_HUB_OFFLINE", "HF_HOME", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME"}

@@ -106,7 +106,7 @@ def test_chaos_soak_short(tiny_target_dir, tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "chaos_soak.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos_soak.py"
     spec = importlib.util.spec_from_file_location("chaos_soak", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -22,7 +22,7 @@ from spec_serve.engines import install_advice
 from spec_serve.engines.options import parse_engine_arg
 from spec_serve.tools.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _worker(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -98,7 +98,7 @@ def test_the_version_is_one_number():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["version"] == spec_serve.__version__
 
 

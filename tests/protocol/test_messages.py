@@ -17,7 +17,7 @@ from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand, ProtocolErro
 
 # The reply paths' own typed fields (offers[name], path[name]), documented in the same table format.
 PATH_FIELDS: tuple[type[m.WireMessage], ...] = (NcclOffer, NcclDescriptor)
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 PLANE_OFFER = {"host": "k", "pid": 12, "start": 34, "gpus": ["GPU-1"]}
 PLANE_SLOT = {"kind": "shm", "ctl": "spsv-1-2.ctl", "slot": 0, "gen": 3, "nbytes": 64, "segment": "spsv-1-2-0"}
 SUMMARY = {"broker": "b" * 32, "uptime_s": 1.5, "unknown_service_grace_s": 10.0, "clients": 1, "inflight": 0,

@@ -12,7 +12,7 @@ import pytest
 
 import zygote
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.timeout(600)
