@@ -12,20 +12,20 @@ PY=${PYTHON:-.venv/bin/python}
 SETTINGS=("$@")
 [ ${#SETTINGS[@]} -gt 0 ] || SETTINGS=(unset COMPATIBLE AVX2 AVX512)
 TESTS=(
-  tests/test_contract.py
-  tests/test_cluster.py
-  tests/test_compact_remote.py
-  tests/test_verify.py
-  tests/test_gpu_matrix.py
-  tests/test_engine_sglang.py::test_fake_sglang_matches_hf
-  tests/test_ordinary_use.py::test_any_number_of_vocab_mappings_over_time
-  tests/test_samehost.py::test_replies_come_through_the_plane
-  tests/test_paths.py::test_spool_end_to_end_from_one_registry_line
-  tests/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned
-  tests/test_nccl_binding.py
-  tests/test_reply_memory.py
-  tests/test_packing.py
-  tests/test_compile.py
+  tests/supervision/test_contract.py
+  tests/system/test_cluster.py
+  tests/client/test_compact_remote.py
+  tests/supervision/test_verify.py
+  tests/system/test_gpu_matrix.py
+  tests/worker/test_engine_sglang.py::test_fake_sglang_matches_hf
+  tests/system/test_ordinary_use.py::test_any_number_of_vocab_mappings_over_time
+  tests/paths/test_samehost.py::test_replies_come_through_the_plane
+  tests/paths/test_paths.py::test_spool_end_to_end_from_one_registry_line
+  tests/client/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned
+  tests/paths/test_nccl_binding.py
+  tests/paths/test_reply_memory.py
+  tests/worker/test_packing.py
+  tests/worker/test_compile.py
 )
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t composition-suite-XXXX)}
 mkdir -p "$LOG_DIR"

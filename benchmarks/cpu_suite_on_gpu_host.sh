@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/cpu_suite_on_gpu_host.sh                     # the whole CPU suite
 #   PART=1/3 bash benchmarks/cpu_suite_on_gpu_host.sh            # the first third of the test files
-#   bash benchmarks/cpu_suite_on_gpu_host.sh tests/test_contract.py tests/test_cluster.py
+#   bash benchmarks/cpu_suite_on_gpu_host.sh tests/supervision/test_contract.py tests/system/test_cluster.py
 #   COMPOSITION=1 bash benchmarks/cpu_suite_on_gpu_host.sh       # the cross-composition tests under each
 #                                                                # MKL_CBWR setting (composition_suite.sh)
 #   COMPOSITION=1 bash benchmarks/cpu_suite_on_gpu_host.sh unset COMPATIBLE   # chosen settings only

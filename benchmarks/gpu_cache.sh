@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L | tee "$OUT/machine.txt"
 df -h /tmp | tee -a "$OUT/machine.txt"
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_cache.py 2>&1 \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/system/test_cache.py 2>&1 \
   | tee "$OUT/gpu_cache_tests.log"
 timeout "${BENCH_TIMEOUT:-360}" python3 benchmarks/bench_cache.py --gpu-8b --device cuda:0 --prefetch 4 \
   --cache-dir "${CACHE_DIR:-/tmp}" --json "$OUT/cache_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/cache_bench.log"

@@ -4,7 +4,7 @@
 #                    through the same-host plane (target: compiled worker >= 1.15x colocated eager)
 #   2. bench_packed  log-normal rows, 3 rounds: colocated padded eager, a packing worker and a compiled
 #                    packing worker through the plane (target: compiled packing worker >= 2.0x)
-#   3. gpu_tests     tests/test_compile.py -m gpu: a compiled worker bit-equal to the compiled colocated
+#   3. gpu_tests     tests/worker/test_compile.py -m gpu: a compiled worker bit-equal to the compiled colocated
 #                    engine, bf16 within the tolerance and the derived flip bound (printed beside eager's own
 #                    batch-composition noise)
 #   4. compile_time  at the 8B shape, each a fresh process: cold (empty cache, every class compiled and saved),
@@ -76,7 +76,7 @@ step bench_full 200 "${BENCH[@]}" --repeat 3 --lengths full --log-dir "$OUT/logs
   --only "${FULL_ONLY:-colocated,colocated_compiled,samehost_1w_compiled}"
 step bench_packed 150 "${BENCH[@]}" --repeat 3 --lengths lognormal --log-dir "$OUT/logs-packed" \
   --json "$OUT/bench_packed.json" --only "${PACKED_ONLY:-colocated,samehost_1w_packed,samehost_1w_packed_compiled}"
-step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_compile.py
+step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/worker/test_compile.py
 step compile_time 210 "${BENCH[@]}" --only compile_cold --json "$OUT/compile_time.json"
 read -r -a NEW_LENGTHS <<< "${NEW_LENGTHS_ARGS:---gpu-8b}"
 step new_lengths 330 python3 benchmarks/compile_new_lengths.py "${NEW_LENGTHS[@]}" --log-dir "$OUT/logs-new-lengths" \

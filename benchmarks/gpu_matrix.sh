@@ -16,7 +16,7 @@ status=${PIPESTATUS[0]}
 if [ -n "${RUN_GPU_TESTS:-}" ]; then
   # The files with gpu tests (the GPU machine lacks some CPU-only test dependencies, e.g. hypothesis).
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -s --durations=15 \
-    ${GPU_TESTS:-tests/test_packing.py tests/test_hf_spread.py tests/test_reply_memory.py tests/test_compact_remote.py tests/test_nccl_binding.py tests/test_pairgroup.py} \
+    ${GPU_TESTS:-tests/worker/test_packing.py tests/worker/test_hf_spread.py tests/paths/test_reply_memory.py tests/client/test_compact_remote.py tests/paths/test_nccl_binding.py tests/paths/test_pairgroup.py} \
     2>&1 | tee "$OUT/gpu_tests.log"
 fi
 exit "$status"

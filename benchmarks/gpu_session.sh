@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L | tee "$OUT/machine.txt"
 python3 -c "import torch, transformers, zmq; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyzmq', zmq.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 if [ "${SKIP_TESTS:-}" = "" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -s ${GPU_TESTS:-tests/test_packing.py tests/test_hf_spread.py tests/test_reply_memory.py tests/test_compact_remote.py tests/test_nccl_binding.py tests/test_pairgroup.py} 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -s ${GPU_TESTS:-tests/worker/test_packing.py tests/worker/test_hf_spread.py tests/paths/test_reply_memory.py tests/client/test_compact_remote.py tests/paths/test_nccl_binding.py tests/paths/test_pairgroup.py} 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 if [ "${SKIP_BENCH:-}" = "" ]; then
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --gpu-8b --devices "${DEVICES:-cuda:0,cuda:1}" \

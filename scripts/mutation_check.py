@@ -41,47 +41,47 @@ MUTATIONS = (
              "spec_serve/client/assembly.py",
              "    return [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).tensor_split(min(num_shards, rows))]",
              "    return [(0, rows)]  # MUTATION: num_shards ignored",
-             ("tests/test_cluster.py::test_three_ranks_sharded_and_prefetched_equal_colocated",
-              "tests/test_cluster.py::test_short_rows_sharded_meet_the_contract",
-              "tests/test_compact_remote.py::test_compact_remote_equals_colocated",
-              "tests/test_verify.py::test_shard_bounds_split_rows_into_near_equal_parts",
-              "tests/test_verify.py::test_references_compute_each_shard_alone",
-              "tests/test_ordinary_use.py::test_any_number_of_vocab_mappings_over_time")),
+             ("tests/system/test_cluster.py::test_three_ranks_sharded_and_prefetched_equal_colocated",
+              "tests/system/test_cluster.py::test_short_rows_sharded_meet_the_contract",
+              "tests/client/test_compact_remote.py::test_compact_remote_equals_colocated",
+              "tests/supervision/test_verify.py::test_shard_bounds_split_rows_into_near_equal_parts",
+              "tests/supervision/test_verify.py::test_references_compute_each_shard_alone",
+              "tests/system/test_ordinary_use.py::test_any_number_of_vocab_mappings_over_time")),
     Mutation("redispatch", "the broker re-dispatches a dead worker's in-flight requests",
              "spec_serve/broker/dispatch.py",
              "        elif request.client in self.clients.clients:\n"
              "            self.services.push(request, front=True)\n            self.ctx.metrics.redispatched.inc()\n",
              "        elif request.client in self.clients.clients:\n"
              "            del self.requests[request.request_id]  # MUTATION: dropped silently\n",
-             ("tests/test_reliability.py::test_worker_death_redispatches",
-              "tests/test_load.py::test_chaos_soak_short")),
+             ("tests/system/test_reliability.py::test_worker_death_redispatches",
+              "tests/system/test_load.py::test_chaos_soak_short")),
     Mutation("digest_frames", "the client checks the digest of replies that arrive as frames",
              "spec_serve/client/integrity.py",
              "        self.stats.digest_checks += 1\n",
              "        self.stats.digest_checks += 1\n"
              "        if answer.plane is None and not answer.nccl:\n"
              "            return None  # MUTATION: frames counted, never compared\n",
-             ("tests/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned"
+             ("tests/client/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned"
               "[frames]",
-              "tests/test_integrity.py::test_a_second_mismatch_fails_the_batch_with_a_clear_error[frames]")),
+              "tests/client/test_integrity.py::test_a_second_mismatch_fails_the_batch_with_a_clear_error[frames]")),
     Mutation("digest_4k", "the digest covers every byte of every tensor",
              "spec_serve/protocol/digest.py",
              "    data = data.view(torch.uint8)\n",
              "    data = data.view(torch.uint8)[:4096]  # MUTATION: first 4 KiB only\n",
-             ("tests/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned",
-              "tests/test_integrity.py::test_corrupted_nccl_reply_is_caught_and_resent_as_frames")),
+             ("tests/client/test_integrity.py::test_corrupted_replies_are_retried_on_the_other_worker_and_never_returned",
+              "tests/client/test_integrity.py::test_corrupted_nccl_reply_is_caught_and_resent_as_frames")),
     Mutation("packing_positions", "packed rows' position_ids restart at 0 for every row",
              "spec_serve/engines/packing.py",
              "            positions.extend(torch.arange(n) for n in lengths)",
              "            positions.append(torch.arange(sum(lengths)))  # MUTATION: positions run on across rows",
-             ("tests/test_packing.py::test_positions_restart_at_zero_for_every_row",)),
+             ("tests/worker/test_packing.py::test_positions_restart_at_zero_for_every_row",)),
     Mutation("unknown_service_error", "the broker answers a request no worker took before its deadline",
              "spec_serve/broker/services.py",
              "                    self.ctx.send_error(client_id, request_id, ErrorCode.TIMEOUT,\n"
              "                                        f\"no worker of {service.name!r} took the request before its "
              "deadline\")",
              "                    pass  # MUTATION: the deadline passes in silence",
-             ("tests/test_cluster.py::test_unknown_service_is_a_clear_error",)),
+             ("tests/system/test_cluster.py::test_unknown_service_is_a_clear_error",)),
 )
 
 

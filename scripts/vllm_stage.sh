@@ -13,5 +13,5 @@ echo "vLLM venv ready after $((SECONDS - START)) s"
 VLLM_VENV=${SPEC_SERVE_VLLM_VENV:-.venv-vllm}
 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_ENGINE_READY_TIMEOUT_S=${VLLM_ENGINE_READY_TIMEOUT_S:-1800} \
   "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 1800 --durations=10 -m vllm \
-  tests/test_engine_vllm.py
+  tests/worker/test_engine_vllm.py
 echo "vLLM tests done after $((SECONDS - START)) s"

@@ -6,7 +6,7 @@ before every forward, or dies (as a crashing engine would) on a forward whose to
 given id; ``swap-worker ...`` replaces its checkpoint in place after N forwards (a target reloaded
 under a running worker, which the broker still knows by its registration);
 ``idle-client BROKER TARGET`` is a client process whose memory a test can measure
-(tests/test_hostile.py).
+(tests/system/test_hostile.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ then in file order. So a new test must:
 - Wait on events, not time: where a test waits on liveness, use ``cluster_util.FAST_ENV`` (0.2 s
   heartbeats) and ``wait_until``; never sleep a fixed time to let something happen.
 - Keep CLI subprocesses light: a command that only parses flags or fails on a bad value imports no
-  torch (``tests/test_cheap_processes.py``); use ``CliRunner`` in-process where the test needs no process.
+  torch (``tests/system/test_cheap_processes.py``); use ``CliRunner`` in-process where the test needs no process.
   A command or script that loads a model runs through ``zygote.run``; one that starts its own workers (a
   ``local_cluster``), through ``zygote.run(..., nested=True)``, so that they fork too.
 - ``@pytest.mark.slow`` is for long soaks only, which CI does not run (``--run-slow`` runs them); the short

@@ -10,7 +10,7 @@ A value comes from the first of these that sets it:
 
 That is the CLI's order too (command line, environment, file). A value that does not parse fails with
 one line naming where it came from and what is allowed. docs/client-options.md shows :data:`TABLE`
-(``tests/test_client_options.py`` checks the two agree). Nothing else in the client reads the
+(``tests/client/test_client_options.py`` checks the two agree). Nothing else in the client reads the
 environment for an option.
 """
 

@@ -4,7 +4,7 @@ An engine runs one frozen target and answers the supervision contract
 (:mod:`spec_serve.supervision.contract`). The colocated engines (``HFTarget``, ``VLLMTarget``,
 ``SGLangTarget``) and the client's ``RemoteTargetModel`` all have this surface, so the worker serves
 any engine, and a trainer swaps a colocated target for a remote one, without knowing which it holds.
-tests/test_engine_protocol.py checks every engine class against it.
+tests/worker/test_engine_protocol.py checks every engine class against it.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def _saved_classes_off() -> str | None:
     return precompiled.unavailable_reason(_backend_name())
 
 
-# Test-only hooks (tests/test_compile.py), read at load:
+# Test-only hooks (tests/worker/test_compile.py), read at load:
 #   SPEC_SERVE_TEST_COMPILE_FAULT=load|recompile  every compile fails ("load"), or every one after load (the
 #       warm-up's succeed); raised in the backend's place, so dynamo reports it as any backend failure, and the
 #       fall back to eager is testable at load and while serving

@@ -83,7 +83,7 @@ def spread_model(model, devices: Sequence[torch.device]) -> None:
     _inputs_to(base, first)
 
 
-# Test-only fault injection (tests/test_engine_death.py): "oom:N" or "cuda:N" makes the N-th forward and
+# Test-only fault injection (tests/worker/test_engine_death.py): "oom:N" or "cuda:N" makes the N-th forward and
 # every later one raise what a GPU out of memory or a CUDA error raises, so engine death is testable on
 # CPU; "error:N" raises an error the engine survives.
 TEST_FAULT_ENV = "SPEC_SERVE_TEST_ENGINE_FAULT"

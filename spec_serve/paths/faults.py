@@ -1,9 +1,9 @@
 """Test-only fault injection into reply paths, switched on by environment variables and off (zero) otherwise.
 
 - ``SPEC_SERVE_TEST_FAIL_NCCL_SEND=N``: abort the pair group instead of the next N NCCL sends
-  (tests/test_nccl_binding.py).
+  (tests/paths/test_nccl_binding.py).
 - ``SPEC_SERVE_TEST_CORRUPT_REPLIES=N``: flip one bit of the next N generate replies after their digests
-  were taken, as a reused buffer or a bad link would (tests/test_integrity.py). The i-th flip lands in the
+  were taken, as a reused buffer or a bad link would (tests/client/test_integrity.py). The i-th flip lands in the
   reply's (i mod n)-th tensor, at an offset spread over that tensor (``corruption_offset``), on whichever
   path carries the reply: frames, a same-host plane slot, or the NCCL pair group. Each is logged
   (``worker.test_corruption tensor= offset=``).

@@ -1,6 +1,6 @@
 """One broker link: the connection state machine that a client's and a worker's session with the broker
 share (Majordomo's heartbeat, the Lazy Pirate's fresh socket), apart from any socket, so it runs under a
-test without one (tests/test_broker_link.py).
+test without one (tests/protocol/test_broker_link.py).
 
 A link is *up* once the broker answered (a client: any valid message; a worker: the answer to its READY).
 Each turn of its owner's loop asks ``tick(now)`` what is due:

@@ -2,7 +2,7 @@
 
 ``SPEC_SERVE_TEST_HOLD_FORWARD=PATH``: every generate forward, once begun (on the compute thread), waits
 until the file PATH exists, so a test stops a worker while a forward provably runs and lets it end when it
-chooses (tests/test_lifecycle.py, ``cluster_util.Gate``). It logs ``worker.test_hold`` at WARNING first,
+chooses (tests/worker/test_lifecycle.py, ``cluster_util.Gate``). It logs ``worker.test_hold`` at WARNING first,
 so a stray setting cannot pass unnoticed.
 """
 

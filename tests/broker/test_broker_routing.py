@@ -1,6 +1,6 @@
 """The broker's routing decisions end to end through ``Router`` (all its parts together), driven without
 sockets: the router's ``send`` is a recorder (tests/broker_util.py), and each test asserts on the messages
-it would have put on the wire. Each part also has its own tests (tests/test_broker_*.py)."""
+it would have put on the wire. Each part also has its own tests (tests/broker/test_broker_*.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Supply and demand, socket-free: the sizing rule (broker/sizing.py) on figures, the broker's measure of them
 (broker/supply.py) from the events a router sees, clients' reports that cannot be true, and a rank's meter
-(client/demand.py). The same with real processes: tests/test_sizing_cluster.py."""
+(client/demand.py). The same with real processes: tests/system/test_sizing_cluster.py."""
 
 from __future__ import annotations
 

@@ -220,7 +220,7 @@ def test_a_read_only_directory_reads_on_and_warns_once(tmp_path, caplog):
 
 
 def test_a_full_disk_turns_writing_off_with_one_warning(tmp_path, caplog, monkeypatch):
-    """Simulated ENOSPC here (tests/test_cache.py fills a real small tmpfs through a client)."""
+    """Simulated ENOSPC here (tests/system/test_cache.py fills a real small tmpfs through a client)."""
     store = Store(tmp_path, seal_after_s=1e9)
     store.put(_key(0), _entry(_key(0)), 5)
     real_write = os.writev

@@ -1,5 +1,5 @@
 """``BrokerReplies`` (client/broker_replies.py: what the client's I/O thread does with the broker's messages)
-without sockets, in the style of tests/test_broker_*.py: it gets the frames a broker would send, over the real
+without sockets, in the style of tests/broker/test_broker_*.py: it gets the frames a broker would send, over the real
 ``Requests`` and a recording ``send``; the callbacks ClientIO gives it are recorded as events."""
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def _doc_table() -> str:
 
 def test_the_docs_show_the_table():
     text = DOC.read_text()
-    assert _doc_table() in text, "docs/client-options.md: regenerate the table from tests/test_client_options.py"
+    assert _doc_table() in text, "docs/client-options.md: regenerate the table from tests/client/test_client_options.py"
     for word in [*options.COMPACT_WORDS, *options.WIRE_DTYPE_WORDS]:
         assert re.search(rf"`{word}`", text), word
     for name in options.NEMO_REFUSED_ENV:

@@ -98,7 +98,7 @@ def test_auto_is_compact_over_frames_and_full_through_the_plane(cluster, tiny_ta
     """compact="auto", the default: a reply that leaves the worker's host (frames; here the plane is off, as a
     client on another host has it) comes compact and is expanded here: the contract (docs/equality.md) with
     the colocated compact batch expanded, within the [Vd,H] GEMM's rounding of the full batch of the same
-    composition (tests/test_hf_engine.py); the
+    composition (tests/worker/test_hf_engine.py); the
     lm_head slice is fetched once per mapping, counted. Through the plane the same client setup gets full
     replies and fetches nothing."""
     engine = colocated_target()
@@ -156,7 +156,7 @@ def mixed(cluster, tiny_target_dir):
 def test_auto_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, tiny_vocab_mapping,
                                                         colocated_target):
     """Shards served by a worker that lends through the plane come full, by one that cannot compact; every
-    batch is the EAGLE-3 contract either way (the mixed assembly itself: tests/test_assemble.py)."""
+    batch is the EAGLE-3 contract either way (the mixed assembly itself: tests/client/test_assemble.py)."""
     engine = colocated_target()
     with RemoteTargetModel(mixed.frontend, service="mixed", num_shards=2, prefetch_depth=2, timeout=60) as remote:
         remote.set_vocab_mapping(*tiny_vocab_mapping)

@@ -27,7 +27,7 @@ NeMo do, as read from its source (version 0.7.0):
 
 Simplified, and named so: the training data is pre-tokenized documents (``{"input_ids", "loss_mask"}``
 per line) instead of chat records and a tokenizer; the draft vocab is spec-serve's
-``build_vocab_mapping``; the trainer module records what it is fed. tests/test_nemo_integration.py runs
+``build_vocab_mapping``; the trainer module records what it is fed. tests/system/test_nemo_integration.py runs
 NeMo's own code for the same steps where nemo_automodel imports.
 """
 

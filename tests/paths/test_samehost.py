@@ -242,7 +242,7 @@ def test_replies_come_through_the_plane(cluster, tiny_target_dir, tiny_vocab_map
         assert not _lent(_control(pid))
     # Off, by the client's argument or by the environment of either side: frames, same tensors (full replies
     # asked for: over frames compact="auto" answers compact, expanded here, which holds the full forward only
-    # within one GEMM's rounding; tests/test_compact_remote.py checks that).
+    # within one GEMM's rounding; tests/client/test_compact_remote.py checks that).
     monkeypatch.setenv(samehost.ENV, "0")
     for kwargs in ({"same_host_plane": False}, {}):
         with RemoteTargetModel(cluster.frontend, timeout=60, compact=False, **kwargs, **CLIENT_KW) as client:

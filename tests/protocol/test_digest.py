@@ -1,6 +1,6 @@
 """The reply digest (spec_serve/protocol/digest.py) and the client's check hook in ``assembly.assemble``.
 
-tests/test_integrity.py runs the whole path with real processes; these pin down the digest itself
+tests/client/test_integrity.py runs the whole path with real processes; these pin down the digest itself
 (against a plain numpy reference, on odd sizes and unaligned views), what it cannot catch, the
 verify modes, and that a retried shard lands on its own rows.
 """

@@ -168,7 +168,7 @@ def _small_tmpfs(path, size: str):
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                                            capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs (tests/test_cache_store.py simulates ENOSPC)")
+        pytest.skip("needs root to mount a small tmpfs (tests/client/test_cache_store.py simulates ENOSPC)")
     try:
         yield path
     finally:

@@ -3,7 +3,7 @@ and ranks (threads with a client each) whose trainer step is a set compute time.
 measured numbers' direction: too few workers -> add; one added -> the trainers' wait falls and the advice
 changes; a rank gone, workers idle -> fewer would do. ``spec-serve status`` prints it on the running cluster.
 
-The figures (tests/test_sizing.py has the rule): each forward holds a worker FORWARD_S, a rank computes
+The figures (tests/broker/test_sizing.py has the rule): each forward holds a worker FORWARD_S, a rank computes
 COMPUTE_S between batches and prefetches 2. Two ranks need 2 x FORWARD_S / COMPUTE_S = 1.33 workers, more with
 the tiny model's own forward and the transport (0.05-0.1 s a request on a loaded 2-core box): one worker is
 short (need > 1.05), two are enough (need < 2.1, and ceil(need x 1.1) = 2 keeps both) while that overhead

@@ -1,6 +1,6 @@
 """The worker's engine options (vLLM's and SGLang's own flags, --engine-arg), its install advice, and
 make-tiny-target's errors. Runs in the main venv: the engines' packages are absent here, so the real
-CLI is run up to the engine load (which then fails with the install advice); tests/test_engine_vllm.py
+CLI is run up to the engine load (which then fails with the install advice); tests/worker/test_engine_vllm.py
 checks the same flags reaching a real vLLM.
 """
 

@@ -178,7 +178,7 @@ def test_uninstalled_engine_raises_with_instructions(engine, tiny_target_dir):
 
     if importlib.util.find_spec(engine) is not None:
         pytest.skip(f"{engine} is installed here")
-    # From this checkout, vllm's advice is its setup script (tests/test_engine_options.py checks both forms).
+    # From this checkout, vllm's advice is its setup script (tests/worker/test_engine_options.py checks both forms).
     with pytest.raises(EngineUnavailable, match=r"pip install|setup_vllm_venv\.sh"):
         load_engine(engine, str(tiny_target_dir))
 

@@ -1,4 +1,4 @@
-"""``BrokerSession`` (worker/session.py) without a broker, in the style of tests/test_broker_*.py: the broker's
+"""``BrokerSession`` (worker/session.py) without a broker, in the style of tests/broker/test_broker_*.py: the broker's
 commands as parsed messages, registration through the broker link, and what the session would have sent
 (its DEALER is a recorder)."""
 

@@ -1,7 +1,7 @@
 """Spool, a reply path for tests only: a same-host reply written as one safetensors file into a directory
 the client names in its offer; the client reads it and deletes it. It shows what adding a path takes:
 this folder (both halves), one line in the registry's order (tests put it first by monkeypatching
-``paths.registry.PATHS``), and tests (tests/test_paths.py)."""
+``paths.registry.PATHS``), and tests (tests/paths/test_paths.py)."""
 
 from __future__ import annotations
 
