@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 # Peer tags: protocol name + version; a peer speaking another version is refused.
-# Clients 02: a payload travels in parts (PART_BYTES).
-CLIENT_TAG = b"SPSC02"
-WORKER_TAG = b"SPSW01"
-DATA_TAG = b"SPSD01"
+# Clients 02: a payload travels in parts (PART_BYTES). All 03/02/02: the headers name no reply path (a
+# path's fields travel under offers[name] and path[name], routing under pin and near), the demand report
+# rides the client's heartbeat, wire_dtype, DONE's status an enum: a peer of the old headers is refused.
+CLIENT_TAG = b"SPSC03"
+WORKER_TAG = b"SPSW02"
+DATA_TAG = b"SPSD02"
 
 # The broker's default ports, and what listens on each (for errors that name the fix).
 FRONTEND_PORT = 5555
