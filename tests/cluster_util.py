@@ -11,7 +11,9 @@ under a running worker, which the broker still knows by its registration);
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -242,6 +244,23 @@ class RawZmtpPeer:
 def workers(cluster, service: str | None = None) -> list[dict]:
     _, body = cluster.get("/workers")
     return [w for w in body["workers"] if service is None or w["service"] == service]
+
+
+@contextlib.contextmanager
+def captured_log(logger_name: str):
+    """Lines logged to ``logger_name`` (INFO and up) while inside, whatever its handlers."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):

@@ -7,12 +7,10 @@ Issue 15. Every timing bound here is a generous "fails fast instead of hanging" 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import datetime
 import fcntl
 import http.client
 import json
-import logging
 import os
 import pty
 import select
@@ -34,7 +32,7 @@ import zmq
 from click.testing import CliRunner
 
 import zygote
-from cluster_util import CLIENT_KW, FAST_ENV, Reference, assert_equal_batches, kill, wait_until
+from cluster_util import CLIENT_KW, FAST_ENV, Reference, assert_equal_batches, captured_log, kill, wait_until
 from spec_serve.client.api import BrokerUnreachable, RemoteTargetModel
 from spec_serve.protocol.commands import EXIT_ADDRESS_IN_USE, WORKER_TAG, WorkerCommand, control
 from spec_serve.tools.cli import device_and_dtype, join_int_lists, main
@@ -86,7 +84,7 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 def test_unreachable_broker_fails_within_connect_timeout():
     url = f"tcp://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    with _captured("spec_serve.client") as lines, \
+    with captured_log("spec_serve.client") as lines, \
             RemoteTargetModel(url, connect_timeout=1.5, timeout=60, heartbeat_interval=0.1, liveness=3) as target:
         with pytest.raises(BrokerUnreachable) as err:
             target.target_info()
@@ -536,22 +534,6 @@ def test_metrics_have_no_created_series(cluster):
     assert code == 200 and "spec_serve_requests" in text
     assert "_created" not in text
 
-
-@contextlib.contextmanager
-def _captured(logger_name: str):
-    """Lines logged to ``logger_name`` (INFO and up) while inside, whatever its handlers."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def test_thread_share_follows_each_worker_cpu_affinity(tmp_path):

@@ -14,8 +14,6 @@ the processes report, never by how long a forward takes.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import re
 import signal
@@ -36,6 +34,7 @@ from cluster_util import (
     Reference,
     assert_contract,
     assert_equal_batches,
+    captured_log,
     hold_plane_copies,
     kill,
     start_slow_worker,
@@ -318,22 +317,6 @@ def test_gpu_worker_stopped_releases_its_cuda_ipc_slots(cluster, tiny_target_dir
 # -------------------------------------------------------------------------------------- broker
 
 
-@contextlib.contextmanager
-def _captured(logger_name: str):
-    """Lines logged to ``logger_name`` (INFO and up) while inside."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
 
 def test_broker_sigterm_tells_clients_and_workers_and_exits_0(cluster, tiny_target_dir, reference, tmp_path):
     """SIGTERM on the broker while one request is in a forward (held at its gate until the worker found the new
@@ -343,7 +326,7 @@ def test_broker_sigterm_tells_clients_and_workers_and_exits_0(cluster, tiny_targ
     gate = Gate(tmp_path / "gate")
     proc, log = _slow_worker(cluster, tiny_target_dir, 0.0, "--capacity", "1", "--service", "broker-stop", gate=gate)
     _worker_name(log)
-    with _captured("spec_serve.client") as lines, \
+    with captured_log("spec_serve.client") as lines, \
             RemoteTargetModel(cluster.frontend, service="broker-stop", timeout=60, prefetch_depth=2,
                               **CLIENT_KW) as client:
         futures = [client.generate_batch_async(*reference.batch(seed), kind="dspark") for seed in (50, 51)]
