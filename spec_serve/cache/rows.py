@@ -94,9 +94,9 @@ def encode_row(row: Mapping[str, torch.Tensor], codec: str, hidden: int) -> dict
         if codec == "native" or not t.is_floating_point():
             out[name] = t.contiguous()
             continue
-        q, scale = fp8.quantize(t.unflatten(-1, (-1, hidden)))
+        q, scale = fp8.quantize_blocks(t, hidden)
         # Kept as uint8 (the safetensors codec has no float8 dtype); its scale's name says what it is.
-        out[name], out[name + SCALE_SUFFIX] = q.view(torch.uint8).flatten(-2), scale.squeeze(-1)
+        out[name], out[name + SCALE_SUFFIX] = q.view(torch.uint8), scale
     return out
 
 
@@ -110,8 +110,10 @@ def decode_row(stored: Mapping[str, torch.Tensor], dtype: torch.dtype, hidden: i
         if scale is None:
             out[name] = t
             continue
-        layers = t.view(fp8.FP8_DTYPE).unflatten(-1, (-1, hidden))
-        out[name] = fp8.dequantize(layers, scale.unsqueeze(-1), dtype).flatten(-2)
+        if scale.shape[-1] * hidden != t.shape[-1]:
+            raise ValueError(f"a stored {name} of shape {tuple(t.shape)} has fp8 scales of shape "
+                             f"{tuple(scale.shape)}, not one per {hidden} elements")
+        out[name] = fp8.dequantize_blocks(t.view(fp8.FP8_DTYPE), scale, dtype)
     return out
 
 
