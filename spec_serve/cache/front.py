@@ -134,10 +134,13 @@ class CacheFront:
 
     def keys(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, kind: str | Kind) -> list[bytes | None]:
         """The key of each row of a batch of ``kind`` (None: not cacheable)."""
-        stored = stored_kind(Kind.parse(kind))
-        prefix = key_prefix(self.up.target_info(), stored, self.codec)
+        return self._keys(self.up.target_info(), stored_kind(Kind.parse(kind)), input_ids, row_spans(attention_mask))
+
+    def _keys(self, info: TargetInfo, stored: Kind, input_ids: torch.Tensor,
+              spans: Sequence[int | None]) -> list[bytes | None]:
+        prefix = key_prefix(info, stored, self.codec)
         ids = input_ids.to("cpu")
-        return [None if n is None else row_key(prefix, ids[i, :n]) for i, n in enumerate(row_spans(attention_mask))]
+        return [None if n is None else row_key(prefix, ids[i, :n]) for i, n in enumerate(spans)]
 
     def generate(self, input_ids, attention_mask, loss_mask, kind: str | Kind = "eagle3") -> concurrent.futures.Future:
         """``RemoteTargetModel.generate_batch_async`` through the cache; blocks while ``prefetch_depth``
@@ -147,8 +150,9 @@ class CacheFront:
         validate_request(input_ids, attention_mask, loss_mask, info.vocab_size)
         expand = self.up.expansion() if kind is Kind.EAGLE3 else None  # the mapping of the moment it is asked
         ids, mask, loss = (t.to("cpu", copy=True) for t in (input_ids, attention_mask, loss_mask))
-        batch = _Batch(kind, stored_kind(kind), info, ids, mask, loss, row_spans(mask), self.keys(ids, mask, kind),
-                       expand, concurrent.futures.Future())
+        stored, spans = stored_kind(kind), row_spans(mask)
+        batch = _Batch(kind, stored, info, ids, mask, loss, spans, self._keys(info, stored, ids, spans), expand,
+                       concurrent.futures.Future())
         with self.up.waiting():
             self._credits.acquire()
         batch.out.add_done_callback(lambda _: self._credits.release())
