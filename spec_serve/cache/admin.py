@@ -38,7 +38,8 @@ def stats(root: str | Path) -> dict[str, Any]:
     keys: set[bytes] = set()
     per_label: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     entry_count, total_bytes, unreadable = 0, 0, []
-    for path in _segments(root):
+    segments = _segments(root)
+    for path in segments:
         try:
             records = read_index(path)
             total_bytes += path.stat().st_size
@@ -61,7 +62,7 @@ def stats(root: str | Path) -> dict[str, Any]:
         clients.update({k: recorded.get(k, 0) for k in ("hits", "misses", "hit_tokens", "miss_tokens", "corrupt")})
     asked = clients["hits"] + clients["misses"]
     return {
-        "dir": str(root), "segments": len(_segments(root)), "entries": entry_count, "rows": len(keys),
+        "dir": str(root), "segments": len(segments), "entries": entry_count, "rows": len(keys),
         "bytes": total_bytes, "unreadable_segments": unreadable,
         "partial_files": len(list((root / "tmp").glob(f"*{PARTIAL_SUFFIX}"))),
         "kinds": {label: {**c, "bytes_per_token": c["bytes"] / max(1, c["tokens"])} for label, c in per_label.items()},
