@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from spec_serve.cache import entry as entries
-from spec_serve.cache.store import PARTIAL_SUFFIX, SEGMENT_SUFFIX, evict, read_index
+from spec_serve.cache.store import PARTIAL_SUFFIX, evict, published, read_index
 
 
 def _segments(root: Path) -> list[Path]:
     directory = root / "segments"
     if not directory.is_dir():
         raise ValueError(f"{root} is not a spec-serve cache directory (no segments/ in it)")
-    return sorted(p for p in directory.iterdir() if p.name.endswith(SEGMENT_SUFFIX))
+    return [directory / name for name in published(directory)]
 
 
 def _label(fd: int, offset: int) -> str:

@@ -197,7 +197,7 @@ class Store:
                 return
             self._refreshed = time.monotonic()
             try:
-                names = sorted(n for n in os.listdir(self.segments) if n.endswith(SEGMENT_SUFFIX))
+                names = published(self.segments)
             except OSError:
                 return
             for name in names:
@@ -360,10 +360,16 @@ class Store:
             self._fds.clear()
 
 
+def published(segments: Path) -> list[str]:
+    """The names of the published segments under ``segments``, oldest first (their names start with their
+    publish time)."""
+    return sorted(n for n in os.listdir(segments) if n.endswith(SEGMENT_SUFFIX))
+
+
 def evict(segments: Path, max_bytes: int, keep: str | None = None) -> list[str]:
     """Delete published segments oldest first until the rest hold at most ``max_bytes``; their names."""
     sizes = []
-    for name in sorted(n for n in os.listdir(segments) if n.endswith(SEGMENT_SUFFIX)):
+    for name in published(segments):
         try:
             sizes.append((name, (segments / name).stat().st_size))
         except FileNotFoundError:
