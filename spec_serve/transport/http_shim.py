@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from spec_serve.telemetry.logs import event
-from spec_serve.transport.sockets import check_exposure
+from spec_serve.transport.sockets import address_family, check_exposure
 
 log = logging.getLogger("spec_serve.http")
 
@@ -75,8 +75,7 @@ class HttpShim:
                        insecure_network=insecure_network)
         self._routes = dict(routes)
         host = host.strip("[]")  # an IPv6 address, bracketed or not
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self._listener = socket.create_server((host, port), family=address_family(host), backlog=128)
         self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()

@@ -498,12 +498,13 @@ def _port_range() -> tuple[int, int] | None:
     return lo, hi
 
 
-def _family(host: str) -> socket.AddressFamily:
+def address_family(host: str) -> socket.AddressFamily:
+    """The socket family of ``host`` (an IPv6 address, bracketed or not: AF_INET6; else AF_INET)."""
     return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
 
 
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket(_family(host)) as s:
+    with socket.socket(address_family(host)) as s:
         try:
             s.bind((host, port))
         except OSError:
@@ -518,7 +519,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     host = host.strip("[]")
     span = _port_range()
     if span is None:
-        with socket.socket(_family(host)) as s:
+        with socket.socket(address_family(host)) as s:
             s.bind((host, 0))
             port: int = s.getsockname()[1]
             return port

@@ -37,7 +37,14 @@ from spec_serve.protocol.messages import (
     WorkerBind,
 )
 from spec_serve.telemetry.logs import event
-from spec_serve.transport.sockets import ExposureError, Security, check_exposure, local_host_key, route_address
+from spec_serve.transport.sockets import (
+    ExposureError,
+    Security,
+    address_family,
+    check_exposure,
+    local_host_key,
+    route_address,
+)
 
 log = logging.getLogger("spec_serve.worker")
 
@@ -241,8 +248,7 @@ def client_addresses(reply_to: str, store_host: str) -> list[str]:
     host = urlsplit(reply_to).hostname if reply_to.startswith("tcp://") else None
     if host is None:
         return [store_host]
-    family = socket.AF_INET6 if ":" in store_host else socket.AF_INET
     try:
-        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, family)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, address_family(store_host))})
     except OSError:
         return []
