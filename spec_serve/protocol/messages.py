@@ -131,11 +131,11 @@ class HeaderReader:
                                  True, False)
         return result
 
-    def number(self, key: str, *, positive: bool = False, below: float = math.inf, required: bool = False,
-               expected: str = "a number") -> float | None:
+    def number(self, key: str, *, positive: bool = False, minimum: float = -math.inf, below: float = math.inf,
+               required: bool = False, expected: str = "a number") -> float | None:
         """An int or float as sent (not converted, so it re-encodes to the same bytes)."""
         def ok(v: Any) -> bool:
-            return _is_number(v) and (not positive or v > 0) and v < below
+            return _is_number(v) and (not positive or v > 0) and minimum <= v < below
 
         result: float | None = self._take(key, ok, expected, None, required, False)
         return result
@@ -311,10 +311,8 @@ class ClientHeartbeat(WireMessage):
     def from_json(cls, raw: Mapping[str, Any]) -> ClientHeartbeat:
         r = HeaderReader(cls.COMMAND, raw)
         seconds = "a number of seconds >= 0"
-        wait_s, compute_s = r.number("wait_s", expected=seconds), r.number("compute_s", expected=seconds)
-        if (wait_s is not None and wait_s < 0) or (compute_s is not None and compute_s < 0):
-            raise ProtocolError(f"{cls.COMMAND} header 'wait_s' and 'compute_s' must be {seconds}")
-        return cls(steps=r.integer("steps", minimum=0), wait_s=wait_s, compute_s=compute_s)
+        return cls(steps=r.integer("steps", minimum=0), wait_s=r.number("wait_s", minimum=0, expected=seconds),
+                   compute_s=r.number("compute_s", minimum=0, expected=seconds))
 
 
 @dataclasses.dataclass(frozen=True)
