@@ -258,10 +258,7 @@ def _reap_companions(ctl_name: str, owner: Owner) -> None:
     except (OSError, ValueError):
         return
     try:
-        for path in ctl.companions():
-            if companion_pid(path) == owner.pid:
-                with contextlib.suppress(OSError):
-                    os.unlink(SHM_DIR / path.lstrip("/"))
+        _unlink_companions(ctl.companions(), owner.pid)
     finally:
         ctl.close()
 
@@ -278,8 +275,13 @@ def companion_pid(path: str) -> int | None:
 def unlink_driver_files(paths: list[str], pid: int) -> None:
     """Unlink the CUDA driver's event files among ``paths`` that belong to ``pid`` (a worker closing its
     plane: the driver leaves them behind even at a normal exit; torch removes its own file then)."""
+    _unlink_companions([path for path in paths if _CUDA_EVENT.fullmatch(path)], pid)
+
+
+def _unlink_companions(paths: list[str], pid: int) -> None:
+    """Unlink the companion files among ``paths`` (``/name``, under SHM_DIR) whose names record ``pid``."""
     for path in paths:
-        if _CUDA_EVENT.fullmatch(path) and companion_pid(path) == pid:
+        if companion_pid(path) == pid:
             with contextlib.suppress(OSError):
                 os.unlink(SHM_DIR / path.lstrip("/"))
 
@@ -298,12 +300,8 @@ def _path(name: str) -> Path:
 def unlink_own_companions() -> None:
     """The files our CUDA IPC shares left in /dev/shm (torch's ref counters, the driver's event file): torch
     removes its own at a normal exit, which ``os._exit`` skips (the plane was closed already)."""
-    pid = os.getpid()
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return
-    for name in names:
-        if companion_pid("/" + name) == pid:
-            with contextlib.suppress(OSError):
-                os.unlink(SHM_DIR / name)
+    _unlink_companions(["/" + name for name in names], os.getpid())
