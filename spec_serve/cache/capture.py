@@ -18,6 +18,9 @@ from typing import Any, TextIO
 
 import torch
 
+from spec_serve.cache.rows import stored_kind
+from spec_serve.supervision.contract import Kind
+
 
 def read_rows(path: str | Path) -> list[torch.Tensor]:
     """One ``{"input_ids": [int, ...]}`` a line (blank lines skipped): ``ValueError`` naming a bad line."""
@@ -116,7 +119,7 @@ def _counted(bar: Progress, tokens: int) -> Callable[[Any], None]:
 def capture(client: Any, rows: list[torch.Tensor], kind: str, batch_tokens: int, max_rows: int,
             progress: Callable[[int], Progress] = Progress) -> dict[str, Any]:
     """Fill ``client``'s cache (``RemoteTargetModel(cache=...)``) with ``rows`` of ``kind``; a summary."""
-    stored = "eagle3_compact" if kind == "eagle3" else kind  # what the cache keeps, asked for as it is kept
+    stored = stored_kind(Kind.parse(kind)).value  # what the cache keeps, asked for as it is kept
     front = client.cache
     keys = [front.keys(r.unsqueeze(0), torch.ones(1, r.numel(), dtype=torch.int64), stored)[0] for r in rows]
     todo = [i for i, key in enumerate(keys) if key not in front.store]
