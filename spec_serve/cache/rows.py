@@ -95,7 +95,8 @@ def encode_row(row: Mapping[str, torch.Tensor], codec: str, hidden: int) -> dict
             out[name] = t.contiguous()
             continue
         q, scale = fp8.quantize_blocks(t, hidden)
-        # Kept as uint8 (the safetensors codec has no float8 dtype); its scale's name says what it is.
+        # Kept as uint8, the stored format since the first fp8 caches (the wire codec has since learnt F8_E4M3,
+        # but entries already written must read the same); its scale's name says what it is.
         out[name], out[name + SCALE_SUFFIX] = q.view(torch.uint8), scale
     return out
 
