@@ -145,14 +145,12 @@ class ClientSockets:
     def close(self) -> None:
         """The I/O thread ends: let a final DISCONNECT leave, close both sockets and unlink their files."""
         self.watch.close()
-        assert self.dealer is not None and self.data is not None and self.data_ingress is not None  # opened
+        assert self.dealer is not None  # opened in __init__
         self.dealer.close(linger=500)
-        self.data_ingress.close()
-        self.data.close(0)
-        self._unlink_ipc_files()
+        self.release()
 
     def release(self) -> None:
-        """Close whatever was opened, at once (a constructor that failed)."""
+        """Close whatever was opened, at once (a constructor that failed; the rest of ``close``)."""
         if self.data_ingress is not None:
             self.data_ingress.close()
         for sock in (self.dealer, self.data):
