@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from spec_serve.broker.context import BrokerContext
-from spec_serve.broker.sizing import Figures, Window, advise, percentile
+from spec_serve.broker.sizing import Figures, Window, advise, percentiles
 from spec_serve.broker.state import ClientState, Request, ServiceState, WorkerState
 from spec_serve.protocol.messages import ClientHeartbeat
 
@@ -140,13 +140,12 @@ class SupplyDemand:
                            ranks=len(service.askers), supply_tps=tuple(f["supply_tps"] for f in figures),
                            busy=tuple(f["busy"] or 0.0 for f in figures), wait=wait)
         advice = advise(measured)
-        waits = [w for _, w in service.queue_waits]
+        p50, p95 = percentiles([w for _, w in service.queue_waits], 0.5, 0.95)
         return {"window_s": round(seconds, 1), "demand_tps": round(demand, 1), "ranks": measured.ranks,
                 "supply_tps": round(sum(s for s in measured.supply_tps if s is not None), 1),
                 "delivered_tps": round(sum((f["supply_tps"] or 0.0) * (f["busy"] or 0.0) for f in figures), 1),
                 "busy": round(measured.mean_busy, 4), "trainer_wait": None if wait is None else round(wait, 4),
-                "queue_wait_p50_s": _rounded(percentile(waits, 0.5)),
-                "queue_wait_p95_s": _rounded(percentile(waits, 0.95)),
+                "queue_wait_p50_s": _rounded(p50), "queue_wait_p95_s": _rounded(p95),
                 "advice": advice.to_json()}
 
 
