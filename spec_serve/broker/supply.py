@@ -28,15 +28,6 @@ MIN_BUSY_S = 0.05
 REPORT_OUTCOMES = ("accepted", "first", "clamped", "reset", "rejected", "foreign_service")
 
 
-def settle_busy(worker: WorkerState, now: float) -> None:
-    """After ``worker.inflight`` changed: open its busy interval (it holds a request) or close it (none)."""
-    if worker.inflight and worker.busy_since is None:
-        worker.busy_since = now
-    elif not worker.inflight and worker.busy_since is not None:
-        worker.busy_s += now - worker.busy_since
-        worker.busy_since = None
-
-
 class SupplyDemand:
     """The broker's measure of supply and demand; single-threaded (the broker loop calls it)."""
 
@@ -57,10 +48,9 @@ class SupplyDemand:
         service.asked += tokens
         service.askers[client] = now
 
-    def dispatched(self, service: ServiceState, worker: WorkerState, request: Request, now: float) -> None:
-        """``request`` left the queue for ``worker`` (now in its inflight set)."""
+    def dispatched(self, service: ServiceState, request: Request, now: float) -> None:
+        """``request`` left the queue for a worker: how long it waited there."""
         service.queue_waits.append((now, max(0.0, now - request.enqueued_at)))
-        settle_busy(worker, now)
 
     def reported(self, client: ClientState, service: str, beat: ClientHeartbeat, now: float) -> None:
         """A client's HEARTBEAT with its counters: accepted as far as they can be true (see the module doc)."""
