@@ -24,9 +24,6 @@ REPORT_SLACK = 1.5
 # A worker busy for less of the window than this many seconds has no supply figure (too few tokens to tell).
 MIN_BUSY_S = 0.05
 
-# Outcomes of a client's report, the label values of spec_serve_client_reports.
-REPORT_OUTCOMES = ("accepted", "first", "clamped", "reset", "rejected", "foreign_service")
-
 
 class SupplyDemand:
     """The broker's measure of supply and demand; single-threaded (the broker loop calls it)."""
