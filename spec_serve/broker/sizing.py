@@ -67,13 +67,9 @@ class Window:
         return t1 - t0, tuple(b - a for a, b in zip(first, last))
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The nearest-rank ``q`` percentile (0 < q <= 1) of ``values``; None when there are none."""
-    return percentiles(values, q)[0]
-
-
 def percentiles(values: Sequence[float], *qs: float) -> tuple[float | None, ...]:
-    """The nearest-rank percentile of ``values`` for each of ``qs`` (one sort for all); None when there are none."""
+    """The nearest-rank ``q`` percentile (0 < q <= 1) of ``values`` for each of ``qs`` (one sort for all); None
+    when there are none."""
     if not values:
         return (None,) * len(qs)
     ordered = sorted(values)

@@ -14,7 +14,7 @@ import types
 import pytest
 
 from broker_util import SERVICE, done, handle, make_router, new_request_id, ready, submit
-from spec_serve.broker.sizing import ADD, BALANCED, IDLE, REMOVE, UNKNOWN, Figures, Window, advise, percentile
+from spec_serve.broker.sizing import ADD, BALANCED, IDLE, REMOVE, UNKNOWN, Figures, Window, advise, percentiles
 from spec_serve.client.demand import DemandMeter, metered
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand
@@ -104,8 +104,8 @@ def test_window_covers_its_span_and_percentiles():
     seconds, (grown,) = long.increase()
     assert 600.0 <= seconds <= 610.0 and grown == pytest.approx(2 * seconds)
     assert len(long._samples) <= 2 * 120 + 2  # of two consecutive gaps between samples, one is a full gap
-    assert percentile([], 0.5) is None
-    assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 0.95) == 4.0
+    assert percentiles([], 0.5) == (None,)
+    assert percentiles([3.0, 1.0, 2.0, 4.0], 0.5, 0.95) == (2.0, 4.0)
 
 
 # ------------------------------------------------------------------ the broker's measure
