@@ -22,7 +22,7 @@ from spec_serve.broker.context import BrokerContext
 from spec_serve.broker.poison import PoisonPolicy
 from spec_serve.broker.services import DONE_STATUSES, ServiceQueues
 from spec_serve.broker.state import ClientState, Request, RequestTable, ServiceState, WorkerState
-from spec_serve.broker.supply import SupplyDemand, settle_busy
+from spec_serve.broker.supply import SupplyDemand
 from spec_serve.broker.vocab_registry import VocabRegistry
 from spec_serve.broker.workers import WorkerRegistry
 from spec_serve.protocol.commands import WORKER_TAG, DoneStatus, ErrorCode, Message, WorkerCommand, control
@@ -131,16 +131,15 @@ class Dispatcher:
         request.worker = worker.identity
         request.dispatches += 1
         request.dispatched_at = time.monotonic()
-        worker.inflight.add(request.request_id)
-        self.supply.dispatched(service, worker, request, request.dispatched_at)
+        worker.hold(request.request_id, request.dispatched_at)
+        self.supply.dispatched(service, request, request.dispatched_at)
 
     # ------------------------------------------------------------------ answers and losses
 
     def complete(self, worker: WorkerState, request_id: bytes, done: Done, now: float) -> None:
         """DONE: the worker answered a request (or failed to deliver it); its slot is free again."""
-        worker.inflight.discard(request_id)
+        worker.let_go(request_id, now)
         worker.idle_since = now
-        settle_busy(worker, now)
         worker.leaving = worker.leaving or done.status is DoneStatus.ENGINE_DEAD
         request = self.requests.get(request_id)
         if done.status is DoneStatus.RETURNED and request is not None and request.worker == worker.identity:
@@ -176,7 +175,7 @@ class Dispatcher:
         request.worker = worker.identity
         request.dispatched_at = now
         request.dispatches += 1
-        worker.inflight.add(request.request_id)
+        worker.hold(request.request_id, now)
         return True
 
     def detach(self, request: Request) -> None:

@@ -21,7 +21,7 @@ from spec_serve.broker.context import BrokerContext, Send
 from spec_serve.broker.dispatch import Dispatcher
 from spec_serve.broker.services import ServiceQueues
 from spec_serve.broker.state import ClientState, Request, RequestTable, WorkerState
-from spec_serve.broker.supply import SupplyDemand, settle_busy
+from spec_serve.broker.supply import SupplyDemand
 from spec_serve.broker.vocab_registry import VocabRegistry
 from spec_serve.broker.workers import WorkerRegistry
 from spec_serve.protocol.commands import (
@@ -173,8 +173,7 @@ class Router:
                 self.dispatcher.detach(request)
                 worker = self.registry.get(request.worker)
                 if worker is not None:
-                    worker.inflight.discard(request_id)
-                    settle_busy(worker, time.monotonic())
+                    worker.let_go(request_id, time.monotonic())
                     freed.add(worker.service)
         self.queues.drop_client(identity)
         event(log, logging.INFO, "broker.client_gone", client=identity.hex()[:12])

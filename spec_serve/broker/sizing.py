@@ -67,12 +67,13 @@ class Window:
         return t1 - t0, tuple(b - a for a, b in zip(first, last))
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The nearest-rank ``q`` percentile (0 < q <= 1) of ``values``; None when there are none."""
+def percentiles(values: Sequence[float], *qs: float) -> tuple[float | None, ...]:
+    """The nearest-rank ``q`` percentile (0 < q <= 1) of ``values`` for each of ``qs`` (one sort for all); None
+    when there are none."""
     if not values:
-        return None
+        return (None,) * len(qs)
     ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+    return tuple(ordered[max(0, math.ceil(q * len(ordered)) - 1)] for q in qs)
 
 
 @dataclasses.dataclass(frozen=True)

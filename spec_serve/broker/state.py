@@ -36,7 +36,9 @@ class WorkerState:
     completed: int = 0
     leaving: bool = False  # its engine died, or it drains: no more requests; LEAVE follows its last answers
     draining: bool = False  # it was told to stop (LEAVE with drain): its final LEAVE is no death
-    # Supply (supply.py): tokens of its ok DONEs; seconds it held a request, and since when it holds one now.
+    # Supply (supply.py): tokens of its ok DONEs; seconds it held a request, and since when it holds one now
+    # (kept in step with ``inflight`` by ``hold`` and ``let_go``: every request goes on and off it through them,
+    # but for a gone worker's, which ``Dispatcher.orphan`` clears at once).
     tokens: int = 0
     busy_s: float = 0.0
     busy_since: float | None = None
@@ -45,6 +47,19 @@ class WorkerState:
     def busy_until(self, now: float) -> float:
         """Seconds it held at least one request, up to ``now``."""
         return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+
+    def hold(self, request_id: bytes, now: float) -> None:
+        """``request_id`` is on it from ``now``: its busy interval opens if it held none."""
+        if not self.inflight:
+            self.busy_since = now
+        self.inflight.add(request_id)
+
+    def let_go(self, request_id: bytes, now: float) -> None:
+        """``request_id`` is no longer on it: its busy interval closes if it holds none now."""
+        self.inflight.discard(request_id)
+        if not self.inflight and self.busy_since is not None:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
 
     @property
     def name(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from spec_serve.broker.context import BrokerContext
-from spec_serve.broker.sizing import Figures, Window, advise, percentile
+from spec_serve.broker.sizing import Figures, Window, advise, percentiles
 from spec_serve.broker.state import ClientState, Request, ServiceState, WorkerState
 from spec_serve.protocol.messages import ClientHeartbeat
 
@@ -23,18 +23,6 @@ REPORT_SLACK_S = 1.0
 REPORT_SLACK = 1.5
 # A worker busy for less of the window than this many seconds has no supply figure (too few tokens to tell).
 MIN_BUSY_S = 0.05
-
-# Outcomes of a client's report, the label values of spec_serve_client_reports.
-REPORT_OUTCOMES = ("accepted", "first", "clamped", "reset", "rejected", "foreign_service")
-
-
-def settle_busy(worker: WorkerState, now: float) -> None:
-    """After ``worker.inflight`` changed: open its busy interval (it holds a request) or close it (none)."""
-    if worker.inflight and worker.busy_since is None:
-        worker.busy_since = now
-    elif not worker.inflight and worker.busy_since is not None:
-        worker.busy_s += now - worker.busy_since
-        worker.busy_since = None
 
 
 class SupplyDemand:
@@ -57,10 +45,9 @@ class SupplyDemand:
         service.asked += tokens
         service.askers[client] = now
 
-    def dispatched(self, service: ServiceState, worker: WorkerState, request: Request, now: float) -> None:
-        """``request`` left the queue for ``worker`` (now in its inflight set)."""
+    def dispatched(self, service: ServiceState, request: Request, now: float) -> None:
+        """``request`` left the queue for a worker: how long it waited there."""
         service.queue_waits.append((now, max(0.0, now - request.enqueued_at)))
-        settle_busy(worker, now)
 
     def reported(self, client: ClientState, service: str, beat: ClientHeartbeat, now: float) -> None:
         """A client's HEARTBEAT with its counters: accepted as far as they can be true (see the module doc)."""
@@ -140,13 +127,12 @@ class SupplyDemand:
                            ranks=len(service.askers), supply_tps=tuple(f["supply_tps"] for f in figures),
                            busy=tuple(f["busy"] or 0.0 for f in figures), wait=wait)
         advice = advise(measured)
-        waits = [w for _, w in service.queue_waits]
+        p50, p95 = percentiles([w for _, w in service.queue_waits], 0.5, 0.95)
         return {"window_s": round(seconds, 1), "demand_tps": round(demand, 1), "ranks": measured.ranks,
                 "supply_tps": round(sum(s for s in measured.supply_tps if s is not None), 1),
                 "delivered_tps": round(sum((f["supply_tps"] or 0.0) * (f["busy"] or 0.0) for f in figures), 1),
                 "busy": round(measured.mean_busy, 4), "trainer_wait": None if wait is None else round(wait, 4),
-                "queue_wait_p50_s": _rounded(percentile(waits, 0.5)),
-                "queue_wait_p95_s": _rounded(percentile(waits, 0.95)),
+                "queue_wait_p50_s": _rounded(p50), "queue_wait_p95_s": _rounded(p95),
                 "advice": advice.to_json()}
 
 

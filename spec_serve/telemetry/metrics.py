@@ -135,32 +135,25 @@ class SizingCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         services, workers = self.read()
         for name, text, key in SIZING_SERIES:
-            yield _gauge(name, text, ["service"], ((s, f[key]) for s, f in services.items()))
+            yield _gauge(name, text, ["service"], (([s], f[key]) for s, f in services.items()))
         yield _gauge("spec_serve_workers_needed", "Workers the advice names (spec-serve status): what an autoscaler "
-                     "should run", ["service"], ((s, f["advice"]["workers_needed"]) for s, f in services.items()))
-        wait = GaugeMetricFamily("spec_serve_queue_wait_seconds", "Time requests waited for a worker",
-                                 labels=["service", "quantile"])
-        for service, f in services.items():
-            for quantile, key in QUEUE_WAIT_QUANTILES:
-                if f[key] is not None:
-                    wait.add_metric([service, quantile], f[key])
-        yield wait
+                     "should run", ["service"], (([s], f["advice"]["workers_needed"]) for s, f in services.items()))
+        yield _gauge("spec_serve_queue_wait_seconds", "Time requests waited for a worker", ["service", "quantile"],
+                     (([s, quantile], f[key]) for s, f in services.items() for quantile, key in QUEUE_WAIT_QUANTILES))
         for name, text, key in (("spec_serve_worker_busy_fraction", "Share of the time a worker held a request",
                                  "busy"),
                                 ("spec_serve_worker_supply_tokens_per_second", "Tokens/s a worker delivers while busy",
                                  "supply_tps")):
-            family = GaugeMetricFamily(name, text, labels=["worker", "service"])
-            for w in workers:
-                if w[key] is not None:
-                    family.add_metric([w["id"], w["service"]], w[key])
-            yield family
+            yield _gauge(name, text, ["worker", "service"], (([w["id"], w["service"]], w[key]) for w in workers))
 
 
-def _gauge(name: str, text: str, labels: list[str], values: Iterator[tuple[str, float | None]]) -> GaugeMetricFamily:
+def _gauge(name: str, text: str, labels: list[str],
+           values: Iterator[tuple[list[str], float | None]]) -> GaugeMetricFamily:
+    """A gauge family of ``(label values, value)``; a value not measured (None) leaves no sample."""
     family = GaugeMetricFamily(name, text, labels=labels)
-    for label, value in values:
+    for label_values, value in values:
         if value is not None:
-            family.add_metric([label], value)
+            family.add_metric(label_values, value)
     return family
 
 

@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-from broker_util import SERVICE, done, handle, make_router, ready, submit
-from spec_serve.broker.sizing import ADD, BALANCED, IDLE, REMOVE, UNKNOWN, Figures, Window, advise, percentile
+from broker_util import SERVICE, done, handle, make_router, new_request_id, ready, submit
+from spec_serve.broker.sizing import ADD, BALANCED, IDLE, REMOVE, UNKNOWN, Figures, Window, advise, percentiles
 from spec_serve.client.demand import DemandMeter, metered
 from spec_serve.client.stats import ClientStats
 from spec_serve.protocol.commands import CLIENT_TAG, ClientCommand
@@ -104,8 +104,8 @@ def test_window_covers_its_span_and_percentiles():
     seconds, (grown,) = long.increase()
     assert 600.0 <= seconds <= 610.0 and grown == pytest.approx(2 * seconds)
     assert len(long._samples) <= 2 * 120 + 2  # of two consecutive gaps between samples, one is a full gap
-    assert percentile([], 0.5) is None
-    assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 0.95) == 4.0
+    assert percentiles([], 0.5) == (None,)
+    assert percentiles([3.0, 1.0, 2.0, 4.0], 0.5, 0.95) == (2.0, 4.0)
 
 
 # ------------------------------------------------------------------ the broker's measure
@@ -209,6 +209,30 @@ def test_a_client_that_leaves_frees_its_worker_busy_time():
     assert router.workers[b"w1"].busy_since is not None
     router.delete_client(b"gone")
     assert router.workers[b"w1"].busy_since is None and router.workers[b"w1"].busy_s >= 0.0
+
+
+def test_a_request_held_again_after_its_client_was_forgotten_keeps_its_worker_busy(clock):
+    """A client the broker forgot while a worker ran its request (only late) sends it again: the request is that
+    worker's again (``Dispatcher.reattach``), and so is the time until its DONE: the worker is busy from then on,
+    as for any request it holds (that time went uncounted: its busy interval stayed closed)."""
+    router = make_router(sizing_window=5.0)
+    start = clock.now
+    ready(router, b"w1", start)
+    request_id = new_request_id()
+
+    def send(now: float) -> None:
+        handle(router.enqueue, router.client_seen(b"late", now), now, CLIENT_TAG, ClientCommand.REQUEST, request_id,
+               {"reply_to": "tcp://127.0.0.1:9", "timeout": 30.0})
+
+    send(start)
+    clock.now = start + 1.0
+    router.delete_client(b"late")  # busy 1 s so far
+    send(start + 2.0)
+    worker = router.workers[b"w1"]
+    assert worker.inflight == {request_id} and router.recorder.requests_to(b"w1") == [request_id]  # held, sent once
+    assert worker.busy_since == start + 2.0
+    done(router, b"w1", request_id, start + 5.0, tokens=10)
+    assert worker.busy_s == pytest.approx(1.0 + 3.0) and worker.busy_since is None
 
 
 def test_status_and_metrics_carry_the_figures(clock):
