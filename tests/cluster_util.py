@@ -263,6 +263,22 @@ def captured_log(logger_name: str):
         logger.setLevel(level)
 
 
+def stall_replies(client) -> threading.Event:
+    """While the returned event is set, ``client``'s I/O thread reads no reply (it still heartbeats)."""
+    stalled = threading.Event()
+    sockets = client._io.sockets
+    drain = sockets.drain
+
+    def drain_unless_stalled(sock, handler):
+        if sock is sockets.data and stalled.is_set():
+            time.sleep(0.01)  # the socket stays readable: do not spin
+            return
+        drain(sock, handler)
+
+    sockets.drain = drain_unless_stalled
+    return stalled
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     value = None

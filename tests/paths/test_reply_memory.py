@@ -24,7 +24,7 @@ import torch
 import zmq
 
 import spec_serve.client.sockets as client_module
-from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, workers
+from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, stall_replies, workers
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import packing
 from spec_serve.tools.launch import local_cluster
@@ -65,22 +65,6 @@ def slow_reader(monkeypatch):
         return make_socket(ctx, kind, **kwargs)
 
     monkeypatch.setattr(client_module, "make_socket", one_queued_reply)
-
-
-def _stall_replies(client: RemoteTargetModel) -> threading.Event:
-    """While the returned event is set, the client's I/O thread reads no reply (it still heartbeats)."""
-    stalled = threading.Event()
-    sockets = client._io.sockets
-    drain = sockets.drain
-
-    def drain_unless_stalled(sock, handler):
-        if sock is sockets.data and stalled.is_set():
-            time.sleep(0.01)  # the socket stays readable: do not spin
-            return
-        drain(sock, handler)
-
-    sockets.drain = drain_unless_stalled
-    return stalled
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +116,7 @@ def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, two_sh
     with RemoteTargetModel(cluster.frontend, service=service, prefetch_depth=PREFETCH, num_shards=shards,
                            timeout=120, verify="off", **FULL_KW) as client:
         client.set_vocab_mapping(*tiny_vocab_mapping)
-        stalled = _stall_replies(client)
+        stalled = stall_replies(client)
         stalled.set()
         target = _completed(cluster, service) + PREFETCH * shards
         futures = [client.generate_batch_async(*batch, kind="eagle3") for batch, _ in batches[:PREFETCH]]

@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +36,7 @@ from cluster_util import (
     captured_log,
     hold_plane_copies,
     kill,
+    stall_replies,
     start_slow_worker,
     wait_until,
 )
@@ -183,17 +183,7 @@ def stalled_client(monkeypatch):
     monkeypatch.setattr(client_module, "make_socket", small_buffers)
 
     def stall(client: RemoteTargetModel) -> threading.Event:
-        stalled = threading.Event()
-        sockets = client._io.sockets
-        drain = sockets.drain
-
-        def drain_unless_stalled(sock, handler):
-            if sock is sockets.data and stalled.is_set():
-                time.sleep(0.01)
-                return
-            drain(sock, handler)
-
-        sockets.drain = drain_unless_stalled
+        stalled = stall_replies(client)
         stalled.set()
         return stalled
 
