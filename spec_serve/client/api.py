@@ -46,6 +46,8 @@ from spec_serve.supervision.contract import (
 from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICE_BYTES, CLIENT_LM_HEAD_SLICES
 from spec_serve.transport.sockets import Security
 
+_NEEDS_MAPPING = "EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first"
+
 # What a caller catches and reads is importable from here too (``from spec_serve.client.api import ...``).
 __all__ = ["BrokerUnreachable", "ClientStats", "IntegrityError", "RemoteError", "RemoteTargetModel",
            "TargetChangedError"]
@@ -207,7 +209,7 @@ class RemoteTargetModel:
         wire_kind = Kind.EAGLE3_COMPACT if self.compact is True and kind is Kind.EAGLE3 else kind
         auto = self.compact == "auto" and kind is Kind.EAGLE3  # the worker picks the format, reply by reply
         if kind is Kind.EAGLE3 and self._vocab_digest is None:
-            raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
+            raise RuntimeError(_NEEDS_MAPPING)
         offers = self._paths.offer(Op.GENERATE.value)  # a path may take a worker of our own first
         if auto and not offers:
             # Frames only: the worker answers compact (paths/registry.py, reply_kind). The slice is fetched now,
@@ -254,7 +256,7 @@ class RemoteTargetModel:
         """How this batch's compact shards become EAGLE-3 tensors: the current mapping's slice and mask."""
         mapping, draft_vocab, mask = self._vocab_digest, self._draft_vocab, self._selected_mask
         if mapping is None or draft_vocab is None or mask is None:
-            raise RuntimeError("EAGLE-3 supervision needs a draft-vocab mapping: call set_vocab_mapping first")
+            raise RuntimeError(_NEEDS_MAPPING)
         return Expansion(functools.partial(self._slices.get, mapping, draft_vocab), mask, self.device,
                          self._expander)
 
