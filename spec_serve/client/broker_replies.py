@@ -79,11 +79,11 @@ class BrokerReplies:
     def _on_heartbeat(self, beat: BrokerHeartbeat) -> None:
         """A new instance id: the broker restarted (everything goes again). ``stopping``: its last word (an
         outage starts now, one line; a successor's first heartbeat makes us send everything again)."""
-        if self.instance is not None and beat.broker != self.instance:
-            event(log, logging.WARNING, "client.broker_restarted", broker=self.link.broker_url)
-            self.instance = beat.broker
-            self.resend_all()
+        restarted = self.instance is not None and beat.broker != self.instance
         self.instance = beat.broker
+        if restarted:
+            event(log, logging.WARNING, "client.broker_restarted", broker=self.link.broker_url)
+            self.resend_all()
         if beat.stopping:
             self.link.stopping(time.monotonic(), pending=len(self.requests.table))
 
