@@ -9,7 +9,8 @@ engine answers (verified=N/N):
 
   sequential  one request at a time: A's worker always has a free slot, so every reply should take the plane
   burst       PREFETCH requests in flight, more than A's capacity: B's worker takes those that would queue
-              behind A's, as frames
+              behind A's, as frames (each forward lasts --forward-ms, so a burst does queue: with instant
+              forwards A may finish each request before the next arrives, and rightly keeps them all)
 
 and per load the share of replies that took the plane (stats.plane_replies over replies). The broker ranks
 a request that is `near` host A (the plane's offer) onto A's worker while it has a free slot
@@ -36,16 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_netns import WORKER_ADDR, Link, unavailable  # noqa: E402
 
 HOST_A = WORKER_ADDR
-NULL_WORKER = "import sys; from spec_serve.tools.null_engine import run_worker; run_worker(sys.argv[1], 'null')"
+# argv: the broker's backend, the emulated forward's seconds.
+NULL_WORKER = ("import sys; from spec_serve.tools.null_engine import run_worker; "
+               "run_worker(sys.argv[1], 'null', float(sys.argv[2]))")
 
 
-def run(messages: int, seq: int, prefetch: int, timeout: float = 300) -> dict:
+def run(messages: int, seq: int, prefetch: int, forward_s: float, timeout: float = 300) -> dict:
     """Both loads on two emulated hosts (bench_netns's ``Link``: host A is its worker side, host B the
     other); the driver's report (see the module's docstring)."""
     with Link() as link:
-        link.spawn(link.client_ns, ["-c", NULL_WORKER, f"tcp://{HOST_A}:5556"], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-        driver = link.spawn(link.worker_ns, [__file__, "_host_a", str(messages), str(seq), str(prefetch)],
+        link.spawn(link.client_ns, ["-c", NULL_WORKER, f"tcp://{HOST_A}:5556", str(forward_s)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        driver = link.spawn(link.worker_ns, [__file__, "_host_a", *map(str, (messages, seq, prefetch, forward_s))],
                             stdout=subprocess.PIPE, text=True)
         out, _ = driver.communicate(timeout=timeout)
         if driver.returncode != 0:
@@ -53,7 +56,7 @@ def run(messages: int, seq: int, prefetch: int, timeout: float = 300) -> dict:
         return json.loads(out.strip().splitlines()[-1])
 
 
-def _host_a(messages: int, seq: int, prefetch: int) -> dict:
+def _host_a(messages: int, seq: int, prefetch: int, forward_s: float) -> dict:
     """Inside host A: the broker and A's worker as children (one mount namespace with the client), then the
     client's two loads."""
     from spec_serve.client.api import RemoteTargetModel
@@ -64,9 +67,9 @@ def _host_a(messages: int, seq: int, prefetch: int) -> dict:
     children = [subprocess.Popen([sys.executable, "-m", "spec_serve.tools.cli", "broker", "--frontend", "tcp://*:5555",
                                   "--backend", "tcp://*:5556", "--http-port", "0", "--insecure-network"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                subprocess.Popen([sys.executable, "-c", NULL_WORKER, f"tcp://{HOST_A}:5556"],
+                subprocess.Popen([sys.executable, "-c", NULL_WORKER, f"tcp://{HOST_A}:5556", str(forward_s)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    report: dict = {"config": {"messages": messages, "seq": seq, "prefetch": prefetch}}
+    report: dict = {"config": {"messages": messages, "seq": seq, "prefetch": prefetch, "forward_s": forward_s}}
     try:
         with RemoteTargetModel(f"tcp://{HOST_A}:5555", service="null", prefetch_depth=prefetch, timeout=120,
                                compact=False, connect_timeout=60) as client:
@@ -104,19 +107,21 @@ def ok(report: dict) -> bool:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "_host_a":
-        print(json.dumps(_host_a(int(argv[1]), int(argv[2]), int(argv[3]))), flush=True)
+        print(json.dumps(_host_a(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]))), flush=True)
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--messages", type=int, default=32, help="replies per load [32]")
     p.add_argument("--seq", type=int, default=64, help="tokens per reply (1 x SEQ) [64]")
     p.add_argument("--prefetch", type=int, default=6, help="requests in flight in the burst [6]")
+    p.add_argument("--forward-ms", type=float, default=100.0,
+                   help="each worker's emulated forward: long beside a submission, so a burst must queue [100]")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
     reason = unavailable(tools=("ip",))
     if reason:
         print(f"bench_locality: {reason}", file=sys.stderr)
         return 2
-    report = run(a.messages, a.seq, a.prefetch)
+    report = run(a.messages, a.seq, a.prefetch, a.forward_ms / 1e3)
     report["ok"] = ok(report)
     for load in ("sequential", "burst"):
         got = report[load]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 import types
 from typing import TYPE_CHECKING, cast
 
@@ -47,11 +48,13 @@ def null_tensors(batch: int, seq: int, kind: str = "eagle3") -> dict[str, torch.
 
 
 class NullEngine:
-    """Answers every request with ``null_tensors`` of the request's shape (cached per shape and kind)."""
+    """Answers every request with ``null_tensors`` of the request's shape (cached per shape and kind), after
+    ``forward_s`` seconds of an emulated forward (a sleep: it frees the GIL, as a GPU forward mostly does)."""
 
     engine = "null"
 
-    def __init__(self) -> None:
+    def __init__(self, forward_s: float = 0.0) -> None:
+        self.forward_s = forward_s
         self._cache: dict[tuple, dict[str, torch.Tensor]] = {}
         # An lm_head of zeros that takes no memory (one row, broadcast): a compact client's slice of it
         # (index_select) is the only copy.
@@ -67,6 +70,8 @@ class NullEngine:
         return self._lm_head
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
+        if self.forward_s:
+            time.sleep(self.forward_s)
         key = (*input_ids.shape, kind)
         if key not in self._cache:
             self._cache[key] = null_tensors(*input_ids.shape, kind)
@@ -105,13 +110,14 @@ def quantize_once() -> None:
     fp8.quantize_reply = once
 
 
-def run_worker(broker: str, service: str) -> None:
-    """A worker serving ``NullEngine`` until SIGTERM (its FP8 replies quantized once each: ``quantize_once``)."""
+def run_worker(broker: str, service: str, forward_s: float = 0.0) -> None:
+    """A worker serving ``NullEngine(forward_s)`` until SIGTERM (its FP8 replies quantized once each:
+    ``quantize_once``)."""
     from spec_serve.worker.server import Worker
 
     quantize_once()
 
     # cast: a transport-only stand-in (generate requests and lm_head slices; nothing to close)
-    worker = Worker(cast("TargetEngine", NullEngine()), broker, service=service, capacity=2)
+    worker = Worker(cast("TargetEngine", NullEngine(forward_s)), broker, service=service, capacity=2)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     worker.run()
