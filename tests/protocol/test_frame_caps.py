@@ -60,6 +60,7 @@ class Receivers:
         to_backend = self._peer(zmq.DEALER, connect=self.broker.backend_endpoint)
         # A broker for the worker session and the client to talk to: a ROUTER the test drives.
         self.fake_broker = self._peer(zmq.ROUTER, bind="tcp://127.0.0.1:*")
+        self.reached: set[bytes] = set()  # identities whose message reached the fake broker
         url = self.fake_broker.getsockopt_string(zmq.LAST_ENDPOINT)
         self.session = BrokerSession(
             self.ctx, uuid.uuid4().bytes, "w", url, "svc", security=None, info={}, capacity=1,  # type: ignore[arg-type]  # never sent
@@ -97,11 +98,15 @@ class Receivers:
 
     def _route(self, identity: bytes) -> bytes:
         """Wait for the peer ``identity`` (a READY, a heartbeat) at the fake broker, so sends reach it."""
+        # Remembered across calls: one peer's message may arrive while we wait for the other's, and each sends
+        # only one.
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.fake_broker.poll(100) and self.fake_broker.recv_multipart()[0] == identity:
-                return identity
-        raise AssertionError("the peer never reached the fake broker")
+        while identity not in self.reached and time.monotonic() < deadline:
+            if self.fake_broker.poll(100):
+                self.reached.add(self.fake_broker.recv_multipart()[0])
+        if identity not in self.reached:
+            raise AssertionError("the peer never reached the fake broker")
+        return identity
 
     def close(self) -> None:
         for ingress in self.broker.ingress.values():
