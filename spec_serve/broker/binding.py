@@ -44,7 +44,7 @@ log = logging.getLogger("spec_serve.broker")
 
 # A binding with no request on its worker for this long ends (BOUND lost); its client rebinds on its next call.
 BIND_IDLE_S = env_float("SPEC_SERVE_BIND_IDLE", 60.0)
-# The pair-group timeout a BIND may ask of a worker: the worker's compute thread waits up to this long for a
+# The rendezvous timeout a BIND may ask of a worker: the worker's compute thread waits up to this long for a
 # client that never joins. A larger one is cut to it.
 MAX_BIND_TIMEOUT_S = 120.0
 

@@ -113,7 +113,7 @@ GOODBYE_LINGER_MS = 1000
 # window, if longer) is stalled, and /health says so.
 LOOP_STALL_S = 10.0
 # Why a CURVE broker refuses BIND at once, before it takes a worker out of the pool (workers refuse it too).
-CURVE_BIND_REFUSAL = ("this broker runs CURVE: a binding's rendezvous (the pair group's store and connections) "
+CURVE_BIND_REFUSAL = ("this broker runs CURVE: a binding's rendezvous (its store and connections) "
                       "cannot be authenticated, so bindings are refused; replies stay CURVE frames")
 
 # A handler gets the sender's state, the message and its header typed (None for an empty one), and the time.

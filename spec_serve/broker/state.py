@@ -29,7 +29,7 @@ class WorkerState:
     host_key: str | None = None  # as the worker's READY said: requests ``near`` it prefer this worker
     pid: int | None = None
     bound_to: bytes | None = None
-    bind_prefix: str | None = None  # the binding's pair-group prefix (unique per binding)
+    bind_prefix: str | None = None  # the binding's rendezvous prefix (unique per binding)
     bind_request: bytes = b""  # the client's BIND request id
     bound_at: float = 0.0  # monotonic time of the BIND
     idle_since: float = 0.0  # monotonic time of its last DONE (or registration)

@@ -101,7 +101,7 @@ class WorkerCommand(bytes, enum.Enum):
     HEARTBEAT = b"\x04"  # both ways
     DISCONNECT = b"\x05"  # broker -> worker: unknown to me, register again
     SET_VOCAB = b"\x06"  # broker -> worker: a mapping the next requests will name
-    BIND = b"\x07"  # broker -> worker: pair with this client
+    BIND = b"\x07"  # broker -> worker: serve this client alone
     RELEASE = b"\x08"  # broker -> worker: the binding ended
     REFUSED = b"\x09"  # broker -> worker: registration refused (header: error), e.g. on the client port; it exits
     LEAVE = b"\x0a"  # worker -> broker: my engine is dead, forget me now (header: reason)

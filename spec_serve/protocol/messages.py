@@ -544,7 +544,7 @@ class WorkerSetVocab(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class WorkerBind(WireMessage):
-    """BIND, broker -> worker: pair with ``client`` (hex identity) under the group ``prefix``."""
+    """BIND, broker -> worker: serve ``client`` (hex identity) alone, under the binding ``prefix``."""
 
     COMMAND: ClassVar[str] = "BIND (worker)"
 
@@ -665,7 +665,7 @@ class Reply(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class Rendezvous(WireMessage):
-    """Where a bound worker hosts the pair group's store (``bind`` of a BindGrant)."""
+    """Where a bound worker hosts the binding's rendezvous store (``bind`` of a BindGrant)."""
 
     COMMAND: ClassVar[str] = "DATA bind 'bind'"
 
@@ -685,7 +685,7 @@ class Rendezvous(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class BindGrant(WireMessage):
-    """DATA ok answering a BIND, worker -> client: form the pair group at ``bind``."""
+    """DATA ok answering a BIND, worker -> client: meet the worker at ``bind``."""
 
     COMMAND: ClassVar[str] = "DATA bind"
 
