@@ -39,6 +39,10 @@ COMPACT_WORDS: dict[str, Any] = {**BOOL_WORDS, "auto": "auto"}
 WIRE_DTYPE_WORDS: dict[str, Any] = {"auto": "auto", **{d.value: d.value for d in WireDtype}}
 # The block of NeMo's recipe YAML that holds spec-serve's own options: recipe_args.spec_serve.<option>.
 YAML_SECTION = "spec_serve"
+# Batches in flight before generate_batch_async blocks, unless set. A worker across hosts gets its next request
+# only when a reply came back, and a reply's way back can outlast a forward on short rows: 4 keeps it computing
+# (BENCHMARKS.md, "Training rows across hosts"). It bounds a caller's own loop; a synchronous caller has one.
+PREFETCH_DEPTH = 4
 # NeMo variables spec-serve cannot honour, and why: setting one fails at setup instead of being ignored.
 NEMO_REFUSED_ENV = {
     "NEMO_EAGLE_NCCL_PORT": "it is NeMo's client-side NCCL rendezvous port; a spec-serve worker hosts each "
@@ -159,8 +163,8 @@ TABLE: tuple[Option, ...] = (
     Option("timeout", "SPEC_SERVE_TIMEOUT", POSITIVE, 120.0, ("remote_timeout",), "seconds a request may take"),
     Option("max_retries", "SPEC_SERVE_MAX_RETRIES", _whole(0), 3, ("remote_max_retries",),
            "re-sends of a request lost with a worker or the broker"),
-    Option("prefetch_depth", "SPEC_SERVE_PREFETCH_DEPTH", _whole(1), 1, _section("prefetch_depth"),
-           "batches in flight before generate_batch_async blocks (4 under NeMo)"),
+    Option("prefetch_depth", "SPEC_SERVE_PREFETCH_DEPTH", _whole(1), PREFETCH_DEPTH, _section("prefetch_depth"),
+           "batches in flight before generate_batch_async blocks"),
     Option("num_shards", "SPEC_SERVE_NUM_SHARDS", _whole(1), 1, _section("num_shards"),
            "workers one batch is split across, by rows"),
     Option("compact", "SPEC_SERVE_COMPACT", _words(COMPACT_WORDS), "auto", _section("compact"),
@@ -227,13 +231,12 @@ class ClientOptions:
 
 
 def resolve(explicit: Mapping[str, Any], *, config: Any = None, nemo: bool = False,
-            environ: Mapping[str, str] | None = None, defaults: Mapping[str, Any] | None = None) -> ClientOptions:
+            environ: Mapping[str, str] | None = None) -> ClientOptions:
     """Every option's value and source (see the module docstring for the order).
 
     ``explicit``: constructor arguments, None meaning unset (``security``: a ``Security``, which then wins
     over the ``curve_*`` rows); ``config``: NeMo's ``recipe_args`` (anything with ``.get(key)``, or a dict),
-    read only with ``nemo``; ``defaults``: other defaults of the caller (the NeMo adapter's
-    prefetch_depth). ``ValueError``, one line, for a value that does not parse or options that conflict.
+    read only with ``nemo``. ``ValueError``, one line, for a value that does not parse or options that conflict.
     """
     environ = os.environ if environ is None else environ
     if nemo:
@@ -244,7 +247,7 @@ def resolve(explicit: Mapping[str, Any], *, config: Any = None, nemo: bool = Fal
     for option in TABLE:
         source, raw = _first_set(option, explicit, config if nemo else None, nemo, environ)
         if source is None:
-            values[option.name] = (defaults or {}).get(option.name, option.default)
+            values[option.name] = option.default
             sources[option.name] = "default"
             continue
         values[option.name] = _parse(option, source, raw)

@@ -31,7 +31,7 @@ def test_an_argument_wins_over_the_environment_which_wins_over_the_yaml():
     assert (got["num_shards"], got.sources["num_shards"]) == (2, "SPEC_SERVE_NUM_SHARDS")
     assert (got["verify"], got.sources["verify"]) == ("off", "recipe_args.spec_serve.verify")
     assert (got["timeout"], got.sources["timeout"]) == (30.0, "recipe_args.remote_timeout")
-    assert (got["prefetch_depth"], got.sources["prefetch_depth"]) == (1, "default")
+    assert (got["prefetch_depth"], got.sources["prefetch_depth"]) == (4, "default")
     # NeMo's singular key, read when remote_urls is empty, as NeMo reads it.
     singular = _resolve({"broker_url": None}, {}, {"remote_urls": [], "remote_url": "tcp://b:5555"}, nemo=True)
     assert (singular["broker_url"], singular.sources["broker_url"]) == ("tcp://b:5555", "recipe_args.remote_url")

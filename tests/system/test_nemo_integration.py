@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -144,7 +145,7 @@ def _assert_matches_nemo_packed(fed: dict, batch: dict, nemo_colocated, mapping)
 # ------------------------------------------------------------------------------ unpacked batches
 
 
-def test_standin_recipe_trains_on_colocated_equal_batches(cluster, tmp_path, tiny_target_dir, colocated):
+def test_standin_recipe_trains_on_colocated_equal_batches(cluster, tmp_path, tiny_target_dir, colocated, caplog):
     """NeMo's setup, prefetch loop and forward step over spec-serve, bit-equal to the colocated forward."""
     config = nemo_standin.load_config(_recipe_yaml(tmp_path, tiny_target_dir, {
         "target_model_backend": "remote", "remote_urls": [cluster.frontend], "target_prefetch_depth": 4,
@@ -154,7 +155,13 @@ def test_standin_recipe_trains_on_colocated_equal_batches(cluster, tmp_path, tin
     target = recipe.target_wrapper
     try:
         assert isinstance(target, SpecServeEagle3Target) and target.num_remote_servers == 2
-        assert recipe.target_prefetch_depth == 2  # capped at the workers serving the service, as NeMo caps
+        # Not capped at the 2 workers as NeMo caps it (one request a server, for its NCCL ordering): a worker
+        # takes its next request while its last reply travels (docs/migrating-from-nemo.md).
+        assert recipe.target_prefetch_depth == 4 == target.client.prefetch_depth
+        assert recipe._resolve_prefetch_depth({"target_prefetch_depth": 0}) == 0
+        with caplog.at_level(logging.WARNING, logger="spec_serve.nemo"):
+            assert recipe._resolve_prefetch_depth({"target_prefetch_depth": 6}) == 6
+        assert "the client keeps at most 4 in flight" in caplog.text
         assert target.options.sources["timeout"] == "recipe_args.remote_timeout" and target.client.timeout == 60
         colocated.set_vocab_mapping(recipe.selected_token_ids, recipe.selected_token_mask)
         seen = 0

@@ -18,7 +18,8 @@ NeMo's ``TrainEagle3Recipe``:
   because its server cannot mask per document; spec-serve can (packed.py), so for that one gate the
   backend reads as ``colocated`` while setup runs, and the target is built remotely where NeMo would load
   it; ``_prefetched_batches`` hands each packed batch's boundaries to the target, since NeMo's loop does
-  not pass them.
+  not pass them;
+- ``_resolve_prefetch_depth`` keeps NeMo's checks but not its cap at one request a worker.
 
 :func:`patch_recipe` is the older switch (NeMo builds :class:`SpecServeEagle3Target` through its own
 ``_setup_remote_target``): it reaches the environment, but not the YAML's ``spec_serve`` keys nor packing.
@@ -27,11 +28,14 @@ NeMo's ``TrainEagle3Recipe``:
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from spec_serve.integrations.nemo.target import SpecServeEagle3Target
+
+logger = logging.getLogger("spec_serve.nemo")
 
 RECIPE_MODULE = "nemo_automodel.recipes.llm.train_eagle3"
 RECIPE_CLASS = "TrainEagle3Recipe"
@@ -83,6 +87,22 @@ class SpecServeRecipeMixin:
             if int(self.cfg.get(key, 1) or 1) > 1:
                 raise NotImplementedError(f"{key} > 1 needs target_model_backend: colocated; with remote the target "
                                           f"runs in spec-serve workers: set {key}: 1")
+
+    def _resolve_prefetch_depth(self, recipe_cfg: Any) -> int:
+        """``target_prefetch_depth`` as NeMo checks it, but not capped at ``num_remote_servers``.
+
+        NeMo caps it at one request a server so that its NCCL receives stay in order. spec-serve matches every
+        reply to its request on every path, NCCL included, and a worker takes its next request while its last
+        reply travels: across hosts each worker needs 3-4 batches in flight to keep computing."""
+        parent: Any = super()
+        depth = int(recipe_cfg.get("target_prefetch_depth", 0) or 0)
+        if depth <= 0 or not isinstance(self.target_wrapper, SpecServeEagle3Target):
+            return parent._resolve_prefetch_depth(recipe_cfg)
+        bound = self.target_wrapper.client.prefetch_depth
+        if depth > bound:
+            logger.warning("target_prefetch_depth %d: the client keeps at most %d in flight (set "
+                           "recipe_args.spec_serve.prefetch_depth: %d)", depth, bound, depth)
+        return depth
 
     def _prefetched_batches(self, dataloader: Iterable[Any]) -> Any:
         parent: Any = super()

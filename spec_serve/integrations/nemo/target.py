@@ -24,9 +24,6 @@ import torch
 from spec_serve.client import RemoteTargetModel, options
 from spec_serve.integrations.nemo.packed import PACKING_KEYS, Documents
 
-# The client's prefetch depth under NeMo, unless set: NeMo keeps up to num_remote_servers batches in flight.
-NEMO_PREFETCH_DEPTH = 4
-
 
 @dataclasses.dataclass
 class Eagle3Batch:
@@ -93,8 +90,8 @@ class SpecServeEagle3Target:
 
     def __init__(self, urls: str | Sequence[str] | None = None, *, device: str | torch.device,
                  recipe_args: Any = None, **client_kwargs: Any):
-        resolved = options.resolve({"broker_url": urls, "device": device, **client_kwargs}, config=recipe_args,
-                                   nemo=True, defaults={"prefetch_depth": NEMO_PREFETCH_DEPTH})
+        explicit = {"broker_url": urls, "device": device, **client_kwargs}
+        resolved = options.resolve(explicit, config=recipe_args, nemo=True)
         self.options = resolved
         self.client = RemoteTargetModel(**resolved.client_kwargs())
         self.device = self.client.device
@@ -124,8 +121,8 @@ class SpecServeEagle3Target:
 
     @property
     def num_remote_servers(self) -> int:
-        """Workers serving this service now (at least 1). NeMo caps ``target_prefetch_depth`` at it:
-        one batch in flight per worker, each computing while the previous reply travels."""
+        """Workers serving this service now (at least 1). NeMo's own recipe caps ``target_prefetch_depth`` at
+        it; ``SpecServeEagle3Recipe`` does not (recipe.py)."""
         self.client.target_info()  # waits (up to timeout) for a first worker
         workers = self.client.status()["workers"]
         return max(1, sum(1 for w in workers if w["service"] == self.client.service))

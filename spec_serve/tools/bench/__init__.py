@@ -6,7 +6,7 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
   colocated           HFTarget.generate_batch in this process (forward + supervision on the device)
   colocated_compact   the compact kind + expand_compact on the same device (what the client does)
   colocated_dspark    the DSpark kind
-  remote_1w           through the broker, one worker, prefetch_depth 2, EAGLE-3 full, replies as
+  remote_1w           through the broker, one worker, --prefetch batches in flight, EAGLE-3 full, replies as
                       frames (the same-host plane off: what a client on another host gets)
   remote_1w_compact   the same with RemoteTargetModel(compact=True)
   remote_1w_auto      the same with the client's defaults (compact="auto"): over frames the worker answers

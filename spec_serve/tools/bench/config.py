@@ -48,7 +48,7 @@ class BenchConfig:
     seq: int = 256
     steps: int = 8
     warmup: int = 2
-    prefetch: int = 2
+    prefetch: int = 4  # the client's default prefetch_depth
     draft_vocab: int = 256
     small_ranks: int = 4
     small_requests: int = 12  # per rank
