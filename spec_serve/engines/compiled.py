@@ -10,9 +10,10 @@ same model in the process compiles nothing). The engine's capture hooks sit in t
 Attention is traced with the rest: padded batches run the model's own attention function (SDPA, called from the
 graph), with flash or memory-efficient kernels and never cuDNN's (``packing.any_length_attention``, at load and in
 every forward: cuDNN plans each new sequence length anew, so a worker's first batches of new lengths would run
-slower than the same lengths later); packed sequences run packing's ``rows_sdpa``, one custom op whatever the
-number of rows. What Inductor fuses is what lies around
-the matmuls and attention: RMSNorm, RoPE, residual adds, SiLU * up.
+slower than the same lengths later); right-padded rows come without their padding mask (``HFTarget._model_mask``),
+so they run flash's causal kernel as full rows do; packed sequences run packing's ``rows_sdpa``, one custom op
+whatever the number of rows. What Inductor fuses is what lies around the matmuls and attention: RMSNorm, RoPE,
+residual adds, SiLU * up.
 
 Shapes are dynamic from the first compile (``dynamic=True``), except sizes 0 and 1, which dynamo
 always specialises, and what the graph branches on (whether there is a padding mask). So a graph is

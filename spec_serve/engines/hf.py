@@ -311,6 +311,17 @@ class HFTarget:
         last, layers = self._forward(input_ids, ids, **model_kwargs)
         return assemble.per_token(kind, last, layers, ids, self._lm_head, mapping)
 
+    def _model_mask(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """The padding mask the model gets, on the engine's device. Compiled layers get none for right-padded
+        rows: under the causal mask alone each real position attends to the same (real) keys, and attention runs
+        flash's causal kernel instead of the memory-efficient one a padding mask calls for (cuDNN's is kept out
+        of compiled layers: ``packing.any_length_attention``). Padded positions then hold values of their own
+        (docs/compile.md, "Padded rows"); eager layers keep the mask, as the contract's HF forward has it."""
+        layers = self._compiled
+        if layers is not None and layers.report.active and contract.right_padded(attention_mask):
+            return None
+        return attention_mask.to(self.device, torch.int64)
+
     # -- public API ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -328,7 +339,7 @@ class HFTarget:
         """
         kind = self._check_request(kind, input_ids, attention_mask, loss_mask)
         input_ids = input_ids.to(self.device, torch.int64)
-        attention_mask = attention_mask.to(self.device, torch.int64)
+        attention_mask = self._model_mask(attention_mask)
         loss_mask = loss_mask.to(self.device)
         mapping = self._vocab.on_device
         per_token = self._per_token(kind, mapping, input_ids, attention_mask=attention_mask)

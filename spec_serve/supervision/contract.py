@@ -122,6 +122,12 @@ def validate_request(
         raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo} max {hi}")
 
 
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row's mask is ones, then zeros (a row of real tokens, then its padding)."""
+    real = attention_mask.bool()
+    return bool((real[:, 1:] <= real[:, :-1]).all())
+
+
 def validate_vocab_mapping(
     selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor, vocab_size: int | None = None
 ) -> None:

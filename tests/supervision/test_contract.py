@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cluster_util import assert_contract
+from spec_serve.supervision import contract
 from spec_serve.supervision.tolerance import Bound, CompositionTolerance, ReferenceLogits, deviation
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.tools.verify import check_contract, colocated_reference, tolerance_for
@@ -155,3 +156,16 @@ def test_compact_expansion_does_not_depend_on_where_its_operands_lie(engine, tin
         got = expand_compact(dict(compact, last_hidden_states=off_boundary(compact["last_hidden_states"], floats)),
                              off_boundary(weight, floats), tiny_vocab_mapping[1])
         assert all(torch.equal(got[k], want[k]) for k in want), floats
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ([[1, 1, 1, 1], [1, 1, 0, 0]], True),  # full, and real tokens then padding
+    ([[0, 0, 0, 0]], True),  # a row of padding only
+    ([[0, 1, 1, 1]], False),  # left-padded
+    ([[1, 0, 1, 0]], False),  # a hole
+    ([[1, 1, 0, 0], [0, 0, 1, 1]], False),  # one row left-padded is enough
+])
+def test_right_padded_means_every_row_real_then_padding(rows, expected):
+    mask = torch.tensor(rows)
+    assert contract.right_padded(mask) is expected
+    assert contract.right_padded(mask.bool()) is expected
