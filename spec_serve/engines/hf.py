@@ -339,10 +339,10 @@ class HFTarget:
         """
         kind = self._check_request(kind, input_ids, attention_mask, loss_mask)
         input_ids = input_ids.to(self.device, torch.int64)
-        attention_mask = self._model_mask(attention_mask)
+        model_mask = self._model_mask(attention_mask)
         loss_mask = loss_mask.to(self.device)
         mapping = self._vocab.on_device
-        per_token = self._per_token(kind, mapping, input_ids, attention_mask=attention_mask)
+        per_token = self._per_token(kind, mapping, input_ids, attention_mask=model_mask)
         return assemble.contract_tensors(kind, per_token, input_ids, loss_mask, mapping)
 
     @torch.inference_mode()
