@@ -2,8 +2,9 @@
 veth pair whose two ends `tc` limits to a rate (10 and 25 Gbit/s by default).
 
 The broker and a null worker (spec_serve/tools/null_engine.py: ready replies of the Llama-3.1-8B shape,
-149 KiB a token full, 32 KiB compact, 16 KiB compact with wire_dtype="fp8") run in one namespace, the client
-in the other, so the client is on "another host" (its host key differs: no same-host plane). Per rate and
+149 KiB a token full, 32 KiB compact, 20 KiB compact with wire_dtype="fp8", whose final state stays bf16) run in
+one namespace, the client in the other, so the client is on "another host" (its host key differs: no same-host
+plane). Per rate and
 round, in alternating order, the modes of ``--modes``:
 
   full      compact=False: full EAGLE-3 replies as frames
@@ -158,11 +159,11 @@ def _client_main(argv: list[str]) -> None:
 def _null_reply(batch: tuple, kind: str, wire_dtype: str | None):
     """What the null worker sends for ``batch``: its ready tensors, the hidden states in FP8 if asked."""
     from spec_serve.supervision import fp8
-    from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
+    from spec_serve.supervision.contract import FP8_TENSORS
     from spec_serve.tools.null_engine import HIDDEN, null_tensors
 
     tensors = null_tensors(*batch[0].shape, kind)
-    return fp8.quantize_reply(tensors, HIDDEN_STATE_TENSORS, HIDDEN) if wire_dtype else tensors
+    return fp8.quantize_reply(tensors, FP8_TENSORS, HIDDEN) if wire_dtype else tensors
 
 
 def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, lengths: str, prefetch: int) -> dict:

@@ -1,18 +1,19 @@
 """The error FP8 on the wire adds (``wire_dtype="fp8"``; stated in docs/equality.md), per reply tensor, on
 real-length batches of a target's own hidden states.
 
-For each hidden state a reply carries (compact EAGLE-3: aux_hidden_states, last_hidden_states; DSpark:
-target_hidden_states, target_last_hidden_states), put through the worker's quantizing and the client's
-restoring (``fp8.quantize_reply``/``fp8.restore_reply``), over the batch's real tokens:
+For each hidden state a reply carries as FP8 (``contract.FP8_TENSORS``: compact EAGLE-3's aux_hidden_states;
+DSpark's target_hidden_states, target_last_hidden_states), and for compact's last_hidden_states (which travels in
+the model dtype: the figures say why), put through the worker's quantizing and the client's restoring
+(``fp8.quantize_reply``/``fp8.restore_reply``), over the batch's real tokens:
 
   rel_norm       ||x' - x|| / ||x|| of the tensor (and of each captured layer: ``layers``)
   max_rel        the largest |x' - x| / |x| over elements with |x| >= 2**-6 x their block's scale (normals)
   within_bound   the largest |x' - x| over e4m3's bound for that element (|x| (2**-4 + 2**-8) + 2**-10 x
                  scale): at most 1 everywhere, or the codec is wrong
 
-and what a compact client computes from the restored final state (EAGLE-3's target_probs: argmax and
-position_mask come from the worker's unquantized states): the probabilities' relative norm error and largest
-absolute error, and the share of positions whose most likely draft token changes.
+and what a compact client would compute from a restored final state (``target_probs_from_restored_last``: the
+probabilities' relative norm error and largest absolute error, and the share of positions whose most likely
+draft token changes): why compact's final state is not sent FP8, so that target_probs come exact.
 
   python benchmarks/fp8_error.py --gpu-8b --json $OUT/fp8-error.json   # Llama-3.1-8B's shape, random bf16, cuda
   python benchmarks/fp8_error.py --cpu-8b --tokens 256 --json e.json   # the 8B shape on CPU, a layer at a time
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from spec_serve.supervision import fp8
-from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS, default_dspark_layer_ids
+from spec_serve.supervision.contract import FP8_TENSORS, default_dspark_layer_ids
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.tools.bench import LLAMA_8B_AUX_LAYERS, LLAMA_8B_CONFIG, padded_batch, row_lengths
 from spec_serve.tools.null_engine import DRAFT_VOCAB, null_mapping
@@ -80,7 +81,7 @@ def probs_error(last: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, re
 def report(states: dict[str, torch.Tensor], real: torch.Tensor, hidden: int, weight: torch.Tensor,
            mask: torch.Tensor) -> dict[str, Any]:
     out: dict[str, Any] = {name: tensor_error(t, real, hidden) for name, t in states.items()
-                           if name in HIDDEN_STATE_TENSORS}
+                           if name in (*FP8_TENSORS, "last_hidden_states")}
     out["target_probs_from_restored_last"] = probs_error(states["last_hidden_states"], weight, mask, real, hidden)
     return out
 

@@ -46,10 +46,12 @@ RESPONSE_TENSORS: dict[Kind, tuple[str, ...]] = {
     Kind.DSPARK: ("target_hidden_states", "target_last_hidden_states", "input_ids", "loss_mask"),
 }
 
-# The hidden states of every kind: what a wire_dtype="fp8" reply quantizes (supervision/fp8.py). Argmax ids
-# and target_probs are computed by the worker from the unquantized states and travel as they are.
-HIDDEN_STATE_TENSORS = ("aux_hidden_states", "last_hidden_states", "target_hidden_states",
-                        "target_last_hidden_states")
+# What a wire_dtype="fp8" reply quantizes (supervision/fp8.py): the hidden states a draft takes as its input.
+# Argmax ids and target_probs are computed by the worker from the unquantized states and travel as they are, and
+# compact's last_hidden_states, from which a client computes target_probs, travels in the model dtype: so the
+# probabilities come exact in every kind (an FP8 final state moved them 3.5% and their argmax at 6% of positions
+# at the 8B shape: docs/equality.md).
+FP8_TENSORS = ("aux_hidden_states", "target_hidden_states", "target_last_hidden_states")
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
@@ -179,7 +181,7 @@ def fp8_specs(specs: ReplySpecs, hidden_size: int) -> ReplySpecs:
     float32 ``NAME_scale`` (one a token and ``hidden_size`` block: ``fp8.quantize_reply``)."""
     out: ReplySpecs = {}
     for name, (dtype, shape) in specs.items():
-        if name in HIDDEN_STATE_TENSORS:
+        if name in FP8_TENSORS:
             out[name] = (fp8.FP8_DTYPE, shape)
             out[name + fp8.SCALE_SUFFIX] = (torch.float32, (*shape[:-1], shape[-1] // hidden_size))
         else:

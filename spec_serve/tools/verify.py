@@ -23,7 +23,7 @@ import torch
 
 from spec_serve.client.api import shard_bounds
 from spec_serve.supervision import fp8
-from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS, Kind, model_dtype
+from spec_serve.supervision.contract import FP8_TENSORS, Kind, model_dtype
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.supervision.tolerance import CompositionTolerance, ReferenceLogits, measure
 
@@ -48,7 +48,7 @@ def fp8_round_trip(engine, tensors: Mapping[str, torch.Tensor]) -> dict[str, tor
     """``tensors`` (``engine``'s outputs) as a wire_dtype="fp8" client gets them: each hidden state quantized
     as the worker does and restored to the model dtype as the client does (supervision/fp8.py)."""
     info = engine.target_info()
-    return fp8.restore_reply(fp8.quantize_reply(dict(tensors), HIDDEN_STATE_TENSORS, info.hidden_size),
+    return fp8.restore_reply(fp8.quantize_reply(dict(tensors), FP8_TENSORS, info.hidden_size),
                              model_dtype(info))
 
 

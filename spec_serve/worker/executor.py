@@ -20,7 +20,7 @@ from spec_serve.protocol import digest, wire
 from spec_serve.protocol.commands import ErrorCode, Op, Status
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision import fp8
-from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS, REQUEST_TENSORS, Kind
+from spec_serve.supervision.contract import FP8_TENSORS, REQUEST_TENSORS, Kind
 from spec_serve.telemetry.logs import event, one_line
 from spec_serve.worker.forward_hold import hold_forward
 from spec_serve.worker.jobs import Job, RequestError, Result, error_result
@@ -129,7 +129,7 @@ class Executor:
             self._decline(f"the {route.side.name} reply path sends the model dtype")
             return tensors, None
         try:
-            return fp8.quantize_reply(tensors, HIDDEN_STATE_TENSORS, self.engine.target_info().hidden_size), wanted
+            return fp8.quantize_reply(tensors, FP8_TENSORS, self.engine.target_info().hidden_size), wanted
         except ValueError as e:  # a hidden state holding NaN or infinity: sent as it is, not hidden by a scale
             self._decline(str(e))
             return tensors, None

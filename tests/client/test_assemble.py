@@ -21,7 +21,7 @@ from spec_serve.paths.frames.hostpool import RecyclingAllocator
 from spec_serve.protocol import wire
 from spec_serve.protocol.messages import Reply
 from spec_serve.supervision import fp8
-from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
+from spec_serve.supervision.contract import FP8_TENSORS
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.tools.verify import sharded_forward
@@ -146,7 +146,7 @@ def test_a_batch_of_fp8_and_model_dtype_shards_restores_each_row_as_its_shard_se
     hidden = 64
     x = torch.randn(4, 5, 3 * hidden).bfloat16()
     sent = fp8.quantize_reply({"aux_hidden_states": x[:2].clone(), "ids": torch.arange(10).view(2, 5)},
-                              HIDDEN_STATE_TENSORS, hidden)
+                              FP8_TENSORS, hidden)
     plain = {"aux_hidden_states": x[2:].clone(), "ids": torch.arange(10, 20).view(2, 5)}
     executor = concurrent.futures.ThreadPoolExecutor(1)
     restore = Restoration(torch.bfloat16, torch.device("cpu"), executor)

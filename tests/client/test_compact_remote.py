@@ -16,7 +16,7 @@ import torch
 
 from cluster_util import assert_contract, start_nan_worker
 from spec_serve.client.api import RemoteTargetModel
-from spec_serve.supervision.contract import HIDDEN_STATE_TENSORS
+from spec_serve.supervision.contract import FP8_TENSORS
 from spec_serve.supervision.eagle3 import lm_head_slice
 from spec_serve.supervision.tolerance import Bound, deviation
 from spec_serve.telemetry.metrics import CLIENT_LM_HEAD_SLICES
@@ -179,7 +179,9 @@ def test_auto_batches_whose_shards_come_in_both_formats(mixed, tiny_target_dir, 
 # fp8.restore_reply (verify.fp8_round_trip: quantizing and restoring are elementwise per token and layer, so
 # neither sharding nor the client's device changes a bit); and against the unquantized colocated forward,
 # every hidden-state element within e4m3's rounding (within_fp8_rounding), which a scale misapplied or
-# swapped between rows breaks (the first check cannot see a bug the codec and its reference share).
+# swapped between rows breaks (the first check cannot see a bug the codec and its reference share). And what the
+# worker computes from the unquantized states comes exact: target_probs (a compact client's too, from the final
+# state that travels in the model dtype), position_mask.
 
 
 def within_fp8_rounding(got: torch.Tensor, want: torch.Tensor, hidden: int) -> bool:
@@ -197,10 +199,13 @@ def _check_fp8(got, engine, batch, kind, **ref) -> None:
     assert mismatch(got, want) is None, mismatch(got, want)
     plain = colocated_reference(engine, batch, kind, **ref)
     hidden = engine.target_info().hidden_size
-    for name in HIDDEN_STATE_TENSORS:
+    for name in FP8_TENSORS:
         if name in got:
             assert not torch.equal(got[name], plain[name])  # it did travel as FP8
             assert within_fp8_rounding(got[name], plain[name], hidden), name
+    for name in ("target_probs", "position_mask"):
+        if name in got:
+            assert torch.equal(got[name], plain[name]), name
 
 
 @pytest.mark.parametrize("plane", [False, True], ids=["frames", "plane"])

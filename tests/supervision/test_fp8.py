@@ -77,29 +77,34 @@ def test_each_captured_layer_of_a_token_gets_its_own_scale():
 
 
 def test_a_reply_quantizes_its_hidden_states_and_restores_them():
+    """A compact reply: its aux hidden states go FP8; its final state, from which the client computes
+    target_probs, and its argmax ids, computed by the worker, travel as they are."""
     reply = {"aux_hidden_states": _layers(), "last_hidden_states": torch.randn(2, 5, 16).bfloat16(),
              "argmax_ids": torch.arange(10, dtype=torch.int32).view(2, 5)}
-    sent = fp8.quantize_reply(reply, contract.HIDDEN_STATE_TENSORS, 16)
-    assert list(sent) == ["aux_hidden_states", "aux_hidden_states_scale", "last_hidden_states",
-                          "last_hidden_states_scale", "argmax_ids"]
-    assert sent["argmax_ids"] is reply["argmax_ids"]  # computed from the unquantized states, sent as is
+    sent = fp8.quantize_reply(reply, contract.FP8_TENSORS, 16)
+    assert list(sent) == ["aux_hidden_states", "aux_hidden_states_scale", "last_hidden_states", "argmax_ids"]
+    assert sent["argmax_ids"] is reply["argmax_ids"] and sent["last_hidden_states"] is reply["last_hidden_states"]
     back = fp8.restore_reply(sent, torch.bfloat16)
     assert list(back) == list(reply) and back["argmax_ids"] is reply["argmax_ids"]
-    for name in ("aux_hidden_states", "last_hidden_states"):
-        assert back[name].dtype == torch.bfloat16 and not torch.equal(back[name], reply[name])
-        assert torch.equal(back[name], fp8.dequantize_blocks(sent[name], sent[name + "_scale"], torch.bfloat16))
+    assert back["last_hidden_states"] is reply["last_hidden_states"]
+    name = "aux_hidden_states"
+    assert back[name].dtype == torch.bfloat16 and not torch.equal(back[name], reply[name])
+    assert torch.equal(back[name], fp8.dequantize_blocks(sent[name], sent[name + "_scale"], torch.bfloat16))
 
 
-def test_fp8_specs_halve_the_hidden_state_bytes_at_the_8b_shape():
+def test_fp8_specs_halve_the_input_hidden_state_bytes_at_the_8b_shape():
     info = INFO  # the null engine's: Llama-3.1-8B's shape
     for kind in (contract.Kind.EAGLE3_COMPACT, contract.Kind.DSPARK, contract.Kind.EAGLE3):
         specs = contract.reply_specs(kind, info, 2, 64, torch.int64, 32000)
         wire = contract.fp8_specs(specs, info.hidden_size)
-        hidden = [n for n in specs if n in contract.HIDDEN_STATE_TENSORS]
+        hidden = [n for n in specs if n in contract.FP8_TENSORS]
         before = contract.reply_bytes({n: specs[n] for n in hidden})
         after = contract.reply_bytes({n: w for n, w in wire.items() if n not in specs or n in hidden})
         assert after / before < 0.5 + 4 / info.hidden_size, kind  # 1 byte an element, plus a float32 per block
         assert {n: wire[n] for n in specs if n not in hidden} == {n: specs[n] for n in specs if n not in hidden}
+        if kind == contract.Kind.EAGLE3_COMPACT:  # its final state in bf16: 20,512 of 32,788 bytes a token
+            assert wire["last_hidden_states"] == specs["last_hidden_states"]
+            assert contract.reply_bytes(wire) / contract.reply_bytes(specs) < 0.63
     expected = contract.Expected(specs, fp8_block=info.hidden_size)
     assert expected.for_reply(None, "fp8") == wire and expected.for_reply(None) == specs
     assert contract.Expected(specs).for_reply(None, "fp8") == {}  # FP8 nobody asked for breaks the contract
@@ -108,16 +113,16 @@ def test_fp8_specs_halve_the_hidden_state_bytes_at_the_8b_shape():
 def test_a_batch_restores_fp8_shards_and_keeps_model_dtype_ones():
     """Shard 0 came FP8, shard 1 from a worker that cannot send it: each row as its shard sent it."""
     x = torch.randn(4, 3, 32).bfloat16()
-    sent = fp8.quantize_reply({"last_hidden_states": x[:2], "input_ids": torch.zeros(2, 3)},
-                              contract.HIDDEN_STATE_TENSORS, 16)
+    sent = fp8.quantize_reply({"aux_hidden_states": x[:2], "input_ids": torch.zeros(2, 3)},
+                              contract.FP8_TENSORS, 16)
     fp8_part = {n: torch.cat([t, torch.zeros_like(t)]) for n, t in sent.items()}  # rows 2:4 not landed here
-    plain_part = {"last_hidden_states": x.clone(), "input_ids": torch.ones(4, 3)}
+    plain_part = {"aux_hidden_states": x.clone(), "input_ids": torch.ones(4, 3)}
     forms = [("eagle3_compact", "fp8"), ("eagle3_compact", None)]
     out = restore_shards({forms[0]: fp8_part, forms[1]: plain_part}, forms, [(0, 2), (2, 2)], torch.bfloat16)
     got = out["eagle3_compact"]
-    assert sorted(got) == ["input_ids", "last_hidden_states"]
-    assert torch.equal(got["last_hidden_states"][:2], fp8.restore_reply(sent, torch.bfloat16)["last_hidden_states"])
-    assert torch.equal(got["last_hidden_states"][2:], x[2:]) and torch.equal(got["input_ids"][2:], torch.ones(2, 3))
+    assert sorted(got) == ["aux_hidden_states", "input_ids"]
+    assert torch.equal(got["aux_hidden_states"][:2], fp8.restore_reply(sent, torch.bfloat16)["aux_hidden_states"])
+    assert torch.equal(got["aux_hidden_states"][2:], x[2:]) and torch.equal(got["input_ids"][2:], torch.ones(2, 3))
 
 
 def test_the_stated_error_holds_on_a_real_forward(tiny_target_dir):
@@ -128,5 +133,5 @@ def test_the_stated_error_holds_on_a_real_forward(tiny_target_dir):
     spec.loader.exec_module(bench)
     result = bench.run_engine(str(tiny_target_dir), "cpu", None, 4, 64)
     assert bench.within_bounds(result)
-    for name in contract.HIDDEN_STATE_TENSORS:
+    for name in (*contract.FP8_TENSORS, "last_hidden_states"):
         assert 2**-6 < result[name]["rel_norm"] < 2**-4 / 3**0.5 and max(result[name]["layers"]) < 2**-4 / 3**0.5

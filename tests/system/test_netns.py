@@ -221,7 +221,8 @@ def test_netns_bench_full_auto_and_fp8_across_a_rate_limited_link(tmp_path):
     rate = report["rates"]["10"]
     assert [f["verified"] for f in rate["full"] + rate["auto"] + rate["auto_fp8"]] == ["2/2", "2/2", "2/2"]
     assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token
-    assert rate["auto_fp8"][0]["bytes"] * 1.9 < rate["auto"][0]["bytes"]  # 16 KiB against 32 KiB
+    # 20 KiB against 32 KiB: the aux hidden states halve, the final state stays bf16 (contract.FP8_TENSORS)
+    assert 1.55 < rate["auto"][0]["bytes"] / rate["auto_fp8"][0]["bytes"] < 1.65
 
 
 def test_a_clients_requests_stay_on_its_hosts_worker_while_it_has_a_slot(tmp_path):
