@@ -15,8 +15,9 @@ What is stored per row, over its span only (docs/cache.md):
 - DSpark: ``target_hidden_states [L, kH]``, ``target_last_hidden_states [L, H]``.
 
 Read back into a padded ``[B, S]`` batch, the positions past a row's span hold zeros (argmax 0), as
-packed replies do (docs/packing.md). With the ``fp8`` codec every hidden state is stored as float8_e4m3fn
-with one float32 scale per token and layer (``spec_serve/supervision/fp8.py``).
+packed replies do (docs/packing.md). With the ``fp8`` codec the hidden states the wire sends FP8
+(``contract.FP8_TENSORS``: not compact's final state, from which target_probs are computed) are stored as
+float8_e4m3fn with one float32 scale per token and layer (``spec_serve/supervision/fp8.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from spec_serve.supervision import fp8
-from spec_serve.supervision.contract import Kind
+from spec_serve.supervision.contract import FP8_TENSORS, Kind
 from spec_serve.supervision.target_info import TargetInfo
 
 KEY_BYTES = 16
 # How rows are stored: "native" keeps the reply's bytes (bit-equal on read); "fp8" as the module says.
 CODECS = ("native", "fp8")
+# Each codec's name in the keys. "fp8.2": compact's final state kept native; entries of the first fp8 (which
+# quantized it too) are not found by these keys and leave with eviction.
+CODEC_KEYS = {"native": "native", "fp8": "fp8.2"}
 # The stored tensors per stored kind (those with a sequence dim first, [L, ...]); the rest of a returned
 # batch, input_ids and loss_mask, is the caller's.
 STORED: dict[Kind, tuple[str, ...]] = {
@@ -62,7 +66,7 @@ def row_spans(attention_mask: torch.Tensor) -> list[int | None]:
 def key_prefix(info: TargetInfo, kind: Kind, codec: str) -> bytes:
     """What every key of one (target, stored kind, layer ids, codec) shares."""
     layers = info.dspark_layer_ids if kind is Kind.DSPARK else info.aux_layer_ids
-    text = f"spec-serve-cache/1|{info.fingerprint}|{kind.value}|{','.join(map(str, layers))}|{codec}|"
+    text = f"spec-serve-cache/1|{info.fingerprint}|{kind.value}|{','.join(map(str, layers))}|{CODEC_KEYS[codec]}|"
     return text.encode()
 
 
@@ -91,7 +95,7 @@ def encode_row(row: Mapping[str, torch.Tensor], codec: str, hidden: int) -> dict
     last dim of ``kH`` is ``k`` layers)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in row.items():
-        if codec == "native" or not t.is_floating_point():
+        if codec == "native" or name not in FP8_TENSORS:
             out[name] = t.contiguous()
             continue
         q, scale = fp8.quantize_blocks(t, hidden)

@@ -1,6 +1,6 @@
 """A target with no model, for transport-only benchmarks: ``NullEngine`` answers every request with ready
 tensors of the Llama-3.1-8B reply shape (hidden 4096, vocab 128256, draft vocab 32000, bf16), full EAGLE-3
-(149 KiB a token) or compact (32 KiB a token; 16 KiB with wire_dtype="fp8"), so figures measured on a CPU box
+(149 KiB a token) or compact (32 KiB a token; 20 KiB with wire_dtype="fp8"), so figures measured on a CPU box
 and on a GPU machine move the same bytes. Its target info says that shape, so clients check replies against it
 as against any worker's; the draft-vocab mapping it is used with is ``null_mapping()``.
 """
