@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from spec_serve.supervision import fp8
-from spec_serve.supervision.contract import FP8_TENSORS, Kind
+from spec_serve.supervision.contract import FP8_TENSORS, Kind, right_padded_rows
 from spec_serve.supervision.target_info import TargetInfo
 
 KEY_BYTES = 16
@@ -57,10 +57,8 @@ def row_spans(attention_mask: torch.Tensor) -> list[int | None]:
     (left padding, holes, an empty row: served, never cached)."""
     mask = attention_mask.to("cpu") != 0
     lengths = mask.sum(dim=1)
-    seq = mask.shape[1]
-    ideal = torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)
-    right_padded = (mask == ideal).all(dim=1) & (lengths > 0)
-    return [int(n) if ok else None for n, ok in zip(lengths.tolist(), right_padded.tolist())]
+    cacheable = right_padded_rows(mask) & (lengths > 0)
+    return [int(n) if ok else None for n, ok in zip(lengths.tolist(), cacheable.tolist())]
 
 
 def key_prefix(info: TargetInfo, kind: Kind, codec: str) -> bytes:

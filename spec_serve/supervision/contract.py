@@ -124,10 +124,15 @@ def validate_request(
         raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo} max {hi}")
 
 
-def right_padded(attention_mask: torch.Tensor) -> bool:
-    """Whether every row's mask is ones, then zeros (a row of real tokens, then its padding)."""
+def right_padded_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a ``[B, S]`` mask, whether it is ones, then zeros (real tokens, then padding)."""
     real = attention_mask.bool()
-    return bool((real[:, 1:] <= real[:, :-1]).all())
+    return (real[:, 1:] <= real[:, :-1]).all(dim=1)
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of the mask is right-padded (``right_padded_rows``)."""
+    return bool(right_padded_rows(attention_mask).all())
 
 
 def validate_vocab_mapping(
