@@ -895,8 +895,7 @@ def demo(ranks, workers, steps, batch, seq, target, log_level):
 @click.option("--seq", default=None, type=int, help="Tokens per row [256; 2048 with --gpu-8b].")
 @click.option("--steps", default=None, type=int, help="Timed batches per scenario [8; 10 with --gpu-8b].")
 @click.option("--warmup", default=2, show_default=True, help="Untimed batches first.")
-@click.option("--prefetch", default=4, show_default=True,
-              help="Batches in flight (the client's default prefetch_depth).")
+@click.option("--prefetch", default=None, type=int, help="Batches in flight [the client's default prefetch_depth].")
 @click.option("--draft-vocab", default=None, type=int, help="Draft vocab size [256; 32000 with --gpu-8b].")
 @click.option("--small-ranks", default=4, show_default=True, help="Client ranks in the small_* scenarios.")
 @click.option("--small-requests", default=12, show_default=True, help="Requests per rank in the small_* scenarios.")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from spec_serve.client.options import PREFETCH_DEPTH
 from spec_serve.tools.bench.batches import _jsonl_lengths
 
 # Llama-3.1-8B's shape (the GPU benchmark builds it with random bf16 weights on the device).
@@ -48,7 +49,7 @@ class BenchConfig:
     seq: int = 256
     steps: int = 8
     warmup: int = 2
-    prefetch: int = 4  # the client's default prefetch_depth
+    prefetch: int = PREFETCH_DEPTH
     draft_vocab: int = 256
     small_ranks: int = 4
     small_requests: int = 12  # per rank
@@ -87,6 +88,7 @@ def make_config(target, gpu_8b, devices, dtype, batch, seq, steps, warmup, prefe
         draft_vocab, small_seq = draft_vocab or 256, small_seq or 64
         max_batch_tokens = max_batch_tokens or 4096
         transport_seq = transport_seq or 256
+    prefetch = PREFETCH_DEPTH if prefetch is None else prefetch
     if lengths not in ("full", "lognormal"):
         _jsonl_lengths(Path(lengths))  # a bad file fails here, before any model is built
     return BenchConfig(target=target, gpu_8b=gpu_8b, devices=tuple(d.strip() for d in devices.split(",") if d.strip()),
