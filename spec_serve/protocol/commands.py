@@ -31,9 +31,11 @@ from typing import Any, Protocol
 # Clients 02: a payload travels in parts (PART_BYTES). All 03/02/02: the headers name no reply path (a
 # path's fields travel under offers[name] and path[name], routing under pin and near), the demand report
 # rides the client's heartbeat, wire_dtype, DONE's status an enum: a peer of the old headers is refused.
-CLIENT_TAG = b"SPSC03"
-WORKER_TAG = b"SPSW02"
-DATA_TAG = b"SPSD02"
+# All 04/03/03: a wire_dtype="fp8" reply quantizes contract.FP8_TENSORS only (compact's final state stays in
+# the model dtype), which a peer of 03/02/02 would refuse against its contract in the middle of a run.
+CLIENT_TAG = b"SPSC04"
+WORKER_TAG = b"SPSW03"
+DATA_TAG = b"SPSD03"
 
 # The broker's default ports, and what listens on each (for errors that name the fix).
 FRONTEND_PORT = 5555
