@@ -70,6 +70,7 @@ def _stand_in(device: torch.device, forward_ms: float):
         def __init__(self) -> None:
             super().__init__()
             self.device = device
+            self._cache: dict[tuple, dict[str, torch.Tensor]] = {}  # per shape and kind: ready on the device
             self._a = torch.ones(4096, 4096, dtype=torch.bfloat16, device=device) if device.type == "cuda" else None
             self._matmuls = self._calibrate() if self._a is not None else 0
 

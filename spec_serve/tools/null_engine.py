@@ -47,15 +47,33 @@ def null_tensors(batch: int, seq: int, kind: str = "eagle3") -> dict[str, torch.
             "position_mask": torch.ones(batch, seq, 1, dtype=torch.bool), **common}
 
 
+class Constants:
+    """Tensors each of one value throughout, handed out as views of one flat buffer per name, grown to the
+    largest shape asked: no allocation per new shape (rows of varying length ask a new one nearly every
+    batch), memory bounded by the largest reply. A name always holds the same value; the views are only read
+    (replies are sent, never written)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def view(self, name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < n:
+            flat = self._flat[name] = value.reshape(1).expand(max(n, 1)).contiguous()
+        return flat[:n].view(shape)
+
+
 class NullEngine:
-    """Answers every request with ``null_tensors`` of the request's shape (cached per shape and kind), after
-    ``forward_s`` seconds of an emulated forward (a sleep: it frees the GIL, as a GPU forward mostly does)."""
+    """Answers every request with ``null_tensors`` of the request's shape (``Constants`` views: no work per
+    shape), after ``forward_s`` seconds of an emulated forward (a sleep: it frees the GIL, as a GPU forward
+    mostly does)."""
 
     engine = "null"
 
     def __init__(self, forward_s: float = 0.0) -> None:
         self.forward_s = forward_s
-        self._cache: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._constants = Constants()
         # An lm_head of zeros that takes no memory (one row, broadcast): a compact client's slice of it
         # (index_select) is the only copy.
         self._lm_head = types.SimpleNamespace(weight=torch.zeros(1, HIDDEN, dtype=torch.bfloat16).expand(VOCAB, HIDDEN))
@@ -72,28 +90,20 @@ class NullEngine:
     def generate_batch(self, input_ids, attention_mask, loss_mask, kind="eagle3"):
         if self.forward_s:
             time.sleep(self.forward_s)
-        key = (*input_ids.shape, kind)
-        if key not in self._cache:
-            self._cache[key] = null_tensors(*input_ids.shape, kind)
-        return self._cache[key]
+        rows, seq = input_ids.shape
+        return {name: self._constants.view(f"{kind}.{name}", one.reshape(-1)[0], (rows, seq, *one.shape[2:]))
+                for name, one in null_tensors(1, 1, kind).items()}
 
 
 def quantize_once() -> None:
     """In this process, the worker's ``fp8.quantize_reply`` of ``NullEngine``'s replies costs no quantizing: each
     of their tensors holds one value throughout (``null_tensors``), so its FP8 form does too, and is handed
-    out as a view of a buffer of that value, built once per tensor name and grown to the largest reply
-    asked. A transport figure then moves FP8 bytes at the link's pace rather than at this CPU's quantizing
-    pace (a GPU worker quantizes at its memory's bandwidth); the bench checks every reply against the real
-    ``quantize_reply`` of the same tensors."""
+    out as a view of a buffer of that value (``Constants``). A transport figure then moves FP8 bytes at the
+    link's pace rather than at this CPU's quantizing pace (a GPU worker quantizes at its memory's bandwidth);
+    the bench checks every reply against the real ``quantize_reply`` of the same tensors."""
     from spec_serve.supervision import fp8
 
-    filled: dict[str, torch.Tensor] = {}  # name -> a flat buffer of its one value, as long as needed so far
-
-    def constant(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        n = math.prod(shape)
-        if name not in filled or filled[name].numel() < n:
-            filled[name] = value.reshape(1).expand(n).contiguous()
-        return filled[name][:n].view(shape)
+    constants = Constants()
 
     def once(tensors: dict[str, torch.Tensor], names: tuple[str, ...], block: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -102,9 +112,9 @@ def quantize_once() -> None:
                 out[name] = t
                 continue
             q, scale = fp8.quantize_blocks(t.reshape(-1)[:block], block)  # one block: the value's form
-            out[name] = constant(name, q[0], tuple(t.shape))
+            out[name] = constants.view(name, q[0], tuple(t.shape))
             scale_name = name + fp8.SCALE_SUFFIX
-            out[scale_name] = constant(scale_name, scale[0], (*t.shape[:-1], t.shape[-1] // block))
+            out[scale_name] = constants.view(scale_name, scale[0], (*t.shape[:-1], t.shape[-1] // block))
         return out
 
     fp8.quantize_reply = once
