@@ -54,6 +54,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from spec_serve.client.options import PREFETCH_DEPTH  # noqa: E402
+
 SUBNET = "10.232.0"
 WORKER_ADDR, CLIENT_ADDR = f"{SUBNET}.1", f"{SUBNET}.2"
 # Each mode: the kind it asks for and its wire_dtype (what it measures on the wire: see the docstring).
@@ -146,12 +149,12 @@ def _client(link: Link, *args: str, timeout: float = 900) -> dict:
 
 
 def _client_main(argv: list[str]) -> None:
-    """``_timed FRONTEND MODE MESSAGES SEQ ROWS LENGTHS PREFETCH`` or ``_auto FRONTEND``, run inside the client
-    namespace."""
+    """``_timed FRONTEND MODE MESSAGES SEQ ROWS LENGTHS PREFETCH DEVICE`` or ``_auto FRONTEND``, run inside the
+    client namespace."""
     if argv[0] == "_timed":
-        frontend, mode, lengths = argv[1], argv[2], argv[6]
+        frontend, mode, lengths, device = argv[1], argv[2], argv[6], argv[8]
         messages, seq, rows, prefetch = (int(a) for a in (argv[3], argv[4], argv[5], argv[7]))
-        print(json.dumps(timed_run(frontend, mode, messages, seq, rows, lengths, prefetch)), flush=True)
+        print(json.dumps(timed_run(frontend, mode, messages, seq, rows, lengths, prefetch, device)), flush=True)
         return
     print(json.dumps({**_default_client(argv[1], None), "fp8": _default_client(argv[1], "fp8")}), flush=True)
 
@@ -166,35 +169,43 @@ def _null_reply(batch: tuple, kind: str, wire_dtype: str | None):
     return fp8.quantize_reply(tensors, FP8_TENSORS, HIDDEN) if wire_dtype else tensors
 
 
-def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, lengths: str, prefetch: int) -> dict:
+def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, lengths: str, prefetch: int,
+              device: str = "cpu") -> dict:
     """``messages`` batches of ``rows`` rows (``lengths``) to the null worker, ``prefetch`` in flight, after
-    one untimed batch; timed to the last reply landed (compact replies not expanded, FP8 ones not
-    restored: the docstring says why). Every reply checked once the clock stopped."""
+    one untimed batch; timed to the last reply landed on ``device`` (compact replies not expanded; FP8 ones
+    restored on a GPU, landed as sent on a CPU: the docstring says why). Every reply checked once the clock
+    stopped."""
     import torch
 
     from spec_serve.client import restore
     from spec_serve.client.api import RemoteTargetModel
+    from spec_serve.supervision.fp8 import restore_reply
     from spec_serve.tools.bench import padded_batch, row_lengths
     from spec_serve.tools.null_engine import VOCAB, null_mapping
     from spec_serve.tools.verify import mismatch
 
     kind, wire_dtype = MODES[mode]
-    if wire_dtype is not None:  # landed as sent: the restore is a kernel on a GPU client, measured apart here
+    restored = wire_dtype is not None and torch.device(device).type == "cuda"
+    if wire_dtype is not None and not restored:  # the restore is a kernel on a GPU client, measured apart here
         restore.restore_shards = lambda parts, forms, rows, dtype: {k: t for (k, _), t in parts.items()}
     batches = [padded_batch(n, VOCAB, i) for i, n in enumerate(row_lengths(lengths, messages + 1, rows, seq))]
-    with RemoteTargetModel(frontend, service="null", prefetch_depth=prefetch, timeout=600, compact=False,
-                           wire_dtype=wire_dtype) as client:
+    with RemoteTargetModel(frontend, service="null", device=device, prefetch_depth=prefetch, timeout=600,
+                           compact=False, wire_dtype=wire_dtype) as client:
         client.set_vocab_mapping(*null_mapping())
         client.generate_batch(*batches[0], kind=kind)
         start = time.perf_counter()
         futures = [client.generate_batch_async(*b, kind=kind) for b in batches[1:]]
         got = [f.result() for f in futures]
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         stats = client.stats
-    passed = sum(mismatch(g, _null_reply(b, kind, wire_dtype)) is None for g, b in zip(got, batches[1:]))
     timed = batches[1:]
+    sent = [_null_reply(b, kind, wire_dtype) for b in timed]
+    want = [restore_reply(r, torch.bfloat16) for r in sent] if restored else sent
+    passed = sum(mismatch(g, w) is None for g, w in zip(got, want))
     return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": sum(b[1].numel() for b in timed),
-            "bytes": sum(t.numel() * t.element_size() for g in got for t in g.values()), "seconds": seconds,
+            "bytes": sum(t.numel() * t.element_size() for r in sent for t in r.values()), "seconds": seconds,
             "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined,
             "verified": f"{passed}/{len(got)}", "torch_threads": torch.get_num_threads()}
 
@@ -265,10 +276,11 @@ def _start_cluster(link: Link) -> str:
 
 
 def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: int, rows: int, lengths: str,
-        prefetch: int) -> dict:
+        prefetch: int, device: str) -> dict:
     report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "load": os.getloadavg(),
                     "config": {"rates_gbit": rates, "modes": modes, "rounds": rounds, "messages": messages,
-                               "seq": seq, "rows": rows, "lengths": lengths, "prefetch": prefetch}, "rates": {}}
+                               "seq": seq, "rows": rows, "lengths": lengths, "prefetch": prefetch,
+                               "client_device": device}, "rates": {}}
     with Link() as link:
         frontend = _start_cluster(link)
         report["auto_check"] = _client(link, "_auto", frontend)
@@ -278,7 +290,7 @@ def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: i
             for r in range(rounds):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
                     got = _client(link, "_timed", frontend, mode, str(messages), str(seq), str(rows), lengths,
-                                  str(prefetch))
+                                  str(prefetch), device)
                     figures[mode].append(_rated(got, gbit))
                     print(f"[netns] {gbit:g} Gbit/s round {r + 1}: {mode} {got['tokens_per_s']:,.0f} tokens/s "
                           f"({got['gbit_per_s']:.2f} Gbit/s, {got['of_link']:.0%} of the link) "
@@ -334,7 +346,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq", type=int, default=2048, help="longest row [2048]")
     p.add_argument("--rows", type=int, default=4, help="rows a batch [4]")
     p.add_argument("--lengths", default="lognormal", choices=("lognormal", "full"), help="row lengths [lognormal]")
-    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=PREFETCH_DEPTH, help=f"batches in flight [{PREFETCH_DEPTH}]")
+    p.add_argument("--client-device", default="cpu",
+                   help="where the client lands replies [cpu]; on cuda:N FP8 ones are restored there, as in training")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -347,7 +361,7 @@ def main(argv: list[str]) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the namespaces and processes go too
     report = run([float(r) for r in a.rates.split(",")], modes, a.rounds, a.messages, a.seq, a.rows, a.lengths,
-                 a.prefetch)
+                 a.prefetch, a.client_device)
     report["ok"] = _ok(report)
     for gbit, rate in report["rates"].items():
         shown = [f"{mode} {statistics.median(f['tokens_per_s'] for f in rate[mode]):>9,.0f} tokens/s "
