@@ -18,9 +18,10 @@ Batches are ``--rows`` rows of ``--lengths`` (``lognormal``, the default: each r
 ``spec-serve bench --lengths lognormal`` draws it, each batch padded to its longest row; ``full``: every
 row ``--seq`` tokens), so reply sizes change from batch to batch as a trainer's do. Per figure: useful and
 padded tokens/s, the payload's Gbit/s, and ``of_link``: that payload rate over the link's rate (bytes per
-padded token x padded tokens/s, against the link's own bound); ratios per round of auto_fp8 and auto
-against auto and full (median and every round); every reply checked against what the null engine answers
-(verified=N/N).
+padded token x padded tokens/s, against the link's own bound) and ``of_raw_tcp``: over what one plain TCP
+stream carried across the same link just before (``raw_tcp_gbit_per_s``: a machine whose cores cannot fill
+a fast link bounds both); ratios per round of auto_fp8 and auto against auto and full (median and every
+round); every reply checked against what the null engine answers (verified=N/N).
 
 What the link figures leave out, measured apart on this CPU: expanding compact replies (the client's one
 draft-vocab matmul a token; cpu_expand_tokens_per_s) and restoring FP8 ones (cpu_restore_tokens_per_s).
@@ -151,12 +152,51 @@ def _client(link: Link, *args: str, timeout: float = 900) -> dict:
 def _client_main(argv: list[str]) -> None:
     """``_timed FRONTEND MODE MESSAGES SEQ ROWS LENGTHS PREFETCH DEVICE`` or ``_auto FRONTEND``, run inside the
     client namespace."""
+    if argv[0] == "_raw":
+        print(json.dumps({"gbit_per_s": raw_receive(int(argv[1]))}), flush=True)
+        return
     if argv[0] == "_timed":
         frontend, mode, lengths, device = argv[1], argv[2], argv[6], argv[8]
         messages, seq, rows, prefetch = (int(a) for a in (argv[3], argv[4], argv[5], argv[7]))
         print(json.dumps(timed_run(frontend, mode, messages, seq, rows, lengths, prefetch, device)), flush=True)
         return
     print(json.dumps({**_default_client(argv[1], None), "fp8": _default_client(argv[1], "fp8")}), flush=True)
+
+
+RAW_PORT, RAW_BYTES, RAW_CHUNK = 7000, 2 << 30, 64 << 20
+
+
+def raw_receive(nbytes: int) -> float:
+    """On the client side: accept one TCP connection on ``RAW_PORT`` and read ``nbytes`` into one reused
+    buffer; the Gbit/s from its first byte to its last."""
+    import socket
+
+    with socket.create_server((CLIENT_ADDR, RAW_PORT)) as server:
+        print("listening", flush=True)
+        conn, _ = server.accept()
+        with conn:
+            view = memoryview(bytearray(RAW_CHUNK))
+            got = conn.recv_into(view)
+            start = time.perf_counter()
+            while got < nbytes:
+                n = conn.recv_into(view[: min(RAW_CHUNK, nbytes - got)])
+                if not n:
+                    raise RuntimeError(f"raw sender closed after {got} of {nbytes} bytes")
+                got += n
+            return nbytes * 8 / (time.perf_counter() - start) / 1e9
+
+
+def raw_ceiling(link: Link) -> float:
+    """Gbit/s one plain TCP stream carries over the link as limited now, worker side to client side: what
+    this machine moves at all (its cores bound it below a fast link's rate), measured beside the figures."""
+    receiver = link.spawn(link.client_ns, [__file__, "_raw", str(RAW_BYTES)], stdout=subprocess.PIPE, text=True)
+    assert receiver.stdout is not None and receiver.stdout.readline().strip() == "listening"
+    send = (f"import socket; c = socket.create_connection(({CLIENT_ADDR!r}, {RAW_PORT})); b = bytes({RAW_CHUNK})\n"
+            f"for _ in range({RAW_BYTES // RAW_CHUNK}): c.sendall(b)\nc.close()")
+    sender = link.spawn(link.worker_ns, ["-c", send])
+    out, _ = receiver.communicate(timeout=300)
+    sender.wait(60)
+    return round(json.loads(out.strip().splitlines()[-1])["gbit_per_s"], 2)
 
 
 def _null_reply(batch: tuple, kind: str, wire_dtype: str | None):
@@ -286,29 +326,34 @@ def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: i
         report["auto_check"] = _client(link, "_auto", frontend)
         for gbit in rates:
             link.limit(gbit)
+            ceiling = raw_ceiling(link)
+            print(f"[netns] {gbit:g} Gbit/s: one plain TCP stream carries {ceiling:.2f} Gbit/s here", file=sys.stderr,
+                  flush=True)
             figures: dict[str, list[dict]] = {mode: [] for mode in modes}
             for r in range(rounds):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
                     got = _client(link, "_timed", frontend, mode, str(messages), str(seq), str(rows), lengths,
                                   str(prefetch), device)
-                    figures[mode].append(_rated(got, gbit))
+                    figures[mode].append(_rated(got, gbit, ceiling))
                     print(f"[netns] {gbit:g} Gbit/s round {r + 1}: {mode} {got['tokens_per_s']:,.0f} tokens/s "
                           f"({got['gbit_per_s']:.2f} Gbit/s, {got['of_link']:.0%} of the link) "
                           f"verified={got['verified']}", file=sys.stderr, flush=True)
-            report["rates"][f"{gbit:g}"] = {**figures, **_ratios(figures)}
+            report["rates"][f"{gbit:g}"] = {**figures, **_ratios(figures), "raw_tcp_gbit_per_s": ceiling}
     report["cpu_expand_tokens_per_s"] = round(cpu_expand_rate(), 1)
     report["cpu_restore_tokens_per_s"] = round(cpu_restore_rate(), 1)
     return report
 
 
-def _rated(got: dict, gbit: float) -> dict:
-    """A figure with its rates: useful and padded tokens/s, the payload's Gbit/s and its share of the link's."""
+def _rated(got: dict, gbit: float, ceiling: float) -> dict:
+    """A figure with its rates: useful and padded tokens/s, the payload's Gbit/s, and its share of the link's
+    rate and of what one plain TCP stream carried over it (``ceiling``)."""
     seconds = got["seconds"]
     got["tokens_per_s"] = got["tokens"] / seconds
     got["padded_tokens_per_s"] = got["padded_tokens"] / seconds
     got["bytes_per_padded_token"] = got["bytes"] / got["padded_tokens"]
     got["gbit_per_s"] = got["bytes"] * 8 / seconds / 1e9
     got["of_link"] = round(got["gbit_per_s"] / gbit, 4)  # bytes per token x tokens/s over the link's bound
+    got["of_raw_tcp"] = round(got["gbit_per_s"] / ceiling, 4)
     return got
 
 
@@ -335,7 +380,7 @@ def _ok(report: dict) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("_timed", "_auto"):
+    if argv and argv[0] in ("_timed", "_auto", "_raw"):
         _client_main(argv)
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -365,7 +410,9 @@ def main(argv: list[str]) -> int:
     report["ok"] = _ok(report)
     for gbit, rate in report["rates"].items():
         shown = [f"{mode} {statistics.median(f['tokens_per_s'] for f in rate[mode]):>9,.0f} tokens/s "
-                 f"({statistics.median(f['of_link'] for f in rate[mode]):.0%} of the link)" for mode in modes]
+                 f"({statistics.median(f['of_link'] for f in rate[mode]):.0%} of the link, "
+                 f"{statistics.median(f['of_raw_tcp'] for f in rate[mode]):.0%} of plain TCP's "
+                 f"{rate['raw_tcp_gbit_per_s']:.2f} Gbit/s)" for mode in modes]
         ratios = [f"{name} {r['median']} {r['rounds']}" for name, r in rate.items()
                   if name.endswith(("_full", "_auto"))]
         print(f"{gbit:>4} Gbit/s  " + "  ".join(shown + ratios))

@@ -219,6 +219,7 @@ def test_netns_bench_full_auto_and_fp8_across_a_rate_limited_link(tmp_path):
         "compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0, "fp8_replies": 0, "equal": True,
         "fp8": {"compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0, "fp8_replies": 1, "equal": True}}
     rate = report["rates"]["10"]
+    assert 0 < rate["raw_tcp_gbit_per_s"] < 10.5  # the link's ceiling measured beside: tc holds it to 10 Gbit/s
     assert [f["verified"] for f in rate["full"] + rate["auto"] + rate["auto_fp8"]] == ["2/2", "2/2", "2/2"]
     assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token
     # 20 KiB against 32 KiB: the aux hidden states halve, the final state stays bf16 (contract.FP8_TENSORS)
