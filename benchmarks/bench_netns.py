@@ -37,7 +37,7 @@ wire_dtype="fp8" gets an FP8 reply (stats.fp8_replies) restored and expanded bit
 Needs root, iproute2 (`ip netns`) and `tc`; exits 2 naming what is missing otherwise. Creates only its own
 namespaces (10.232.0.0/24) and removes them, with every process it started in them.
 
-  python benchmarks/bench_netns.py --json netns.json        # 10 and 25 Gbit/s, 3 rounds, 4 x lognormal(2048)
+  python benchmarks/bench_netns.py --json netns.json        # 10 and 25 Gbit/s, 3 rounds of 16 x 4 x lognormal(2048)
   python benchmarks/bench_netns.py --rates 10 --rounds 1 --messages 2 --seq 16 --rows 1   # what the test runs
 """
 
@@ -199,22 +199,28 @@ def raw_ceiling(link: Link) -> float:
     return round(json.loads(out.strip().splitlines()[-1])["gbit_per_s"], 2)
 
 
-def _null_reply(batch: tuple, kind: str, wire_dtype: str | None):
-    """What the null worker sends for ``batch``: its ready tensors, the hidden states in FP8 if asked."""
+def _null_reply(shape: tuple[int, int], kind: str, wire_dtype: str | None):
+    """What the null worker sends for a ``[rows, seq]`` batch: its ready tensors, the hidden states in FP8 (by
+    the real quantize_reply) if asked."""
     from spec_serve.supervision import fp8
     from spec_serve.supervision.contract import FP8_TENSORS
     from spec_serve.tools.null_engine import HIDDEN, null_tensors
 
-    tensors = null_tensors(*batch[0].shape, kind)
+    tensors = null_tensors(*shape, kind)
     return fp8.quantize_reply(tensors, FP8_TENSORS, HIDDEN) if wire_dtype else tensors
 
 
 def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, lengths: str, prefetch: int,
               device: str = "cpu") -> dict:
-    """``messages`` batches of ``rows`` rows (``lengths``) to the null worker, ``prefetch`` in flight, after
-    one untimed batch; timed to the last reply landed on ``device`` (compact replies not expanded; FP8 ones
-    restored on a GPU, landed as sent on a CPU: the docstring says why). Every reply checked once the clock
-    stopped."""
+    """``messages`` batches of ``rows`` rows (``lengths``) to the null worker after one untimed batch, as a
+    trainer asks for them: ``prefetch`` in flight, each reply taken (the oldest first) once that many are,
+    checked against the null reply and dropped. Timed to the last reply landed on ``device`` and checked
+    (compact replies not expanded; FP8 ones restored on a GPU, landed as sent on a CPU: the docstring says
+    why). Holding every reply to check it after the clock made each land in fresh memory, whose first touch a
+    trainer's client does not pay: it lands in memory the batches it dropped held (recv_alloc, the caching
+    allocator)."""
+    import collections
+
     import torch
 
     from spec_serve.client import restore
@@ -229,25 +235,39 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
     if wire_dtype is not None and not restored:  # the restore is a kernel on a GPU client, measured apart here
         restore.restore_shards = lambda parts, forms, rows, dtype: {k: t for (k, _), t in parts.items()}
     batches = [padded_batch(n, VOCAB, i) for i, n in enumerate(row_lengths(lengths, messages + 1, rows, seq))]
+    timed = batches[1:]
+    # The reply to the longest batch, quantized as quantize_reply does; every tensor is [rows, seq, ...] of one
+    # value, so a shorter batch's reply is its [:, :seq] slice.
+    sent = _null_reply((rows, max(b[0].shape[1] for b in timed)), kind, wire_dtype)
+    want = restore_reply(sent, torch.bfloat16) if restored else sent
+    want = {name: t.to(device) for name, t in want.items()}
+    passed = 0
+    pending: collections.deque = collections.deque()
+
+    def take_oldest() -> None:
+        nonlocal passed
+        batch, future = pending.popleft()
+        width = batch[0].shape[1]
+        passed += mismatch(future.result(), {name: t[:, :width] for name, t in want.items()}) is None
+
     with RemoteTargetModel(frontend, service="null", device=device, prefetch_depth=prefetch, timeout=600,
                            compact=False, wire_dtype=wire_dtype) as client:
         client.set_vocab_mapping(*null_mapping())
         client.generate_batch(*batches[0], kind=kind)
         start = time.perf_counter()
-        futures = [client.generate_batch_async(*b, kind=kind) for b in batches[1:]]
-        got = [f.result() for f in futures]
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        for batch in timed:
+            if len(pending) == prefetch:
+                take_oldest()
+            pending.append((batch, client.generate_batch_async(*batch, kind=kind)))
+        while pending:
+            take_oldest()
+        seconds = time.perf_counter() - start  # each check's torch.equal has synchronized its device
         stats = client.stats
-    timed = batches[1:]
-    sent = [_null_reply(b, kind, wire_dtype) for b in timed]
-    want = [restore_reply(r, torch.bfloat16) for r in sent] if restored else sent
-    passed = sum(mismatch(g, w) is None for g, w in zip(got, want))
-    return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": sum(b[1].numel() for b in timed),
-            "bytes": sum(t.numel() * t.element_size() for r in sent for t in r.values()), "seconds": seconds,
-            "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined,
-            "verified": f"{passed}/{len(got)}", "torch_threads": torch.get_num_threads()}
+    per_token = sum(t[0, 0].numel() * t.element_size() for t in sent.values())  # bytes a padded token sent
+    padded = sum(b[1].numel() for b in timed)
+    return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": padded, "bytes": per_token * padded,
+            "seconds": seconds, "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined,
+            "verified": f"{passed}/{len(timed)}", "torch_threads": torch.get_num_threads()}
 
 
 def _default_client(frontend: str, wire_dtype: str | None) -> dict:
@@ -267,7 +287,7 @@ def _default_client(frontend: str, wire_dtype: str | None) -> dict:
         got = client.generate_batch(*batch, kind="eagle3")
         stats = client.stats
     ids, mask = null_mapping()
-    sent = restore_reply(_null_reply(batch, "eagle3_compact", wire_dtype), torch.bfloat16)
+    sent = restore_reply(_null_reply(tuple(batch[0].shape), "eagle3_compact", wire_dtype), torch.bfloat16)
     want = expand_compact(sent, torch.zeros(len(ids), HIDDEN, dtype=torch.bfloat16), mask)
     equal = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     return {"compact_replies": stats.compact_replies, "lm_head_slices": stats.lm_head_slices,
@@ -294,10 +314,8 @@ def cpu_restore_rate(tokens: int = 2048) -> float:
     import torch
 
     from spec_serve.supervision.fp8 import restore_reply
-    from spec_serve.tools.bench import make_batch
-    from spec_serve.tools.null_engine import VOCAB
 
-    sent = _null_reply(make_batch(1, tokens, VOCAB, 0), "eagle3_compact", "fp8")
+    sent = _null_reply((1, tokens), "eagle3_compact", "fp8")
     restore_reply(sent, torch.bfloat16)  # warm-up
     start = time.perf_counter()
     restore_reply(sent, torch.bfloat16)
@@ -387,7 +405,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rates", default="10,25", help="link rates in Gbit/s, comma-separated [10,25]")
     p.add_argument("--modes", default="auto,auto_fp8", help=f"of {', '.join(MODES)}, comma-separated [auto,auto_fp8]")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--messages", type=int, default=8, help="timed batches per figure")
+    p.add_argument("--messages", type=int, default=16, help="timed batches per figure [16]")
     p.add_argument("--seq", type=int, default=2048, help="longest row [2048]")
     p.add_argument("--rows", type=int, default=4, help="rows a batch [4]")
     p.add_argument("--lengths", default="lognormal", choices=("lognormal", "full"), help="row lengths [lognormal]")
