@@ -248,7 +248,7 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
         nonlocal passed
         batch, future = pending.popleft()
         width = batch[0].shape[1]
-        passed += mismatch(future.result(), {name: t[:, :width] for name, t in want.items()}) is None
+        passed += mismatch(future.result(), {name: t[:, :width] for name, t in want.items()}, bits=True) is None
 
     with RemoteTargetModel(frontend, service="null", device=device, prefetch_depth=prefetch, timeout=600,
                            compact=False, wire_dtype=wire_dtype) as client:

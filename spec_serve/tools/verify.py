@@ -71,8 +71,11 @@ def colocated_reference(engine, batch: tuple[torch.Tensor, ...], kind: str, *, s
     return expanded(out, weight, selected[1], device or engine.device)
 
 
-def mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> str | None:
-    """None when ``got`` equals ``want`` bit for bit (names, dtypes, shapes, values); else what differs."""
+def mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], *,
+             bits: bool = False) -> str | None:
+    """None when ``got`` equals ``want`` (names, dtypes, shapes, values: ``torch.equal``); else what differs.
+    With ``bits``, values are compared as raw bytes (``words``): about 3x faster on a CPU, and a NaN equals the
+    same NaN; for a transport's checks, where the bytes sent are the claim."""
     if sorted(got) != sorted(want):
         return f"tensors {sorted(got)} != {sorted(want)}"
     for name, w in want.items():
@@ -80,14 +83,33 @@ def mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) 
         if g.dtype != w.dtype or g.shape != w.shape:
             return f"{name}: {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}"
         w = w.to(g.device)
-        if g.is_floating_point() and g.element_size() == 1:  # float8: bits compared (torch.equal's float8 is slow)
-            g, w = g.view(torch.uint8), w.view(torch.uint8)
-        if not torch.equal(g, w):
-            if g.is_floating_point():
-                diff = (g.float() - w.float()).abs().max().item()
-                return f"{name}: max abs diff {diff:.3g}"
-            return f"{name}: {int((g != w).sum())} elements differ"
+        if bits or (g.is_floating_point() and g.element_size() == 1):  # torch.equal's float8 is slow
+            if torch.equal(*words(g, w)):
+                continue
+        elif torch.equal(g, w):
+            continue
+        if g.is_floating_point():
+            diff = (g.float() - w.float()).abs().max().item()
+            return f"{name}: max abs diff {diff:.3g}" + (" (bytes differ: a signed zero or NaN)" if diff == 0 else "")
+        return f"{name}: {int((g != w).sum())} elements differ"
     return None
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def words(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Views of the bytes of ``tensors`` (one dtype) as the widest integers all their layouts allow (8 bytes
+    where each last dimension is contiguous and its rows align): compared element by element, as torch.equal
+    does, in fewer, wider steps."""
+    flat = [t.reshape(1) if t.dim() == 0 else t for t in tensors]
+    for size in (8, 4, 2):
+        if size > flat[0].element_size():
+            try:
+                return [t.view(_WORDS[size]) for t in flat]
+            except RuntimeError:
+                continue  # a last dimension is strided, or its bytes do not divide into such words
+    return [t.view(_WORDS[t.element_size()]) for t in flat]
 
 
 # A fingerprint's weights: one fixed pseudo-random odd 32-bit word per position (splitmix64 of the position),

@@ -7,7 +7,7 @@ import torch
 from spec_serve.client.assembly import shard_bounds
 from spec_serve.supervision.eagle3 import expand_compact, lm_head_slice
 from spec_serve.tools.tiny import sample_batch
-from spec_serve.tools.verify import check_contract, colocated_reference, mismatch
+from spec_serve.tools.verify import check_contract, colocated_reference, mismatch, words
 
 
 def test_mismatch_names_what_differs():
@@ -17,6 +17,24 @@ def test_mismatch_names_what_differs():
     assert "1 elements differ" in mismatch(a, dict(a, m=torch.tensor([True, True])))
     assert "torch.float64" in mismatch(a, dict(a, x=torch.arange(4.0, dtype=torch.float64)))
     assert "tensors" in mismatch(a, {"x": a["x"]})
+
+
+def test_bits_compare_every_byte_through_the_widest_view_the_layout_allows():
+    """bits=True (bench_netns's check of every reply) finds one flipped bit anywhere, in a padded-batch slice
+    too, and tells bytes from values: a signed zero differs in bits, not in value."""
+    full = torch.randn(3, 10, 64).to(torch.bfloat16)
+    for view in (full, full[:, :7], full[:, 1:6, 3:9], full[1, 2, 5]):
+        for k in range(view.numel()):
+            flipped = view.clone()
+            flipped.view(-1).view(torch.int16)[k] ^= 1 << (k % 16)
+            assert mismatch({"x": view}, {"x": flipped}, bits=True) is not None, (tuple(view.shape), k)
+        assert mismatch({"x": view}, {"x": view.clone()}, bits=True) is None
+    assert words(full[:, :7], full[:, :7].clone())[0].dtype == torch.int64  # rows of 128 bytes: 8-byte words
+    assert words(full[:, :, 1:4], full[:, :, 1:4].clone())[0].dtype == torch.int16  # 6 bytes at an odd offset
+    zeros = torch.zeros(4)
+    assert mismatch({"x": zeros}, {"x": -zeros}) is None  # torch.equal: -0.0 == 0.0
+    assert "signed zero" in mismatch({"x": zeros}, {"x": -zeros}, bits=True)
+    assert "1 elements differ" in mismatch({"m": torch.tensor([True, False])}, {"m": torch.tensor([True, True])}, bits=True)
 
 
 def test_shard_bounds_split_rows_into_near_equal_parts():
