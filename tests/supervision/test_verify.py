@@ -34,7 +34,8 @@ def test_bits_compare_every_byte_through_the_widest_view_the_layout_allows():
     zeros = torch.zeros(4)
     assert mismatch({"x": zeros}, {"x": -zeros}) is None  # torch.equal: -0.0 == 0.0
     assert "signed zero" in mismatch({"x": zeros}, {"x": -zeros}, bits=True)
-    assert "1 elements differ" in mismatch({"m": torch.tensor([True, False])}, {"m": torch.tensor([True, True])}, bits=True)
+    masks = torch.tensor([True, False]), torch.tensor([True, True])
+    assert "1 elements differ" in mismatch({"m": masks[0]}, {"m": masks[1]}, bits=True)
 
 
 def test_shard_bounds_split_rows_into_near_equal_parts():
