@@ -28,8 +28,8 @@ MAX_DATA_SOCKETS = 64
 DATA_SOCKET_IDLE_S = 120.0
 # Replies a client's data socket queues before further ones are undeliverable (ZeroMQ SNDHWM).
 DATA_SOCKET_HWM = 4
-# A reply waits this long for a new data socket's connection; after that, a socket that takes nothing
-# makes the reply undeliverable at once (it is refused or not read).
+# A reply waits this long for a new data socket's connection; after that, a socket that takes nothing while
+# none of our replies queue there makes the reply undeliverable at once (it is refused or not read).
 CONNECT_GRACE_S = 2.0
 
 SendDone = Callable[[bytes, Done], None]  # tell the broker DONE: (request id, DONE header)
@@ -45,11 +45,15 @@ class ReplySocket:
     unsent: collections.deque = dataclasses.field(default_factory=collections.deque)  # (tracker, handed at)
     closed: bool = False
 
-    def oldest_unsent(self, now: float) -> float:
-        """Seconds the oldest reply handed to ZeroMQ has waited to leave (0 when all have)."""
+    def queued(self) -> int:
+        """Replies handed to ZeroMQ that have not left this process yet."""
         while self.unsent and self.unsent[0][0].done:
             self.unsent.popleft()
-        return now - self.unsent[0][1] if self.unsent else 0.0
+        return len(self.unsent)
+
+    def oldest_unsent(self, now: float) -> float:
+        """Seconds the oldest reply handed to ZeroMQ has waited to leave (0 when all have)."""
+        return now - self.unsent[0][1] if self.queued() else 0.0
 
     def close(self, linger_ms: int = 0) -> None:
         # LINGER 0: ZeroMQ drops what it still queues, so every tracker of this socket completes and the
@@ -174,7 +178,9 @@ class Outbox:
                 # finished at once): a slab goes back, and a reply counts as sent, only once all have left.
                 tracker = send_lent(reply_socket.sock, frames, zmq.NOBLOCK)
             except zmq.Again:
-                if now - reply_socket.created < CONNECT_GRACE_S:
+                # Full of our own replies (SNDHWM) is a client reading slower than we answer, not one that takes
+                # nothing: wait (DataSockets.close_idle closes the socket if its oldest stops moving).
+                if reply_socket.queued() or now - reply_socket.created < CONNECT_GRACE_S:
                     return None
             else:
                 reply_socket.unsent.append((tracker, now))

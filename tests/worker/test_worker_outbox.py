@@ -167,6 +167,28 @@ def test_a_socket_still_connecting_holds_the_reply_for_the_grace_then_it_is_unde
     assert h.outbox.replies == collections.Counter() and h.outbox.served == 1 and not h.outbox.busy
 
 
+def test_a_socket_full_of_our_replies_holds_the_next_until_one_leaves_however_long_the_link_takes(h):
+    """SNDHWM replies queued for a slow reader: the next waits (no DONE, its loan kept) past the grace, and goes
+    once ZeroMQ let go of one; it was undeliverable before, so a deep prefetch over a slow link failed."""
+    first, waiting = CountingLoan(), CountingLoan()
+    h.outbox.add(h.result(loan=first), now=0.0)
+    h.outbox.flush(now=0.0)
+    [sock] = h.ctx.sockets
+    assert len(h.take_done()) == 1
+    sock.taking = False  # the queue is full
+    result = h.result(loan=waiting)
+    h.outbox.add(result, now=0.1)
+    for now in (0.1, CONNECT_GRACE_S + 1, REPLY_TIMEOUT / 2):
+        h.outbox.flush(now=now)
+        h.sockets.close_idle(now=now)
+    assert h.take_done() == [] and waiting.calls == [] and not h.outbox.empty
+    sock.sent[0][1].done, sock.taking = True, True  # the first reply left: room again
+    h.outbox.flush(now=REPLY_TIMEOUT / 2 + 0.1)
+    [(request_id, done)] = h.take_done()
+    assert (request_id, done.status) == (result.job.request_id, "ok") and first.calls == ["left"]
+    assert len(sock.sent) == 2
+
+
 def test_a_reply_to_no_socket_takes_is_undeliverable_at_once(h, caplog):
     loan = CountingLoan()
     result = h.result(reply_to="tcp://127.0.0.1:port", loan=loan)
