@@ -243,6 +243,7 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
     want = {name: t.to(device) for name, t in want.items()}
     passed = 0
     pending: collections.deque = collections.deque()
+    landed: list[float] = []  # seconds from the start at which each reply was complete on the client
 
     def take_oldest() -> None:
         nonlocal passed
@@ -258,7 +259,9 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
         for batch in timed:
             if len(pending) == prefetch:
                 take_oldest()
-            pending.append((batch, client.generate_batch_async(*batch, kind=kind)))
+            future = client.generate_batch_async(*batch, kind=kind)
+            future.add_done_callback(lambda _: landed.append(time.perf_counter() - start))
+            pending.append((batch, future))
         while pending:
             take_oldest()
         seconds = time.perf_counter() - start  # each check's torch.equal has synchronized its device
@@ -267,6 +270,8 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
     padded = sum(b[1].numel() for b in timed)
     return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": padded, "bytes": per_token * padded,
             "seconds": seconds, "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined,
+            "retried": stats.retried, "link_resends": stats.link_resends, "duplicates": stats.duplicates,
+            "landed_s": [round(t, 4) for t in landed], "batch_padded_tokens": [b[1].numel() for b in timed],
             "verified": f"{passed}/{len(timed)}", "torch_threads": torch.get_num_threads()}
 
 
@@ -355,7 +360,7 @@ def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: i
                     figures[mode].append(_rated(got, gbit, ceiling))
                     print(f"[netns] {gbit:g} Gbit/s round {r + 1}: {mode} {got['tokens_per_s']:,.0f} tokens/s "
                           f"({got['gbit_per_s']:.2f} Gbit/s, {got['of_link']:.0%} of the link) "
-                          f"verified={got['verified']}", file=sys.stderr, flush=True)
+                          f"verified={got['verified']} retried={got['retried']}", file=sys.stderr, flush=True)
             report["rates"][f"{gbit:g}"] = {**figures, **_ratios(figures), "raw_tcp_gbit_per_s": ceiling}
     report["cpu_expand_tokens_per_s"] = round(cpu_expand_rate(), 1)
     report["cpu_restore_tokens_per_s"] = round(cpu_restore_rate(), 1)
