@@ -267,12 +267,17 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
         seconds = time.perf_counter() - start  # each check's torch.equal has synchronized its device
         stats = client.stats
     per_token = sum(t[0, 0].numel() * t.element_size() for t in sent.values())  # bytes a padded token sent
+    return {**_figure(timed, per_token, seconds, stats), "landed_s": [round(t, 4) for t in landed],
+            "verified": f"{passed}/{len(timed)}", "torch_threads": torch.get_num_threads()}
+
+
+def _figure(timed: list, per_token: int, seconds: float, stats) -> dict:
+    """What a timed run of the batches ``timed`` took and moved, and what its client counted."""
     padded = sum(b[1].numel() for b in timed)
     return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": padded, "bytes": per_token * padded,
-            "seconds": seconds, "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined,
-            "retried": stats.retried, "link_resends": stats.link_resends, "duplicates": stats.duplicates,
-            "landed_s": [round(t, 4) for t in landed], "batch_padded_tokens": [b[1].numel() for b in timed],
-            "verified": f"{passed}/{len(timed)}", "torch_threads": torch.get_num_threads()}
+            "seconds": seconds, "batch_padded_tokens": [b[1].numel() for b in timed],
+            "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined, "retried": stats.retried,
+            "link_resends": stats.link_resends, "duplicates": stats.duplicates}
 
 
 def _default_client(frontend: str, wire_dtype: str | None) -> dict:
