@@ -3,9 +3,9 @@
 A host->device copy straight from a ZeroMQ frame reads pageable memory: CUDA stages it through its own
 small pinned buffers, chunk by chunk, and the client's GPU context stays busy for the whole copy (several
 times longer than a DMA from pinned memory). On a GPU the client shares with a worker, that context time
-is taken from the worker's forward. So a reply's bytes bound for a GPU go through ``Staging``: a CPU copy
-of each piece of a frame into a pinned slab, then one ``non_blocking`` host->device copy of the slab,
-while the CPU fills the next slab.
+is taken from the worker's forward. So a reply's bytes bound for a GPU go through ``Staging``: CPU copies
+of a tensor's frames, one after another, into a pinned slab until it is full, then one ``non_blocking``
+host->device copy of the slab, while the CPU fills the next slab.
 
 Ownership, the invariant every use keeps: a slab is written by the CPU only once the device copy that
 last read it has completed (the event recorded after that copy). The slabs form a ring of at most
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from spec_serve.client.received import Span
-from spec_serve.protocol.wire import MAX_FRAME_BYTES, TensorSpan
+from spec_serve.protocol.wire import TensorSpan
 from spec_serve.telemetry.logs import event, one_line
 
 log = logging.getLogger("spec_serve.client")
@@ -42,6 +42,9 @@ log = logging.getLogger("spec_serve.client")
 # Slabs in the ring: the CPU fills one while the device reads the one before; the rest absorb a device
 # stream that is still busy with earlier work (the expansion of the previous batch).
 STAGING_SLABS = 4
+# Bytes a slab holds: the frames of a tensor are gathered into slabfuls, so each device copy moves this much
+# however small the frames are.
+STAGING_SLAB_BYTES = 16 << 20
 
 
 class Event(Protocol):
@@ -96,7 +99,7 @@ class Staging:
     queue a device copy (defaults: CUDA on ``device``'s current stream).
     """
 
-    def __init__(self, device: torch.device, slabs: int = STAGING_SLABS, slab_bytes: int = MAX_FRAME_BYTES,
+    def __init__(self, device: torch.device, slabs: int = STAGING_SLABS, slab_bytes: int = STAGING_SLAB_BYTES,
                  pin: Callable[[int], torch.Tensor] = _pinned, event: Callable[[], Event] | None = None,
                  copy: DeviceCopy = _copy_async):
         if slabs < 1 or slab_bytes < 1:
@@ -122,20 +125,26 @@ class Staging:
                 return span.copy_into(out)
             last = None
             done = 0
-            for piece in _pieces(span.parts, self.slab_bytes):
+            for pieces in _slabfuls(span.parts, self.slab_bytes):
                 slab = self._take()
-                if slab is None:  # no slab and none can be pinned: only possible before the first piece
+                if slab is None:  # no slab and none can be pinned: only possible before the first slabful
                     assert done == 0
                     return span.copy_into(out)
-                last = self._stage(slab, piece, out[done : done + piece.nbytes])
-                done += piece.nbytes
+                n = sum(piece.nbytes for piece in pieces)
+                last = self._stage(slab, pieces, out[done : done + n])
+                done += n
             if last is not None:
                 last.synchronize()  # copies on one stream complete in order: this was the last
         return out.view(span.dtype).view(span.shape)
 
-    def _stage(self, slab: _Slab, piece: memoryview, dst: torch.Tensor) -> Event:
-        n = piece.nbytes
-        np.copyto(slab.buffer[:n].numpy(), np.frombuffer(piece, dtype=np.uint8))
+    def _stage(self, slab: _Slab, pieces: list[memoryview], dst: torch.Tensor) -> Event:
+        """Copy ``pieces`` (consecutive bytes of ``dst``) into ``slab`` one after another, then queue one device
+        copy of them into ``dst``."""
+        host = slab.buffer.numpy()
+        n = 0
+        for piece in pieces:
+            np.copyto(host[n : n + piece.nbytes], np.frombuffer(piece, dtype=np.uint8))
+            n += piece.nbytes
         self._copy(dst, slab.buffer[:n])
         event = self._event()
         event.record()
@@ -180,9 +189,22 @@ class Staging:
             self._ring.clear()
 
 
-def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
-    """``parts`` cut into pieces of at most ``size`` bytes, in order, empty ones left out."""
-    return [part[lo : lo + size] for part in parts for lo in range(0, part.nbytes, size)]
+def _slabfuls(parts: Sequence[memoryview], size: int) -> list[list[memoryview]]:
+    """``parts`` (a tensor's bytes, in frames) as groups of consecutive pieces of ``size`` bytes together (the last
+    group may hold fewer): a slab's worth each, whatever the frames' size; empty pieces left out."""
+    groups: list[list[memoryview]] = [[]]
+    room = size
+    for part in parts:
+        lo = 0
+        while lo < part.nbytes:
+            if room == 0:
+                groups.append([])
+                room = size
+            piece = part[lo : lo + room]
+            groups[-1].append(piece)
+            room -= piece.nbytes
+            lo += piece.nbytes
+    return [g for g in groups if g]
 
 
 def land(span: Span, out: torch.Tensor, staging: Staging | None) -> torch.Tensor:

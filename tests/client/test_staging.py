@@ -96,9 +96,19 @@ def test_a_slab_is_written_again_only_after_its_copy_completed():
     got = staging.land(span, out)
     assert torch.equal(got, data)
     assert len(pins.made) == 2 == staging.allocations  # bounded: the ring never grows past its slabs
-    assert staging.copies == 5 + 1 + 11  # 300, 1 and 699 bytes in pieces of at most 64
+    assert staging.copies == 16  # 1000 bytes in slabfuls of 64, across the frames' cuts at 300 and 301
     assert staging.waits == staging.copies - 2  # the device never caught up by itself: each reuse waited
     assert stream.ran == len(stream.queued)  # complete on return
+
+
+def test_frames_smaller_than_a_slab_are_gathered_into_one_device_copy():
+    """1000 bytes in frames of 100 (and one odd cut) through slabs of 512: two device copies, each of a full slab
+    but the last, every byte where it belongs while the device lags behind."""
+    stream, pins = LateStream(), Pins()
+    staging = _staging(stream, pins, slabs=2, slab_bytes=512)
+    span, data = _span(5, cuts=(100, 200, 300, 333, 400, 500, 600, 700, 800, 900))
+    assert torch.equal(staging.land(span, torch.zeros(1000, dtype=torch.uint8)), data)
+    assert staging.copies == 2 and [len(q[1]) for q in stream.queued] == [512, 488]
 
 
 def test_a_slab_whose_copy_completed_is_reused_without_waiting():
@@ -151,7 +161,7 @@ def test_landing_goes_on_when_pinned_memory_runs_out(works, caplog):
     assert staging.allocations == works == staging.slabs() and pins.tried == works + 1
     assert staging.unpinned == "RuntimeError: CUDA error: out of memory CUDA kernel errors might be reported " \
                                "asynchronously"
-    assert staging.copies == (3 * 17 if works else 0) and stream.ran == len(stream.queued)
+    assert staging.copies == (3 * 16 if works else 0) and stream.ran == len(stream.queued)
     warnings = [r.getMessage() for r in caplog.records if "client.staging_unpinned" in r.getMessage()]
     assert len(warnings) == 1 and "out of memory" in warnings[0], warnings
     assert ("pageable copies" in warnings[0]) == (works == 0), warnings
