@@ -7,7 +7,7 @@ Every figure is payload bytes / median seconds of one encode + decode (GB/s,
 
   memcpy            dst.copy_(src) into preallocated, touched tensors: the ceiling
   safetensors       safetensors.torch.save + load (what the codec replaces)
-  wire_frames       encode + decode(frames): zero copy for tensors <= 16 MiB,
+  wire_frames       encode + decode(frames): zero copy for tensors <= 1 MiB (one frame),
                     one copy into a fresh tensor for a tensor spanning frames
   wire_frames_pool  the same with decode(alloc=...) handing out a reused buffer
   wire_recv_pool    encode, copy every frame into a reused receive buffer (what a

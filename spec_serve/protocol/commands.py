@@ -35,7 +35,7 @@ from typing import Any, Protocol
 # the model dtype), which a peer of 03/02/02 would refuse against its contract in the middle of a run.
 CLIENT_TAG = b"SPSC04"
 WORKER_TAG = b"SPSW03"
-DATA_TAG = b"SPSD03"
+DATA_TAG = b"SPSD04"
 
 # The broker's default ports, and what listens on each (for errors that name the fix).
 FRONTEND_PORT = 5555
@@ -60,8 +60,11 @@ MAX_HEADER_DEPTH = 16
 # MAX_HEADER_BYTES) and the codec's header frame. Receivers allow this over their payload limit.
 CONTROL_SLACK_BYTES = 1 << 20
 REQUEST_ID_BYTES = 16
-# The largest frame the tensor codec makes (spec_serve.protocol.wire.MAX_FRAME_BYTES).
-CODEC_FRAME_BYTES = 16 << 20
+# The largest frame the tensor codec makes (spec_serve.protocol.wire.MAX_FRAME_BYTES). libzmq receives each frame
+# into memory of its own from malloc: frames of 1 MiB come back in memory the allocator recycles while it is still
+# in cache, where 16 MiB ones land in fresh, cold memory (page faults, and the copy out of it misses the cache);
+# BENCHMARKS.md, "Frames of 1 MiB".
+CODEC_FRAME_BYTES = 1 << 20
 # A client message's payload is at most PART_BYTES in at most PART_FRAMES frames; a larger one goes in
 # parts (``in_parts``): the first message's header says how many ("parts") and their payload bytes
 # ("bytes"), and each later part is a PART of the same request id, which the broker joins. So no

@@ -19,9 +19,9 @@ import numpy as np
 
 from spec_serve.protocol.commands import CODEC_FRAME_BYTES
 
-# The largest frame the codec makes. libzmq has failed to send a 64 MiB frame ("Bad address
-# (src/tcp.cpp:227)") where 16 MiB frames worked (BENCHMARKS.md).
-MAX_FRAME_BYTES = CODEC_FRAME_BYTES  # 16 MiB; receivers bound a reply's frames by it (commands.py)
+# The largest frame the codec makes (1 MiB: commands.py says why). libzmq has also failed to send a 64 MiB frame
+# ("Bad address (src/tcp.cpp:227)") where 16 MiB frames worked (BENCHMARKS.md).
+MAX_FRAME_BYTES = CODEC_FRAME_BYTES  # receivers bound a reply's frames by it (commands.py)
 # The limit safetensors itself puts on the JSON header.
 MAX_HEADER_BYTES = 100_000_000
 # Far above any real tensor; bounds the work a hostile header can cause.

@@ -7,7 +7,7 @@ Options and why:
 - small high-water marks: they count messages, not bytes, and one message may
   be hundreds of MiB; flow control is done with credits above this layer.
 - MAXMSGSIZE: libzmq refuses any frame above this before allocating it. The
-  codec splits tensors into frames of at most 16 MiB (wire.MAX_FRAME_BYTES),
+  codec splits tensors into frames of at most 1 MiB (wire.MAX_FRAME_BYTES),
   so honest peers never come near it.
 - ZMTP heartbeats and TCP keepalive: a cut link is noticed by libzmq too.
 - IPV6: ``tcp://[::1]:5555`` and IPv6 host names work (off, libzmq answers them "No such device"); a

@@ -34,7 +34,7 @@ def _reply(tensors: dict[str, torch.Tensor]) -> Received:
 def _batch(rows: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        # 1 x 1100 x 4096 float32 spans several 16 MiB frames: the multi-part copy path.
+        # 1 x 1100 x 4096 float32 spans several frames (of 1 MiB): the multi-part copy path.
         "big": torch.randn(rows, 1100, 4096, generator=gen),
         "mask": torch.rand(rows, 7, 1, generator=gen) > 0.5,
         "ids": torch.randint(0, 100, (rows, 7), generator=gen),

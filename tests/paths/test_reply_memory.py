@@ -27,6 +27,7 @@ import spec_serve.client.sockets as client_module
 from cluster_util import CLIENT_KW, FAST_ENV, assert_equal_batches, stall_replies, workers
 from spec_serve.client.api import RemoteTargetModel
 from spec_serve.engines import packing
+from spec_serve.protocol import wire
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.transport.sockets import bound_endpoint, make_socket, send_lent
@@ -145,15 +146,17 @@ def test_send_lent_tracker_waits_for_every_frame():
     pull.bind("tcp://127.0.0.1:*")
     push = make_socket(ctx, zmq.PUSH, connect=bound_endpoint(pull))
     try:
+        # 16 MiB in frames of the codec's size, then a small frame.
         big = memoryview(torch.zeros(16 << 20, dtype=torch.uint8).numpy())
+        bigs = [big[i : i + wire.MAX_FRAME_BYTES] for i in range(0, big.nbytes, wire.MAX_FRAME_BYTES)]
         small = b"\x01" * 64
-        assert push.send_multipart([big, small], copy=False, track=True).done  # the trap: looks sent
+        assert push.send_multipart([*bigs, small], copy=False, track=True).done  # the trap: looks sent
         # The reader's libzmq holds one queued and one decoded message, the kernels at most a few MiB more.
-        trackers = [send_lent(push, [big, small]) for _ in range(4)]
+        trackers = [send_lent(push, [*bigs, small]) for _ in range(4)]
         time.sleep(0.5)
         assert not trackers[-1].done
         for _ in range(5):
-            assert pull.poll(10_000) and len(pull.recv_multipart()) == 2
+            assert pull.poll(10_000) and len(pull.recv_multipart()) == len(bigs) + 1
         deadline = time.monotonic() + 10
         while not all(t.done for t in trackers) and time.monotonic() < deadline:
             time.sleep(0.01)

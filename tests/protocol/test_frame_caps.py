@@ -42,9 +42,9 @@ CLIENT_PAYLOAD = 16
 WORKER_MAX_MESSAGE_BYTES = 1 << 20
 WORKER_PAYLOAD = 16 * (4 + 2)
 # A reply: tag, status, request id, header; the codec's header frame, at most 16 tensors, and a tensor of more
-# than 16 MiB split in frames of 16 MiB: at 64 MiB, 4 more.
+# than 1 MiB split in frames of 1 MiB: at 64 MiB, 64 more.
 CLIENT_MAX_MESSAGE_BYTES = 64 << 20
-REPLY = 4 + 1 + 16 + 4
+REPLY = 4 + 1 + 16 + 64
 
 CLIENT_PAYLOAD_COMMANDS = {ClientCommand.REQUEST, ClientCommand.SET_VOCAB, ClientCommand.PART}
 WORKER_PAYLOAD_COMMANDS = {WorkerCommand.REQUEST, WorkerCommand.SET_VOCAB}

@@ -226,7 +226,7 @@ RECEIVE_BAND = 4
 class RecyclingAllocator:
     """``alloc=`` hook for ``wire.decode`` on a receiver: reuse a buffer once nobody holds its tensors.
 
-    A tensor spanning several 16 MiB frames is assembled with one copy into memory from ``alloc``.
+    A tensor spanning several frames (of 1 MiB) is assembled with one copy into memory from ``alloc``.
     Fresh buffers over 32 MiB come straight from mmap and fault on every 4 KiB page, so that copy, not
     the socket, would dominate the codec path (BENCHMARKS.md, "frames_fresh"). This keeps up to ``max_buffers`` buffers
     and hands out the first ``nbytes`` of the smallest idle one that fits (its storage has no user left: the

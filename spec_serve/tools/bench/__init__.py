@@ -57,7 +57,7 @@ even on a shared, noisy box (absolute numbers do not travel). Scenarios (``--onl
                       not expanded (tools/null_engine.py: the 8B reply shape either way)
   samehost_null       the same bytes lent through the same-host plane
   direct_null         the same bytes from a plain ROUTER socket answering a DEALER (no broker)
-  zmq_raw             raw ZeroMQ PUSH->PULL over loopback: pre-built 16 MiB frames, same bytes
+  zmq_raw             raw ZeroMQ PUSH->PULL over loopback: pre-built 1 MiB frames, same bytes
   frames              the codec path over the same socket pair: wire.encode -> send -> wire.decode
   zmq_raw_ipc, frames_ipc   the same two over ipc:// (unix sockets)
   worker_pool         the worker's hot path in-process (serve, host copy into the pinned pool,

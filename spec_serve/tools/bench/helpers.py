@@ -42,7 +42,7 @@ def _direct_server(args: list[str]) -> None:
 
 
 def _push_sender(args: list[str]) -> None:
-    """PUSH ``count`` messages of the null tensors' bytes: raw 16 MiB frames, or wire.encode frames."""
+    """PUSH ``count`` messages of the null tensors' bytes: raw frames of wire.MAX_FRAME_BYTES, or wire.encode frames."""
     import zmq
 
     from spec_serve.protocol import wire
