@@ -9,6 +9,7 @@ figure byte for byte (``verified``).
 
   python benchmarks/bench_frame_size.py --json frames.json          # 16 MiB against 1 MiB, 3 rounds of 8 GiB
   python benchmarks/bench_frame_size.py --frames-kib 16384,4096,1024,256 --gib 2 --rounds 1
+  python benchmarks/bench_frame_size.py --no-assemble       # libzmq's receive alone (the client's ZMQ thread)
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def _send(port: int, message_bytes: int, frame_bytes: int, count: int) -> None:
     ctx.term()
 
 
-def figure(message_bytes: int, frame_bytes: int, total_bytes: int) -> dict:
-    """Receive ``total_bytes`` in messages of ``message_bytes`` cut in frames of ``frame_bytes``."""
+def figure(message_bytes: int, frame_bytes: int, total_bytes: int, assemble: bool = True) -> dict:
+    """Receive ``total_bytes`` in messages of ``message_bytes`` cut in frames of ``frame_bytes`` (each frame copied
+    into one reused buffer when ``assemble``; else only its stamp read: what libzmq's receive thread alone does)."""
     count = max(total_bytes // message_bytes, 2)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -79,7 +81,8 @@ def figure(message_bytes: int, frame_bytes: int, total_bytes: int) -> dict:
         offset = 0
         for part in parts:
             view = np.frombuffer(part.buffer, dtype=np.uint8)
-            into[offset : offset + view.size] = view
+            if assemble or index == count - 1:
+                into[offset : offset + view.size] = view
             bad += int.from_bytes(view[:8].tobytes(), "little") != index or view.size > frame_bytes
             offset += view.size
         bad += offset != message_bytes
@@ -105,13 +108,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--message-mib", type=int, default=128, help="one message (a reply) [128]")
     p.add_argument("--gib", type=float, default=8, help="bytes per figure [8]")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-assemble", action="store_true", help="read each frame's stamp only, copy nothing")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     sizes = [int(k) << 10 for k in a.frames_kib.split(",")]
     figures: dict[int, list[dict]] = {size: [] for size in sizes}
     for r in range(a.rounds):
         for size in sizes if r % 2 == 0 else sizes[::-1]:
-            got = figure(a.message_mib << 20, size, int(a.gib * (1 << 30)))
+            got = figure(a.message_mib << 20, size, int(a.gib * (1 << 30)), not a.no_assemble)
             figures[size].append(got)
             print(f"[frames] round {r + 1}: {size >> 10:>6} KiB frames {got['gb_per_s']:.2f} GB/s, "
                   f"{got['minor_faults']:,} faults, {got['cpu_s']:.2f} CPU-s in {got['seconds']:.2f} s, "
@@ -128,6 +132,7 @@ def main(argv: list[str]) -> int:
     print("verified" if ok else "NOT verified")
     if a.json:
         report = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "message_mib": a.message_mib, "gib": a.gib,
+                  "assembled": not a.no_assemble,
                   "summary": summary, "figures": {size >> 10: figs for size, figs in figures.items()}, "ok": ok}
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1
