@@ -14,9 +14,10 @@ round, in alternating order, the modes of ``--modes``:
   auto_fp8  the same with wire_dtype="fp8": the hidden states as float8_e4m3 with their float32 scales,
             landed and not restored
 
-Batches are ``--rows`` rows of ``--lengths`` (``lognormal``, the default: each row's length drawn as
-``spec-serve bench --lengths lognormal`` draws it, each batch padded to its longest row; ``full``: every
-row ``--seq`` tokens), so reply sizes change from batch to batch as a trainer's do. Per figure: useful and
+Batches are ``--rows`` rows of each of ``--lengths``, both by default and side by side in every round
+(``lognormal``: each row's length drawn as ``spec-serve bench --lengths lognormal`` draws it, each batch padded
+to its longest row, so reply sizes change from batch to batch as a trainer's do; ``full``: every row ``--seq``
+tokens). Per figure: useful and
 padded tokens/s, the payload's Gbit/s, and ``of_link``: that payload rate over the link's rate (bytes per
 padded token x padded tokens/s, against the link's own bound) and ``of_raw_tcp``: over what one plain TCP
 stream carried across the same link just before (``raw_tcp_gbit_per_s``: a machine whose cores cannot fill
@@ -37,7 +38,7 @@ wire_dtype="fp8" gets an FP8 reply (stats.fp8_replies) restored and expanded bit
 Needs root, iproute2 (`ip netns`) and `tc`; exits 2 naming what is missing otherwise. Creates only its own
 namespaces (10.232.0.0/24) and removes them, with every process it started in them.
 
-  python benchmarks/bench_netns.py --json netns.json        # 10 and 25 Gbit/s, 3 rounds of 16 x 4 x lognormal(2048)
+  python benchmarks/bench_netns.py --json netns.json   # 10 and 25 Gbit/s, 3 rounds of 16 x 4 rows, lognormal and full
   python benchmarks/bench_netns.py --rates 10 --rounds 1 --messages 2 --seq 16 --rows 1   # what the test runs
 """
 
@@ -343,33 +344,41 @@ def _start_cluster(link: Link) -> str:
     return frontend
 
 
-def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: int, rows: int, lengths: str,
+def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: int, rows: int, lengths: list[str],
         prefetch: int, device: str) -> dict:
+    config = {"rates_gbit": rates, "modes": modes, "rounds": rounds, "messages": messages, "seq": seq, "rows": rows,
+              "lengths": lengths, "prefetch": prefetch, "client_device": device}
     report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "load": os.getloadavg(),
-                    "config": {"rates_gbit": rates, "modes": modes, "rounds": rounds, "messages": messages,
-                               "seq": seq, "rows": rows, "lengths": lengths, "prefetch": prefetch,
-                               "client_device": device}, "rates": {}}
+                    "config": config, "rates": {}}
     with Link() as link:
         frontend = _start_cluster(link)
         report["auto_check"] = _client(link, "_auto", frontend)
         for gbit in rates:
             link.limit(gbit)
-            ceiling = raw_ceiling(link)
-            print(f"[netns] {gbit:g} Gbit/s: one plain TCP stream carries {ceiling:.2f} Gbit/s here", file=sys.stderr,
-                  flush=True)
-            figures: dict[str, list[dict]] = {mode: [] for mode in modes}
-            for r in range(rounds):
-                for mode in (modes if r % 2 == 0 else modes[::-1]):
-                    got = _client(link, "_timed", frontend, mode, str(messages), str(seq), str(rows), lengths,
-                                  str(prefetch), device)
-                    figures[mode].append(_rated(got, gbit, ceiling))
-                    print(f"[netns] {gbit:g} Gbit/s round {r + 1}: {mode} {got['tokens_per_s']:,.0f} tokens/s "
-                          f"({got['gbit_per_s']:.2f} Gbit/s, {got['of_link']:.0%} of the link) "
-                          f"verified={got['verified']} retried={got['retried']}", file=sys.stderr, flush=True)
-            report["rates"][f"{gbit:g}"] = {**figures, **_ratios(figures), "raw_tcp_gbit_per_s": ceiling}
+            report["rates"][f"{gbit:g}"] = _measure_rate(link, frontend, gbit, config)
     report["cpu_expand_tokens_per_s"] = round(cpu_expand_rate(), 1)
     report["cpu_restore_tokens_per_s"] = round(cpu_restore_rate(), 1)
     return report
+
+
+def _measure_rate(link: Link, frontend: str, gbit: float, config: dict) -> dict:
+    """One rate: the plain TCP ceiling, then per round each of the config's lengths, its modes in alternating
+    order; per lengths, each mode's figures and their ratios."""
+    ceiling = raw_ceiling(link)
+    print(f"[netns] {gbit:g} Gbit/s: one plain TCP stream carries {ceiling:.2f} Gbit/s here", file=sys.stderr,
+          flush=True)
+    modes = config["modes"]
+    figures: dict[str, dict[str, list[dict]]] = {shape: {mode: [] for mode in modes} for shape in config["lengths"]}
+    for r in range(config["rounds"]):
+        for shape in config["lengths"]:
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                got = _client(link, "_timed", frontend, mode, str(config["messages"]), str(config["seq"]),
+                              str(config["rows"]), shape, str(config["prefetch"]), config["client_device"])
+                figures[shape][mode].append(_rated(got, gbit, ceiling))
+                print(f"[netns] {gbit:g} Gbit/s {shape} round {r + 1}: {mode} {got['tokens_per_s']:,.0f} tokens/s "
+                      f"({got['gbit_per_s']:.2f} Gbit/s, {got['of_link']:.0%} of the link) "
+                      f"verified={got['verified']} retried={got['retried']}", file=sys.stderr, flush=True)
+    return {"raw_tcp_gbit_per_s": ceiling, "lengths": {shape: {**f, **_ratios(f)} for shape, f in figures.items()}}
 
 
 def _rated(got: dict, gbit: float, ceiling: float) -> dict:
@@ -396,13 +405,24 @@ def _ratios(figures: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _summary(figures: dict, modes: list[str], ceiling: float) -> str:
+    """One line: each mode's median tokens/s, share of the link and of plain TCP, then the ratios."""
+    shown = [f"{mode} {statistics.median(f['tokens_per_s'] for f in figures[mode]):>9,.0f} tokens/s "
+             f"({statistics.median(f['of_link'] for f in figures[mode]):.0%} of the link, "
+             f"{statistics.median(f['of_raw_tcp'] for f in figures[mode]):.0%} of plain TCP's {ceiling:.2f} Gbit/s)"
+             for mode in modes]
+    ratios = [f"{name} {r['median']} {r['rounds']}" for name, r in figures.items() if name.endswith(("_full", "_auto"))]
+    return "  ".join(shown + ratios)
+
+
 def _ok(report: dict) -> bool:
     """Every reply verified, and the default clients' checks passed."""
     check = report["auto_check"]
-    verified = all(f["verified"].split("/")[0] == f["verified"].split("/")[1]
-                   for rate in report["rates"].values() for mode in report["config"]["modes"] for f in rate[mode])
-    fp8_sent = all(f["fp8_replies"] == report["config"]["messages"] + 1 for rate in report["rates"].values()
-                   for f in rate.get("auto_fp8", []))
+    config = report["config"]
+    figures = [(mode, f) for rate in report["rates"].values() for shape in config["lengths"]
+               for mode in config["modes"] for f in rate["lengths"][shape][mode]]
+    verified = all(f["verified"].split("/")[0] == f["verified"].split("/")[1] for _, f in figures)
+    fp8_sent = all(f["fp8_replies"] == config["messages"] + 1 for mode, f in figures if mode == "auto_fp8")
     return (verified and fp8_sent and check["equal"] and check["compact_replies"] == 1
             and check["lm_head_slices"] == 1 and check["fp8"]["equal"] and check["fp8"]["fp8_replies"] == 1)
 
@@ -418,7 +438,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--messages", type=int, default=16, help="timed batches per figure [16]")
     p.add_argument("--seq", type=int, default=2048, help="longest row [2048]")
     p.add_argument("--rows", type=int, default=4, help="rows a batch [4]")
-    p.add_argument("--lengths", default="lognormal", choices=("lognormal", "full"), help="row lengths [lognormal]")
+    p.add_argument("--lengths", default="lognormal,full",
+                   help="row lengths, each measured in every round: lognormal, full or both [lognormal,full]")
     p.add_argument("--prefetch", type=int, default=PREFETCH_DEPTH, help=f"batches in flight [{PREFETCH_DEPTH}]")
     p.add_argument("--client-device", default="cpu",
                    help="where the client lands replies [cpu]; on cuda:N FP8 ones are restored there, as in training")
@@ -428,22 +449,20 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    lengths = a.lengths.split(",")
+    if not set(lengths) <= {"lognormal", "full"}:
+        p.error(f"--lengths: {a.lengths!r}; give lognormal, full or lognormal,full")
     reason = unavailable()
     if reason:
         print(f"bench_netns: {reason}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the namespaces and processes go too
-    report = run([float(r) for r in a.rates.split(",")], modes, a.rounds, a.messages, a.seq, a.rows, a.lengths,
+    report = run([float(r) for r in a.rates.split(",")], modes, a.rounds, a.messages, a.seq, a.rows, lengths,
                  a.prefetch, a.client_device)
     report["ok"] = _ok(report)
     for gbit, rate in report["rates"].items():
-        shown = [f"{mode} {statistics.median(f['tokens_per_s'] for f in rate[mode]):>9,.0f} tokens/s "
-                 f"({statistics.median(f['of_link'] for f in rate[mode]):.0%} of the link, "
-                 f"{statistics.median(f['of_raw_tcp'] for f in rate[mode]):.0%} of plain TCP's "
-                 f"{rate['raw_tcp_gbit_per_s']:.2f} Gbit/s)" for mode in modes]
-        ratios = [f"{name} {r['median']} {r['rounds']}" for name, r in rate.items()
-                  if name.endswith(("_full", "_auto"))]
-        print(f"{gbit:>4} Gbit/s  " + "  ".join(shown + ratios))
+        for shape, figures in rate["lengths"].items():
+            print(f"{gbit:>4} Gbit/s {shape:>9}  " + _summary(figures, modes, rate["raw_tcp_gbit_per_s"]))
     print(f"default clients: {report['auto_check']}; CPU expansion {report['cpu_expand_tokens_per_s']:,} tokens/s, "
           f"CPU FP8 restore {report['cpu_restore_tokens_per_s']:,} tokens/s; {'OK' if report['ok'] else 'NOT OK'}")
     if a.json:

@@ -212,15 +212,20 @@ def test_netns_bench_full_auto_and_fp8_across_a_rate_limited_link(tmp_path):
     out = tmp_path / "netns.json"
     proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_netns.py"), "--rates", "10",
                            "--rounds", "1", "--messages", "2", "--seq", "16", "--rows", "1", "--modes",
-                           "full,auto,auto_fp8", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "full,auto,auto_fp8", "--lengths", "lognormal,full", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] and report["auto_check"] == {
         "compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0, "fp8_replies": 0, "equal": True,
         "fp8": {"compact_replies": 1, "lm_head_slices": 1, "plane_replies": 0, "fp8_replies": 1, "equal": True}}
-    rate = report["rates"]["10"]
-    assert 0 < rate["raw_tcp_gbit_per_s"] < 10.5  # the link's ceiling measured beside: tc holds it to 10 Gbit/s
-    assert [f["verified"] for f in rate["full"] + rate["auto"] + rate["auto_fp8"]] == ["2/2", "2/2", "2/2"]
+    assert 0 < report["rates"]["10"]["raw_tcp_gbit_per_s"] < 10.5  # the link's ceiling: tc holds it to 10 Gbit/s
+    shapes = report["rates"]["10"]["lengths"]
+    assert sorted(shapes) == ["full", "lognormal"]  # real lengths beside full rows, in one run
+    for rate in shapes.values():
+        assert [f["verified"] for f in rate["full"] + rate["auto"] + rate["auto_fp8"]] == ["2/2", "2/2", "2/2"]
+        assert all(f["retried"] == 0 for f in rate["full"] + rate["auto"] + rate["auto_fp8"])
+    rate = shapes["full"]
     assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token
     # 20 KiB against 32 KiB: the aux hidden states halve, the final state stays bf16 (contract.FP8_TENSORS)
     assert 1.55 < rate["auto"][0]["bytes"] / rate["auto_fp8"][0]["bytes"] < 1.65
