@@ -33,6 +33,7 @@ from typing import Any, Protocol
 # rides the client's heartbeat, wire_dtype, DONE's status an enum: a peer of the old headers is refused.
 # All 04/03/03: a wire_dtype="fp8" reply quantizes contract.FP8_TENSORS only (compact's final state stays in
 # the model dtype), which a peer of 03/02/02 would refuse against its contract in the middle of a run.
+# Data 04: tensors travel in frames of 1 MiB (CODEC_FRAME_BYTES), more than a receiver of 03 allows a reply.
 CLIENT_TAG = b"SPSC04"
 WORKER_TAG = b"SPSW03"
 DATA_TAG = b"SPSD04"

@@ -26,7 +26,7 @@ log = logging.getLogger("spec_serve.worker")
 # Client data sockets kept open, and how long an unused one lives.
 MAX_DATA_SOCKETS = 64
 DATA_SOCKET_IDLE_S = 120.0
-# Replies a client's data socket queues before further ones are undeliverable (ZeroMQ SNDHWM).
+# Replies a client's data socket queues (ZeroMQ SNDHWM); further ones wait in the Outbox until one leaves.
 DATA_SOCKET_HWM = 4
 # A reply waits this long for a new data socket's connection; after that, a socket that takes nothing while
 # none of our replies queue there makes the reply undeliverable at once (it is refused or not read).
