@@ -31,6 +31,7 @@ from spec_serve.protocol import wire
 from spec_serve.tools.launch import local_cluster
 from spec_serve.tools.tiny import sample_batch
 from spec_serve.transport.sockets import bound_endpoint, make_socket, send_lent
+from spec_serve.worker import replies
 
 # 4 x 512 tokens of full EAGLE-3 on the tiny target (about 5 MB a batch, each shard more than the
 # kernel buffers of a stalled reader), its position_mask frame (1 KiB a shard) under pyzmq's copy
@@ -50,7 +51,8 @@ def cluster(tiny_target_dir):
         pooled = ("--host-pool", "--host-pool-buffers", "1")
         c.start_worker(tiny_target_dir, *pooled, service="pooled")
         c.start_worker(tiny_target_dir, *pooled, "--packing", "--max-batch-tokens", str(ROWS * SEQ), service="packing")
-        c.wait_workers(2)
+        c.start_worker(tiny_target_dir, "--capacity", "4", service="queued")
+        c.wait_workers(3)
         yield c
 
 
@@ -134,6 +136,37 @@ def test_pooled_replies_survive_slab_reuse(cluster, slow_reader, batches, two_sh
             assert packing.violations(report, packing.TOLERANCE[torch.float32]) == [], report
         else:
             assert_equal_batches(got, want)
+
+
+def test_replies_past_the_data_sockets_high_water_mark_wait_for_a_slow_reader(cluster, monkeypatch, batches,
+                                                                             two_shards, tiny_vocab_mapping):
+    """12 replies of about 2.5 MB for one client that reads nothing for longer than CONNECT_GRACE_S (its libzmq
+    queues one, its kernel buffer 64 KiB): the worker's socket to it queues DATA_SOCKET_HWM of them, the rest
+    wait in the worker and go once the reader reads. Every batch equal to the colocated forward, none retried
+    (the worker made the replies past the mark undeliverable before: the client failed after 4 attempts)."""
+    make_socket = client_module.make_socket
+
+    def small_buffers(ctx, kind, **kwargs):
+        if kind == zmq.PULL:
+            kwargs["hwm"] = 1  # libzmq reads one reply ahead of the stalled client
+        sock = make_socket(ctx, kind, **kwargs)
+        if kind == zmq.PULL:
+            sock.setsockopt(zmq.RCVBUF, 64 << 10)  # before the data socket binds
+        return sock
+
+    monkeypatch.setattr(client_module, "make_socket", small_buffers)
+    with RemoteTargetModel(cluster.frontend, service="queued", prefetch_depth=BATCHES, num_shards=2, timeout=120,
+                           **FULL_KW) as client:
+        client.set_vocab_mapping(*tiny_vocab_mapping)
+        stalled = stall_replies(client)
+        stalled.set()
+        futures = [client.generate_batch_async(*batch, kind="eagle3") for batch, _ in batches]
+        time.sleep(replies.CONNECT_GRACE_S + 1.5)
+        stalled.clear()
+        results = [f.result(timeout=120) for f in futures]
+        assert client.stats.retried == 0 and client.stats.plane_replies == 0
+    for want, got in zip(two_shards, results):
+        assert_equal_batches(got, want)
 
 
 def test_send_lent_tracker_waits_for_every_frame():
