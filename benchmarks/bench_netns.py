@@ -333,25 +333,25 @@ def cpu_restore_rate(tokens: int = 2048) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def _start_cluster(link: Link) -> str:
+def _start_cluster(link: Link, capacity: int) -> str:
     frontend, backend = f"tcp://{WORKER_ADDR}:5555", f"tcp://{WORKER_ADDR}:5556"
     # No CURVE between the namespaces: protected mode needs the explicit flag.
     link.spawn(link.worker_ns, ["-m", "spec_serve.tools.cli", "broker", "--frontend", "tcp://*:5555", "--backend",
                                 "tcp://*:5556", "--http-port", "0", "--insecure-network"], stdout=subprocess.DEVNULL,
                stderr=subprocess.DEVNULL)
-    link.spawn(link.worker_ns, ["-m", "spec_serve.tools.bench", "_null_worker", backend, "null"],
+    link.spawn(link.worker_ns, ["-m", "spec_serve.tools.bench", "_null_worker", backend, "null", str(capacity)],
                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return frontend
 
 
 def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: int, rows: int, lengths: list[str],
-        prefetch: int, device: str) -> dict:
+        prefetch: int, device: str, worker_capacity: int = 2) -> dict:
     config = {"rates_gbit": rates, "modes": modes, "rounds": rounds, "messages": messages, "seq": seq, "rows": rows,
-              "lengths": lengths, "prefetch": prefetch, "client_device": device}
+              "lengths": lengths, "prefetch": prefetch, "client_device": device, "worker_capacity": worker_capacity}
     report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "load": os.getloadavg(),
                     "config": config, "rates": {}}
     with Link() as link:
-        frontend = _start_cluster(link)
+        frontend = _start_cluster(link, config["worker_capacity"])
         report["auto_check"] = _client(link, "_auto", frontend)
         for gbit in rates:
             link.limit(gbit)
@@ -443,6 +443,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefetch", type=int, default=PREFETCH_DEPTH, help=f"batches in flight [{PREFETCH_DEPTH}]")
     p.add_argument("--client-device", default="cpu",
                    help="where the client lands replies [cpu]; on cuda:N FP8 ones are restored there, as in training")
+    p.add_argument("--worker-capacity", type=int, default=2, help="requests the null worker takes at once [2]")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -458,7 +459,7 @@ def main(argv: list[str]) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the namespaces and processes go too
     report = run([float(r) for r in a.rates.split(",")], modes, a.rounds, a.messages, a.seq, a.rows, lengths,
-                 a.prefetch, a.client_device)
+                 a.prefetch, a.client_device, a.worker_capacity)
     report["ok"] = _ok(report)
     for gbit, rate in report["rates"].items():
         for shape, figures in rate["lengths"].items():

@@ -120,14 +120,14 @@ def quantize_once() -> None:
     fp8.quantize_reply = once
 
 
-def run_worker(broker: str, service: str, forward_s: float = 0.0) -> None:
-    """A worker serving ``NullEngine(forward_s)`` until SIGTERM (its FP8 replies quantized once each:
-    ``quantize_once``)."""
+def run_worker(broker: str, service: str, forward_s: float = 0.0, capacity: int = 2) -> None:
+    """A worker of ``capacity`` serving ``NullEngine(forward_s)`` until SIGTERM (its FP8 replies quantized once
+    each: ``quantize_once``)."""
     from spec_serve.worker.server import Worker
 
     quantize_once()
 
     # cast: a transport-only stand-in (generate requests and lm_head slices; nothing to close)
-    worker = Worker(cast("TargetEngine", NullEngine(forward_s)), broker, service=service, capacity=2)
+    worker = Worker(cast("TargetEngine", NullEngine(forward_s)), broker, service=service, capacity=capacity)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     worker.run()

@@ -15,7 +15,7 @@ import torch
 def _null_worker(args: list[str]) -> None:
     from spec_serve.tools.null_engine import run_worker
 
-    run_worker(args[0], args[1])
+    run_worker(args[0], args[1], capacity=int(args[2]) if len(args) > 2 else 2)  # [broker, service, capacity]
 
 
 def _direct_server(args: list[str]) -> None:
