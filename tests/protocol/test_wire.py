@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -432,3 +435,17 @@ def test_fp8_travels_under_safetensors_name_and_its_size_is_checked():
     lying = raw_message({"h": {"dtype": "F8_E4M3", "shape": [2, 3, 8], "data_offsets": [0, 96]}}, bytes(96))
     with pytest.raises(WireError, match=r"F8_E4M3\[2, 3, 8\] needs 48 bytes"):
         decode(lying)
+
+
+def test_frame_size_bench_checks_every_frame_it_times(tmp_path):
+    """benchmarks/bench_frame_size.py, for correctness only (its figures are in BENCHMARKS.md, "Frames of
+    1 MiB"): both sizes timed, every message's frames checked as they land and the last one byte for byte."""
+    out = tmp_path / "frames.json"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_frame_size.py"
+    proc = subprocess.run([sys.executable, str(bench), "--frames-kib", "1024,256", "--message-mib", "4", "--gib",
+                           "0.04", "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and sorted(report["figures"]) == ["1024", "256"]
+    assert all(f["verified"] and f["messages"] == 10 for figs in report["figures"].values() for f in figs)
+    assert len(report["summary"]["256"]["over_1024_kib"]) == 2
