@@ -274,9 +274,9 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
 
 def _figure(timed: list, per_token: int, seconds: float, stats) -> dict:
     """What a timed run of the batches ``timed`` took and moved, and what its client counted."""
-    padded = sum(b[1].numel() for b in timed)
-    return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": padded, "bytes": per_token * padded,
-            "seconds": seconds, "batch_padded_tokens": [b[1].numel() for b in timed],
+    per_batch = [b[1].numel() for b in timed]
+    return {"tokens": sum(int(b[1].sum()) for b in timed), "padded_tokens": sum(per_batch),
+            "bytes": per_token * sum(per_batch), "seconds": seconds, "batch_padded_tokens": per_batch,
             "fp8_replies": stats.fp8_replies, "fp8_declined": stats.fp8_declined, "retried": stats.retried,
             "link_resends": stats.link_resends, "duplicates": stats.duplicates}
 
@@ -351,7 +351,7 @@ def run(rates: list[float], modes: list[str], rounds: int, messages: int, seq: i
     report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "cpus": os.cpu_count(), "load": os.getloadavg(),
                     "config": config, "rates": {}}
     with Link() as link:
-        frontend = _start_cluster(link, config["worker_capacity"])
+        frontend = _start_cluster(link, worker_capacity)
         report["auto_check"] = _client(link, "_auto", frontend)
         for gbit in rates:
             link.limit(gbit)
