@@ -9,15 +9,18 @@ round, in alternating order, the modes of ``--modes``:
 
   full      compact=False: full EAGLE-3 replies as frames
   auto      what compact="auto", the client's default, receives from a worker of another host: the worker
-            answers compact (checked once per run with a real default client, below); timed from the first
-            request to the last reply landed on the client, as frames (kind eagle3_compact), not expanded
+            answers compact (checked once per run with a real default client, below); landed on the client
+            as frames (kind eagle3_compact), not expanded
   auto_fp8  the same with wire_dtype="fp8": the hidden states as float8_e4m3 with their float32 scales,
             landed and not restored
 
 Batches are ``--rows`` rows of each of ``--lengths``, both by default and side by side in every round
 (``lognormal``: each row's length drawn as ``spec-serve bench --lengths lognormal`` draws it, each batch padded
 to its longest row, so reply sizes change from batch to batch as a trainer's do; ``full``: every row ``--seq``
-tokens). Per figure: useful and
+tokens). Each figure is the steady state a training run sees, as `spec-serve bench` times it: from the first
+reply landed to the last, counting the batches after the first (the pipeline's fill, one reply's whole way back
+while nothing flows yet, is ``fill_s`` in the JSON; at 25 Gbit/s it was 6-10% of a 16-batch window). Per
+figure: useful and
 padded tokens/s, the payload's Gbit/s, and ``of_link``: that payload rate over the link's rate (bytes per
 padded token x padded tokens/s, against the link's own bound) and ``of_raw_tcp``: over what one plain TCP
 stream carried across the same link just before (``raw_tcp_gbit_per_s``: a machine whose cores cannot fill
@@ -38,13 +41,14 @@ wire_dtype="fp8" gets an FP8 reply (stats.fp8_replies) restored and expanded bit
 Needs root, iproute2 (`ip netns`) and `tc`; exits 2 naming what is missing otherwise. Creates only its own
 namespaces (10.232.0.0/24) and removes them, with every process it started in them.
 
-  python benchmarks/bench_netns.py --json netns.json   # 10 and 25 Gbit/s, 3 rounds of 16 x 4 rows, lognormal and full
+  python benchmarks/bench_netns.py --json netns.json   # 10 and 25 Gbit/s, 3 rounds of 60 x 4 rows, lognormal and full
   python benchmarks/bench_netns.py --rates 10 --rounds 1 --messages 2 --seq 16 --rows 1   # what the test runs
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -215,11 +219,11 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
               device: str = "cpu") -> dict:
     """``messages`` batches of ``rows`` rows (``lengths``) to the null worker after one untimed batch, as a
     trainer asks for them: ``prefetch`` in flight, each reply taken (the oldest first) once that many are,
-    checked against the null reply and dropped. Timed to the last reply landed on ``device`` and checked
-    (compact replies not expanded; FP8 ones restored on a GPU, landed as sent on a CPU: the docstring says
-    why). Holding every reply to check it after the clock made each land in fresh memory, whose first touch a
-    trainer's client does not pay: it lands in memory the batches it dropped held (recv_alloc, the caching
-    allocator)."""
+    checked against the null reply and dropped. Timed from the first reply landed on ``device`` to the last,
+    over the batches after the first (compact replies not expanded; FP8 ones restored on a GPU, landed as sent
+    on a CPU: the docstring says why). Holding every reply to check it after the clock made each land in fresh
+    memory, whose first touch a trainer's client does not pay: it lands in memory the batches it dropped held
+    (recv_alloc, the caching allocator)."""
     import collections
 
     import torch
@@ -244,7 +248,7 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
     want = {name: t.to(device) for name, t in want.items()}
     passed = 0
     pending: collections.deque = collections.deque()
-    landed: list[float] = []  # seconds from the start at which each reply was complete on the client
+    landed: list[tuple[float, int]] = []  # (seconds from the start, batch) as each reply was complete on the client
 
     def take_oldest() -> None:
         nonlocal passed
@@ -257,19 +261,33 @@ def timed_run(frontend: str, mode: str, messages: int, seq: int, rows: int, leng
         client.set_vocab_mapping(*null_mapping())
         client.generate_batch(*batches[0], kind=kind)
         start = time.perf_counter()
-        for batch in timed:
+        for i, batch in enumerate(timed):
             if len(pending) == prefetch:
                 take_oldest()
             future = client.generate_batch_async(*batch, kind=kind)
-            future.add_done_callback(lambda _: landed.append(time.perf_counter() - start))
+            future.add_done_callback(functools.partial(_land, landed, start, i))
             pending.append((batch, future))
         while pending:
             take_oldest()
-        seconds = time.perf_counter() - start  # each check's torch.equal has synchronized its device
+        end = time.perf_counter() - start  # each check's torch.equal has synchronized its device
         stats = client.stats
     per_token = sum(t[0, 0].numel() * t.element_size() for t in sent.values())  # bytes a padded token sent
-    return {**_figure(timed, per_token, seconds, stats), "landed_s": [round(t, 4) for t in landed],
-            "verified": f"{passed}/{len(timed)}", "torch_threads": torch.get_num_threads()}
+    return {**_steady(timed, landed, end, per_token, stats), "verified": f"{passed}/{len(timed)}",
+            "torch_threads": torch.get_num_threads()}
+
+
+def _land(landed: list[tuple[float, int]], start: float, batch: int, _future: object) -> None:
+    """A reply is complete on the client: when, from ``start``, and which batch."""
+    landed.append((time.perf_counter() - start, batch))
+
+
+def _steady(timed: list, landed: list[tuple[float, int]], end: float, per_token: int, stats) -> dict:
+    """The figure from the first reply landed to ``end``, over the batches after it: the pipeline's fill (one
+    reply's whole way back while nothing flows yet) is ``fill_s``, apart, as a training run pays it once."""
+    fill, first = min(landed)
+    steady = [batch for i, batch in enumerate(timed) if i != first]
+    return {**_figure(steady, per_token, end - fill, stats), "fill_s": round(fill, 4), "window_s": round(end, 4),
+            "landed_s": [round(t, 4) for t, _ in sorted(landed)]}
 
 
 def _figure(timed: list, per_token: int, seconds: float, stats) -> dict:
@@ -435,7 +453,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rates", default="10,25", help="link rates in Gbit/s, comma-separated [10,25]")
     p.add_argument("--modes", default="auto,auto_fp8", help=f"of {', '.join(MODES)}, comma-separated [auto,auto_fp8]")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--messages", type=int, default=16, help="timed batches per figure [16]")
+    p.add_argument("--messages", type=int, default=60, help="batches a figure after one untimed (at least 2) [60]")
     p.add_argument("--seq", type=int, default=2048, help="longest row [2048]")
     p.add_argument("--rows", type=int, default=4, help="rows a batch [4]")
     p.add_argument("--lengths", default="lognormal,full",
@@ -450,6 +468,8 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    if a.messages < 2:
+        p.error(f"--messages {a.messages}: give 2 or more (a figure is timed from its first reply to its last)")
     lengths = a.lengths.split(",")
     if not set(lengths) <= {"lognormal", "full"}:
         p.error(f"--lengths: {a.lengths!r}; give lognormal, full or lognormal,full")

@@ -226,6 +226,9 @@ def test_netns_bench_full_auto_and_fp8_across_a_rate_limited_link(tmp_path):
         assert [f["verified"] for f in rate["full"] + rate["auto"] + rate["auto_fp8"]] == ["2/2", "2/2", "2/2"]
         assert all(f["retried"] == 0 for f in rate["full"] + rate["auto"] + rate["auto_fp8"])
     rate = shapes["full"]
+    for figure in rate["full"] + rate["auto"] + rate["auto_fp8"]:  # the steady state: from the first reply landed
+        assert figure["padded_tokens"] == 16 and 0 < figure["fill_s"] < figure["window_s"]
+        assert figure["seconds"] == pytest.approx(figure["window_s"] - figure["fill_s"], abs=1e-3)
     assert rate["auto"][0]["bytes"] * 4 < rate["full"][0]["bytes"]  # 32 KiB against 149 KiB a token
     # 20 KiB against 32 KiB: the aux hidden states halve, the final state stays bf16 (contract.FP8_TENSORS)
     assert 1.55 < rate["auto"][0]["bytes"] / rate["auto_fp8"][0]["bytes"] < 1.65
