@@ -53,7 +53,7 @@ class BoundedReader:
     """Reads ``sock``'s messages (owner thread only). ``limit(head)`` gets the first frames of a message
     (after a ROUTER's identity; up to its tag and command) and returns the most frames it may have, the
     identity not counted. ``ingress``: the socket's watcher, told of each read (``Ingress.delivered``,
-    ``Ingress.emptied``)."""
+    ``Ingress.reading``, ``Ingress.emptied``)."""
 
     def __init__(self, sock: zmq.SyncSocket, limit: Callable[[list[Any]], int], *, router: bool = False,
                  ingress: Ingress | None = None):
@@ -71,6 +71,8 @@ class BoundedReader:
         refused message still being discarded (call again when the socket polls readable)."""
         if self._discarding and not self._discard(DISCARD_SLICE):
             return None
+        if self.ingress is not None:
+            self.ingress.reading()
         try:
             frame = self.sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:

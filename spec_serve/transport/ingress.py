@@ -9,20 +9,20 @@ has read from it (the kernel's ``TCP_INFO`` ``tcpi_bytes_received`` less its unr
 and subtracts what the socket's owner was handed from that connection (every message names its
 connection, ``ZMQ_SRCFD``).
 
-Those undelivered bytes are of two kinds the count cannot tell apart: whole messages libzmq read
-ahead of a busy owner (up to the socket's ``RCVHWM`` messages a connection), and the message a peer
-has not finished. Only the second is the peer's fault, so a connection is judged on what the owner
-has proven: once the owner found its socket empty (``emptied``) after a measure, every whole message
-that had arrived by that measure has been handed over, and what it counted still undelivered belongs
-to a message that is not whole (or to libzmq's last read, not queued yet: at most a message and
-8 KiB). libzmq's fair queue proves the same when the owner keeps reading without ever finding the
-socket empty: it reads the connections with a whole message in turn, one message each, and looks
-for connections that filled up at least every 100 reads, so a connection that delivered nothing
-while the owner read ``FAIR_SHARE_READS`` messages plus two per connection had no whole message
-waiting either. The owner reports both through its
-``BoundedReader`` (``delivered``, ``emptied``) and reads each watched socket every turn of its loop,
-until a read finds nothing; nothing is proven while it does not read, whatever keeps it (a long
-handler, a thread not scheduled on a loaded host).
+Those undelivered bytes are of two kinds the count cannot tell apart: whole messages libzmq read ahead of a
+busy owner (up to the socket's ``RCVHWM`` messages a connection), and the message a peer has not finished.
+Only the second is the peer's fault, so a connection is judged on what the owner has proven: once a read the
+owner began after a measure found its socket empty (``reading``, then ``emptied``), every whole message that
+had arrived by that measure has been handed over (a read that began before, however late it reports, proves
+nothing: libzmq reads ahead meanwhile), and what it counted still undelivered belongs to a message that is
+not whole (or to libzmq's last read, not queued yet: at most a message and 8 KiB). libzmq's fair queue
+proves the same when the owner keeps reading without ever finding the socket empty: it reads the connections
+with a whole message in turn, one message each, and looks for connections that filled up at least every 100
+reads, so a connection that delivered nothing while the owner read ``FAIR_SHARE_READS`` messages plus two
+per connection had no whole message waiting either. The owner reports both through its ``BoundedReader``
+(``reading``, ``delivered``, ``emptied``) and reads each watched socket every turn of its loop, until a read
+finds nothing; nothing is proven while it does not read, whatever keeps it (a long handler, a thread not
+scheduled on a loaded host).
 
 Invariants, checked every ``CHECK_INTERVAL_S`` (each plus what the link carries until the check that
 finds it past): a connection holds at most ``backlog`` undelivered bytes, however long its owner does
@@ -94,7 +94,7 @@ Budget: TypeAlias = "int | Callable[[], int]"
 class _Measure:
     """One count of a connection: the bytes libzmq read from it less those delivered and forgiven (``held``),
     what the owner had been handed from it just before (``delivered`` bytes, ``count`` messages), and the
-    owner's (empties, reads) just after (``progress``)."""
+    owner's (reads begun, messages read) just after (``progress``)."""
 
     held: int
     delivered: int
@@ -154,11 +154,14 @@ class Ingress:
         self.curve = sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
         self.dropped = 0  # connections shut down for holding too much
         # Written by the owner thread only, read by the watcher: fd -> delivered bytes / messages; the
-        # messages read from every connection, and the reads that found none waiting.
+        # messages read from every connection; reads begun, those that found none waiting, and the number
+        # of the last of those.
         self.bytes: dict[int, int] = {}
         self.count: dict[int, int] = {}
         self.reads = 0
+        self.attempts = 0
         self.empties = 0
+        self.empty_attempt = 0
         self._sock = sock
         # Watcher thread only: fd -> (bytes, messages) delivered through connections on it that have ended.
         self._retired: dict[int, tuple[int, int]] = {}
@@ -202,9 +205,15 @@ class Ingress:
             told.append(self._told.popleft())
         return told
 
+    def reading(self) -> None:
+        """Owner thread: a read begins (before it asks libzmq)."""
+        self.attempts += 1
+
     def emptied(self) -> None:
-        """Owner thread: a read found no message waiting (every whole message that had arrived was read)."""
+        """Owner thread: the read begun last found no message waiting (every whole message that had arrived
+        when it began was read)."""
         self.empties += 1
+        self.empty_attempt = self.attempts
 
     def cut(self, fd: int | None, reason: str, after: float = 0.0) -> None:
         """Shut down the connection on descriptor ``fd`` (a message's ``ZMQ_SRCFD``) at the watcher's first
@@ -447,9 +456,9 @@ class _Watcher(threading.Thread):
         mark = conn.mark
         if mark is None:
             return
-        empties, reads = ingress.empties, ingress.reads  # before the connection's own counts (they only grow)
+        emptied, reads = ingress.empty_attempt, ingress.reads  # before the connection's counts (they only grow)
         count, delivered = ingress.count.get(conn.fd, 0), ingress.bytes.get(conn.fd, 0)
-        if empties > mark.progress[0] or (count == mark.count and reads - mark.progress[1] >= share):
+        if emptied > mark.progress[0] or (count == mark.count and reads - mark.progress[1] >= share):
             conn.unfinished = max(0, mark.undelivered(delivered))
         elif count != mark.count:
             conn.unfinished = 0
@@ -466,7 +475,7 @@ class _Watcher(threading.Thread):
         received = _borrow(conn.fd, _received)
         if received is None:
             return None
-        progress = (ingress.empties, ingress.reads)
+        progress = (ingress.attempts, ingress.reads)
         excess = received - delivered - conn.base
         if excess < 0:  # more delivered than received and not forgiven (a grant forgave bytes later delivered,
             # or an ended connection's last messages were counted to this one): start afresh

@@ -170,6 +170,38 @@ def _small_messages(endpoint: str):
         ctx.destroy(0)
 
 
+def test_an_empty_read_reported_late_proves_nothing_about_what_arrived_meanwhile(frontend, dropped, monkeypatch):
+    """An owner whose read found the socket empty is held before it says so (descheduled on a loaded host,
+    the GIL elsewhere): libzmq reads whole parts ahead meanwhile, more than a connection's bound on an
+    unfinished message, and the watcher counts them. The late report proves nothing about those bytes (it
+    did, and cut an honest client in CI: "a message unfinished past 393216 bytes"). Every part arrives and
+    nothing is cut."""
+    emptied = Ingress.emptied
+
+    def late(self) -> None:
+        time.sleep(0.2)
+        emptied(self)
+
+    monkeypatch.setattr(Ingress, "emptied", late)
+    endpoint, ingress, owner = frontend("reads")
+    parts = [part for _ in range(3) for part in _request_parts()]
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.SNDHWM, 0)  # as a client: every part queued at once
+    client.connect(endpoint)
+    try:
+        for part in parts:
+            client.send_multipart(part)
+        deadline = time.monotonic() + 60
+        while owner.reads < len(parts) and time.monotonic() < deadline and not ingress.dropped:
+            time.sleep(0.01)
+    finally:
+        ctx.destroy(0)
+    assert ingress.dropped == 0 and not dropped
+    assert owner.reads == len(parts) and ingress.empties > 0
+
+
 def test_whole_messages_a_busy_owner_has_not_read_are_never_cut(frontend, dropped):
     """A client sends three 4 MiB requests in parts (48 messages, all queued at once) to an owner that spends
     0.3 s without reading after each turn (a long handler; a loaded host): libzmq reads whole parts ahead of
