@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -172,10 +173,10 @@ def _small_messages(endpoint: str):
 
 def test_an_empty_read_reported_late_proves_nothing_about_what_arrived_meanwhile(frontend, dropped, monkeypatch):
     """An owner whose read found the socket empty is held before it says so (descheduled on a loaded host,
-    the GIL elsewhere): libzmq reads whole parts ahead meanwhile, more than a connection's bound on an
-    unfinished message, and the watcher counts them. The late report proves nothing about those bytes (it
-    did, and cut an honest client in CI: "a message unfinished past 393216 bytes"). Every part arrives and
-    nothing is cut."""
+    the GIL elsewhere), and busy after: libzmq reads whole parts ahead meanwhile, more than a connection's
+    bound on an unfinished message, and the watcher counts them. The late report proves nothing about those
+    bytes (it did, and cut an honest client in CI: "a message unfinished past 393216 bytes"). Every part
+    arrives and nothing is cut."""
     emptied = Ingress.emptied
 
     def late(self) -> None:
@@ -183,7 +184,15 @@ def test_an_empty_read_reported_late_proves_nothing_about_what_arrived_meanwhile
         emptied(self)
 
     monkeypatch.setattr(Ingress, "emptied", late)
-    endpoint, ingress, owner = frontend("reads")
+    endpoint, ingress, owner = frontend("busy", busy_s=0.2)  # and then does not read: the watcher judges first
+    parts = _three_requests_read(endpoint, ingress, owner, lambda: None)
+    assert ingress.dropped == 0 and not dropped
+    assert owner.reads == parts and ingress.empties > 0
+
+
+def _three_requests_read(endpoint: str, ingress: Ingress, owner: Owner, meanwhile: Callable[[], None]) -> int:
+    """A client sends three 4 MiB requests in parts, all queued at once; ``meanwhile`` runs every 2 ms until
+    the owner read them all or a connection was cut (60 s at most). Returns the number of parts."""
     parts = [part for _ in range(3) for part in _request_parts()]
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
@@ -195,11 +204,11 @@ def test_an_empty_read_reported_late_proves_nothing_about_what_arrived_meanwhile
             client.send_multipart(part)
         deadline = time.monotonic() + 60
         while owner.reads < len(parts) and time.monotonic() < deadline and not ingress.dropped:
-            time.sleep(0.01)
+            meanwhile()
+            time.sleep(0.002)
     finally:
         ctx.destroy(0)
-    assert ingress.dropped == 0 and not dropped
-    assert owner.reads == len(parts) and ingress.empties > 0
+    return len(parts)
 
 
 def test_whole_messages_a_busy_owner_has_not_read_are_never_cut(frontend, dropped):
@@ -208,26 +217,17 @@ def test_whole_messages_a_busy_owner_has_not_read_are_never_cut(frontend, droppe
     it, up to its read-ahead, more than a connection's bound on an unfinished message, so a watcher that took
     them for one would cut. Every part arrives and nothing is cut."""
     endpoint, ingress, owner = frontend("busy", busy_s=0.3)
-    parts = [part for _ in range(3) for part in _request_parts()]
-    ctx = zmq.Context()
-    client = ctx.socket(zmq.DEALER)
-    client.setsockopt(zmq.LINGER, 0)
-    client.setsockopt(zmq.SNDHWM, 0)  # as a client: every part queued at once
-    client.connect(endpoint)
     most = 0
-    try:
-        for part in parts:
-            client.send_multipart(part)
-        deadline = time.monotonic() + 60
-        while owner.reads < len(parts) and time.monotonic() < deadline and not ingress.dropped:
-            most = max([most, *(c.last.undelivered(ingress.bytes.get(c.fd, 0)) for c in _conns(ingress) if c.last)])
-            time.sleep(0.002)
-    finally:
-        ctx.destroy(0)
-    print(f"\n{owner.reads}/{len(parts)} parts read; most held undelivered {most >> 10} KiB (unfinished bound "
+
+    def watch_most() -> None:
+        nonlocal most
+        most = max([most, *(c.last.undelivered(ingress.bytes.get(c.fd, 0)) for c in _conns(ingress) if c.last)])
+
+    parts = _three_requests_read(endpoint, ingress, owner, watch_most)
+    print(f"\n{owner.reads}/{parts} parts read; most held undelivered {most >> 10} KiB (unfinished bound "
           f"{FRONTEND_CONNECTION_BYTES >> 10} KiB, backlog {FRONTEND_BACKLOG_BYTES >> 10} KiB); cut: {dropped}")
     assert ingress.dropped == 0 and not dropped
-    assert owner.reads == len(parts)
+    assert owner.reads == parts
     assert FRONTEND_CONNECTION_BYTES < most <= FRONTEND_BACKLOG_BYTES
 
 
