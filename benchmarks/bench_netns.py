@@ -19,7 +19,7 @@ Batches are ``--rows`` rows of each of ``--lengths``, both by default and side b
 to its longest row, so reply sizes change from batch to batch as a trainer's do; ``full``: every row ``--seq``
 tokens). Each figure is the steady state a training run sees, as `spec-serve bench` times it: from the first
 reply landed to the last, counting the batches after the first (the pipeline's fill, one reply's whole way back
-while nothing flows yet, is ``fill_s`` in the JSON; at 25 Gbit/s it was 6-10% of a 16-batch window). Per
+while nothing flows yet, is ``fill_s`` in the JSON; BENCHMARKS.md says what it weighed in short windows). Per
 figure: useful and
 padded tokens/s, the payload's Gbit/s, and ``of_link``: that payload rate over the link's rate (bytes per
 padded token x padded tokens/s, against the link's own bound) and ``of_raw_tcp``: over what one plain TCP
