@@ -1,6 +1,6 @@
 """The ingress watcher (spec_serve/transport/ingress.py) on real sockets: it never cuts a peer for whole
-messages its owner has not read yet, however long the owner is busy, and it still cuts a message that
-never ends, by the rule the owner's reads prove.
+messages its owner has not read yet, however long the owner is busy or however late it reports a read that
+found none, and it still cuts a message that never ends, by the rule the owner's reads prove.
 
 In-process, over TCP on loopback, with the broker frontend's own bounds: a ROUTER watched by an
 ``Ingress``, read by a ``BoundedReader`` on an owner thread that reads as the test says (busy spells,
